@@ -1,0 +1,118 @@
+"""Load and check the spec tables (spec/tables/*.yaml) against spec/schema/table.schema.json.
+
+Beyond the schema, the cross-table invariants checked here are:
+  * row IDs are unique across all tables;
+  * refusal `order` values are exactly 1..N, in file order (the precedence is the file);
+  * error codes are unique (a code names one row);
+  * every assembly `refusal:` names an existing failure row;
+  * every `notes:` key names a row of its table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+__all__ = ["Spec", "SpecError", "load_spec", "TABLE_FILES", "SCHEMA_FILES"]
+
+TABLE_FILES = (
+    "refusals.yaml",
+    "failures.yaml",
+    "assembly.yaml",
+    "token_identity.yaml",
+    "accounting.yaml",
+    "dialects.yaml",
+    "router_states.yaml",
+)
+
+# JSON Schemas turned into pydantic models: (schema file, generated module name).
+SCHEMA_FILES = (
+    ("config.schema.json", "config"),
+    ("chat_request.schema.json", "chat_request"),
+    ("completion_request.schema.json", "completion_request"),
+    ("error.schema.json", "error"),
+    ("responses.schema.json", "responses"),
+)
+
+
+class SpecError(Exception):
+    """A spec table is invalid; the message names the file and the row."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    root: Path
+    tables: dict[str, dict[str, Any]]  # table name -> parsed YAML
+    schemas: dict[str, dict[str, Any]]  # schema file name -> parsed JSON
+    inputs: tuple[Path, ...]  # every file read, repo-relative, sorted
+
+    def rows(self, table: str) -> list[dict[str, Any]]:
+        return [r for r in self.tables[table]["rows"] if not r.get("retired")]
+
+
+def _fail(path: str, msg: str) -> SpecError:
+    return SpecError(f"{path}: {msg}")
+
+
+def load_spec(root: Path) -> Spec:
+    spec_dir = root / "spec"
+    meta = json.loads((spec_dir / "schema" / "table.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(meta)
+    tables: dict[str, dict[str, Any]] = {}
+    inputs: list[Path] = [Path("spec/schema/table.schema.json")]
+    for name in TABLE_FILES:
+        rel = f"spec/tables/{name}"
+        data = yaml.safe_load((root / rel).read_text())
+        errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+        if errors:
+            best = jsonschema.exceptions.best_match(errors)
+            where = "/".join(str(p) for p in best.absolute_path)
+            raise _fail(rel, f"{where}: {best.message}")
+        tables[data["table"]] = data
+        inputs.append(Path(rel))
+    schemas: dict[str, dict[str, Any]] = {}
+    for fname, _ in SCHEMA_FILES:
+        rel = f"spec/schema/{fname}"
+        schemas[fname] = json.loads((root / rel).read_text())
+        jsonschema.Draft202012Validator.check_schema(schemas[fname])
+        inputs.append(Path(rel))
+    spec = Spec(root=root, tables=tables, schemas=schemas, inputs=tuple(sorted(inputs)))
+    _cross_check(spec)
+    return spec
+
+
+def _cross_check(spec: Spec) -> None:
+    seen: dict[str, str] = {}
+    for tname, table in spec.tables.items():
+        ids = [r["id"] for r in table.get("rows", [])]
+        ids += [r["id"] for r in table.get("counters", []) + table.get("terminal_classes", [])]
+        for rid in ids:
+            if rid in seen:
+                raise _fail(f"spec/tables/{tname}", f"row ID {rid} already used in {seen[rid]}")
+            seen[rid] = tname
+        for key in table.get("notes", {}):
+            if key not in ids:
+                raise _fail(f"spec/tables/{tname}", f"note {key} names no row of this table")
+    orders = [r["order"] for r in spec.tables["refusals"]["rows"]]
+    if orders != list(range(1, len(orders) + 1)):
+        raise _fail("spec/tables/refusals.yaml", f"order must be 1..N in file order, got {orders}")
+    codes: dict[str, str] = {}
+    for tname in ("refusals", "failures"):
+        for r in spec.tables[tname]["rows"]:
+            if r["code"] in codes:
+                raise _fail(f"spec/tables/{tname}", f"code {r['code']} of {r['id']} already names {codes[r['code']]}")
+            codes[r["code"]] = r["id"]
+    failure_ids = {r["id"] for r in spec.tables["failures"]["rows"]}
+    for r in spec.tables["assembly"]["rows"]:
+        if "refusal" in r and r["refusal"] not in failure_ids:
+            raise _fail("spec/tables/assembly.yaml", f"{r['id']} refers to unknown failure row {r['refusal']}")
+    classes = {k["name"] for k in spec.tables["accounting"]["terminal_classes"]}
+    for tname in ("refusals", "failures"):
+        for r in spec.tables[tname]["rows"]:
+            if r["counter"] != "none" and r["counter"] not in classes:
+                raise _fail(f"spec/tables/{tname}", f"{r['id']} counts into unknown class {r['counter']}")
