@@ -138,6 +138,12 @@ class EngineList(BaseModel):
     )
     object: Literal['list']
     data: list[Engine]
+    router: Annotated[
+        dict[str, Any] | None,
+        Field(
+            description='Router-wide learned state: admission mode, queue depths, margin, output length, sizing.'
+        ),
+    ] = None
 
 
 class ChatMessage(BaseModel):

@@ -1,0 +1,95 @@
+"""Configuration: YAML validated by the generated config model (spec/schema/config.schema.json).
+
+Every key has a default; unknown keys are an error at start-up. Errors name the key path
+(`admission.queue_limit: Input should be greater than or equal to 0`). Beyond the schema,
+`check_fleet` enforces what a schema cannot say:
+  * engine names are unique;
+  * prefill engines need decode engines and the other way round (vLLM two-phase);
+  * sglang and openai engines are unified only (spec/tables/dialects.yaml V02, V03);
+  * serving.tls has both certfile and keyfile or neither.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from narwhal_generated.models.config import NarwhalConfig
+
+__all__ = ["ConfigError", "load_config", "parse_config", "NarwhalConfig", "EMBEDDED_FLEET"]
+
+# NARWHAL.md: with no engines, the embedded simulated fleet (one prefill and one decode
+# engine of the vllm dialect) runs in-process on free loopback ports.
+EMBEDDED_FLEET = (
+    {"name": "p0", "role": "prefill", "dialect": "vllm", "wave": "a"},
+    {"name": "d0", "role": "decode", "dialect": "vllm", "wave": "b"},
+)
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the key."""
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
+    return out or "(top level)"
+
+
+def parse_config(data: Any, *, source: str = "config") -> NarwhalConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the configuration must be a mapping of sections")
+    try:
+        cfg = NarwhalConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors(include_url=False):
+            key = _loc(tuple(err["loc"]))
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"{key}: {msg}")
+        raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+    check_fleet(cfg, source=source)
+    return cfg
+
+
+def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
+    tls = cfg.serving.tls
+    if (tls.certfile is None) != (tls.keyfile is None):
+        raise ConfigError(f"{source}: serving.tls needs both certfile and keyfile")
+    if cfg.engines is None:
+        return
+    if not cfg.engines:
+        raise ConfigError(f"{source}: engines: an empty fleet serves nothing; omit the key for the embedded fleet")
+    seen: set[str] = set()
+    for i, e in enumerate(cfg.engines):
+        if e.name in seen:
+            raise ConfigError(f"{source}: engines[{i}].name: {e.name!r} is used twice")
+        seen.add(e.name)
+        if e.dialect != "vllm" and e.role != "unified":
+            raise ConfigError(f"{source}: engines[{i}].role: the {e.dialect} dialect has no vLLM two-phase protocol; use role unified")
+    roles = {e.role for e in cfg.engines}
+    if ("prefill" in roles) != ("decode" in roles):
+        missing = "decode" if "prefill" in roles else "prefill"
+        raise ConfigError(f"{source}: engines: prefill and decode engines come together; no {missing} engine is configured")
+
+
+def load_config(path: str | Path | None) -> NarwhalConfig:
+    """The configuration from a YAML file, or the embedded default when path is None."""
+    if path is None:
+        return parse_config({}, source="embedded default")
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return parse_config(data, source=str(p))

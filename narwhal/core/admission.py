@@ -1,0 +1,458 @@
+"""Admission and placement: rows R08-R13 and the phase slots, sans-IO.
+
+Rules
+  * `admit` evaluates, in the refusal table's order, R08 (prompt alone over budget,
+    predictive), R09 (no eligible engine), R10 (projected TTFT over budget, predictive)
+    and R11 (queue full), then places the request: dispatched at once when its engine has
+    a free slot, else queued FIFO on that engine.
+  * R12/R13 are temporal: `expiry(ticket, now)` names the row that has expired for a
+    waiting ticket (R12 first when both have, as the table orders them).
+  * `admission: open` skips R08 and R10 and places on the least-loaded engine.
+  * Phase slots (admission.phase_concurrency) are per engine per phase. A unified engine
+    request holds a prefill slot until its first token and a decode slot until it ends;
+    a P/D request holds a prefill slot on the prefill engine, then a decode slot on a
+    decode engine, waiting FIFO for the decode slot after prefill.
+  * Queue limit: admission.queue_limit counts requests waiting for their first phase.
+    Requests waiting for a decode slot after prefill are already admitted; they are
+    counted (queue depth gauge) but never refused for it.
+Theory of operation: the HTTP shell holds one `Ticket` per admitted request, awaits a
+grant when queued, and reports phase ends (`first_token`, `prefill_done`, `finish`).
+Every call that frees a slot returns the `Dispatch` grants it made possible; the shell
+wakes those waiters. Nothing here blocks, sleeps or reads a clock.
+
+Projection (predictive mode, PREDICTION.md sections 3-5), for each eligible phase-1
+engine e:
+    TTFT(e) = backlog_e + prefill_e(n) [+ start_d(n) + decode wait, when e is a prefill
+    engine: the KV transfer and the decode engine's first token]
+R08 if min_e (prefill_e(n) [+ start_d(n)]) * m(0) > budget; R10 if
+min_e TTFT(e) * m(depth_e) > budget, with Retry-After max(1, round(overrun s)).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from narwhal_generated import errors as E
+
+from .fleet import PHASE1_ROLES, EngineState
+from .prediction import Margin, OutputLengthLearner
+
+__all__ = ["Work", "Ticket", "Dispatch", "Enqueued", "Refuse", "Scheduler"]
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What admission knows of a request once sized."""
+
+    route: str
+    prompt_tokens: int
+    max_tokens: int | None
+    budget_ms: float
+    arrival: float
+    max_wait_s: float
+    deadline_s: float | None  # relative to arrival
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    ticket: Ticket
+    engine: str
+    phase: str  # "prefill" | "unified" | "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    ticket: Ticket
+    engine: str | None  # None: the shared decode queue
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    row: E.ErrorRow
+    overrun_s: float | None = None
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+class Ticket:
+    """One admitted request's place in the scheduler (mutable, owned by it)."""
+
+    __slots__ = (
+        "id", "work", "state", "engine", "decode_engine", "excluded", "enqueued_at", "waited",
+        "pred_prefill_ms", "projected_ttft_ms", "depth", "prefill_dispatched_at",
+        "decode_dispatched_at", "holds_prefill", "holds_decode", "granted",
+    )
+
+    def __init__(self, tid: int, work: Work) -> None:
+        self.id = tid
+        self.work = work
+        # queued | prefill | unified | decode_queued | decode | done
+        self.state = "new"
+        self.engine: str | None = None
+        self.decode_engine: str | None = None
+        self.excluded: set[str] = set()
+        self.enqueued_at: float | None = None
+        self.waited = 0.0  # seconds spent in the admission queue so far
+        self.pred_prefill_ms = 0.0
+        self.projected_ttft_ms: float | None = None
+        self.depth = 0
+        self.prefill_dispatched_at: float | None = None
+        self.decode_dispatched_at: float | None = None
+        self.holds_prefill: str | None = None
+        self.holds_decode: str | None = None
+        self.granted: Dispatch | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.state in ("queued", "decode_queued")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engines: Iterable[EngineState],
+        *,
+        mode: str = "predictive",
+        queue_limit: int = 256,
+        maintenance_waves: set[str] | None = None,
+        margin: Margin | None = None,
+        output_lengths: OutputLengthLearner | None = None,
+    ) -> None:
+        self.engines: dict[str, EngineState] = {e.name: e for e in engines}
+        self.mode = mode
+        self.queue_limit = queue_limit
+        self.maintenance_waves = maintenance_waves if maintenance_waves is not None else set()
+        self.margin = margin or Margin()
+        self.output_lengths = output_lengths or OutputLengthLearner()
+        self.decode_queue: deque[Ticket] = deque()
+        self.queued = 0  # phase-1 waiters over all engines
+        self._next_id = 0
+        self._phase1 = [e for e in self.engines.values() if e.role in PHASE1_ROLES]
+        self._decoders = [e for e in self.engines.values() if e.role == "decode"]
+
+    # -- views -----------------------------------------------------------------------
+
+    def eligible(self, e: EngineState) -> bool:
+        return e.eligible(self.maintenance_waves)
+
+    def _decode_candidates(self, exclude: set[str]) -> list[EngineState]:
+        return [d for d in self._decoders if d.name not in exclude and self.eligible(d)]
+
+    def _decode_start_ms(self, n: float, decoders: list[EngineState]) -> float:
+        """KV transfer + decode first token on the best decode engine, plus its slot wait."""
+        best = None
+        for d in decoders:
+            wait = 0.0
+            if not d.decode_free():
+                # one decode slot frees, on average, every (expected decode time / slots)
+                out = self.output_lengths.predict("any", n, None)
+                wait = (len(self.decode_queue) + 1) * out * d.decode.predict_ms(d.decode_in_use) / d.decode_slots
+            v = d.decode_start_ms(n) + wait
+            if best is None or v < best:
+                best = v
+        return best or 0.0
+
+    def project(self, n: float, now: float) -> list[tuple[float, float, EngineState]]:
+        """(projected TTFT ms, solo TTFT ms, engine) for every eligible phase-1 engine."""
+        decoders = self._decode_candidates(set())
+        start = self._decode_start_ms(n, decoders) if decoders else 0.0
+        out = []
+        for e in self._phase1:
+            if not self.eligible(e):
+                continue
+            if e.role == "prefill" and not decoders:
+                continue
+            pf = e.prefill.predict_ms(n)
+            extra = start if e.role == "prefill" else 0.0
+            out.append((e.backlog_ms(now) + pf + extra, pf + extra, e))
+        return out
+
+    # -- admission -------------------------------------------------------------------
+
+    def admit(self, work: Work, now: float) -> Dispatch | Enqueued | Refuse:
+        n = work.prompt_tokens
+        cands = self.project(n, now)
+        predictive = self.mode == "predictive"
+        if predictive and cands:
+            # R08: the prompt alone, on its best engine, with the depth-0 margin
+            solo = min(c[1] for c in cands) * self.margin.m(0)
+            if solo > work.budget_ms:
+                return Refuse(E.R08, fields={"projected_ms": round(solo), "budget_ms": round(work.budget_ms)})
+        if not cands:  # R09
+            phase = "decode" if any(e.role == "prefill" and self.eligible(e) for e in self._phase1) else "prefill"
+            return Refuse(E.R09, fields={"phase": phase})
+        if predictive:
+            best = min(cands, key=lambda c: c[0] * self.margin.m(c[2].depth()))
+            proj, _, engine = best
+            m = self.margin.m(engine.depth())
+            if proj * m > work.budget_ms:  # R10
+                over = (proj * m - work.budget_ms) / 1000.0
+                ra = E.retry_after_seconds(E.R10, over)
+                return Refuse(E.R10, overrun_s=over, fields={"projected_ms": round(proj * m), "budget_ms": round(work.budget_ms), "retry_after": ra})
+        else:
+            proj, _, engine = min(
+                cands,
+                key=lambda c: (not (c[2].phase1_free() and not c[2].queue), len(c[2].queue), c[2].prefill_in_use / c[2].prefill_slots),
+            )
+        if not (engine.phase1_free() and not engine.queue) and self.queued >= self.queue_limit:
+            return Refuse(E.R11, fields={"limit": self.queue_limit})  # R11
+        t = Ticket(self._next_id, work)
+        self._next_id += 1
+        t.projected_ttft_ms = proj
+        t.depth = engine.depth()
+        t.pred_prefill_ms = engine.prefill.predict_ms(n)
+        if engine.phase1_free() and not engine.queue:
+            return self._dispatch1(t, engine, now)
+        t.state = "queued"
+        t.engine = engine.name
+        t.enqueued_at = now
+        engine.queue.append(t)
+        engine.queued_work_ms += t.pred_prefill_ms
+        self.queued += 1
+        return Enqueued(t, engine.name)
+
+    def _dispatch1(self, t: Ticket, e: EngineState, now: float) -> Dispatch:
+        if t.enqueued_at is not None:
+            t.waited += now - t.enqueued_at
+            t.enqueued_at = None
+        t.engine = e.name
+        t.state = "unified" if e.role == "unified" else "prefill"
+        e.prefill_in_use += 1
+        t.holds_prefill = e.name
+        if e.role == "unified":
+            e.decode_in_use += 1
+            t.holds_decode = e.name
+        t.prefill_dispatched_at = now
+        e.busy_until = max(e.busy_until, now) + t.pred_prefill_ms / 1000.0
+        e.inflight_prefill[t.id] = t.pred_prefill_ms
+        d = Dispatch(t, e.name, t.state)
+        t.granted = d
+        return d
+
+    # -- expiry (R12, R13) ---------------------------------------------------------------
+
+    def expiry(self, t: Ticket, now: float) -> E.ErrorRow | None:
+        """The row that has expired for `t` at `now`, R12 before R13."""
+        waited = t.waited + (now - t.enqueued_at if t.enqueued_at is not None else 0.0)
+        if t.waiting and waited >= t.work.max_wait_s:
+            return E.R12
+        if t.work.deadline_s is not None and now - t.work.arrival >= t.work.deadline_s:
+            return E.R13
+        return None
+
+    def time_left(self, t: Ticket, now: float) -> float:
+        """Seconds until the first of R12/R13 can expire for a waiting ticket."""
+        waited = t.waited + (now - t.enqueued_at if t.enqueued_at is not None else 0.0)
+        left = t.work.max_wait_s - waited
+        if t.work.deadline_s is not None:
+            left = min(left, t.work.deadline_s - (now - t.work.arrival))
+        return max(0.0, left)
+
+    # -- phase events ----------------------------------------------------------------
+
+    def _prefill_measured(self, t: Ticket, e: EngineState, now: float, ok: bool) -> None:
+        pred = e.inflight_prefill.pop(t.id, None)
+        if pred is None:
+            return
+        start = max(t.prefill_dispatched_at or now, e.last_prefill_done)
+        # departure identity for an FCFS engine: svc = finish - max(dispatch, previous finish)
+        svc_ms = (now - start) * 1000.0
+        e.last_prefill_done = now
+        e.busy_until = now + sum(e.inflight_prefill.values()) / 1000.0
+        if ok and svc_ms > 0:
+            e.prefill.observe(t.work.prompt_tokens, svc_ms)
+
+    def first_token(self, t: Ticket, now: float) -> list[Dispatch]:
+        """The client's first token arrived (unified engine, or decode after P/D)."""
+        if t.projected_ttft_ms is not None:
+            self.margin.observe(t.depth, (now - t.work.arrival) * 1000.0, t.projected_ttft_ms)
+            t.projected_ttft_ms = None
+        if t.state == "unified" and t.holds_prefill is not None:
+            e = self.engines[t.holds_prefill]
+            self._prefill_measured(t, e, now, True)
+            e.prefill_in_use -= 1
+            t.holds_prefill = None
+            return self._grant_phase1(e, now)
+        if t.state == "decode" and t.decode_dispatched_at is not None and t.holds_decode is not None:
+            d = self.engines[t.holds_decode]
+            d.start_model.update([1.0, t.work.prompt_tokens / 1000.0], (now - t.decode_dispatched_at) * 1000.0)
+        return []
+
+    def prefill_done(self, t: Ticket, now: float, *, ok: bool) -> list[Dispatch]:
+        """The prefill leg of a P/D request ended (ok: the engine answered)."""
+        if t.holds_prefill is None:
+            return []
+        e = self.engines[t.holds_prefill]
+        self._prefill_measured(t, e, now, ok)
+        e.prefill_in_use -= 1
+        t.holds_prefill = None
+        return self._grant_phase1(e, now)
+
+    def want_decode(self, t: Ticket, now: float) -> Dispatch | Enqueued | Refuse:
+        """P/D phase 2: a decode slot on an eligible decode engine (not one in t.excluded)."""
+        cands = self._decode_candidates(t.excluded)
+        if not cands:
+            return Refuse(E.R09, fields={"phase": "decode"})
+        free = [d for d in cands if d.decode_free()]
+        if free and not self.decode_queue:
+            d = min(free, key=lambda x: x.decode_in_use / x.decode_slots)
+            return self._dispatch_decode(t, d, now)
+        t.state = "decode_queued"
+        t.enqueued_at = now
+        self.decode_queue.append(t)
+        return Enqueued(t, None)
+
+    def _dispatch_decode(self, t: Ticket, d: EngineState, now: float) -> Dispatch:
+        if t.enqueued_at is not None:
+            t.waited += now - t.enqueued_at
+            t.enqueued_at = None
+        d.decode_in_use += 1
+        t.holds_decode = d.name
+        t.decode_engine = d.name
+        t.state = "decode"
+        t.decode_dispatched_at = now
+        g = Dispatch(t, d.name, "decode")
+        t.granted = g
+        return g
+
+    def decode_failed(self, t: Ticket, now: float) -> list[Dispatch]:
+        """A decode attempt failed before response headers: free its slot and exclude the
+        engine from the retry (T05: once, on another eligible decode engine)."""
+        grants: list[Dispatch] = []
+        freed: list[EngineState] = []
+        if t.holds_prefill is not None:  # a unified engine that failed before its first token
+            e = self.engines[t.holds_prefill]
+            e.inflight_prefill.pop(t.id, None)
+            e.busy_until = min(e.busy_until, now + sum(e.inflight_prefill.values()) / 1000.0)
+            e.prefill_in_use -= 1
+            t.holds_prefill = None
+            t.excluded.add(e.name)
+            freed.append(e)
+        if t.holds_decode is not None:
+            d = self.engines[t.holds_decode]
+            t.excluded.add(d.name)
+            d.decode_in_use -= 1
+            t.holds_decode = None
+            grants += self._grant_decode(now)
+            if d.role == "unified" and d not in freed:
+                freed.append(d)
+        for e in freed:
+            grants += self._grant_phase1(e, now)
+        return grants
+
+    def has_retry_decoder(self, t: Ticket) -> bool:
+        return bool(self._decode_candidates(t.excluded))
+
+    def retry_unified(self, t: Ticket, now: float) -> Dispatch | None:
+        """T05 on a unified fleet: another eligible unified engine with a free slot, at once."""
+        for e in self._phase1:
+            if e.role == "unified" and e.name not in t.excluded and self.eligible(e) and e.phase1_free():
+                t.pred_prefill_ms = e.prefill.predict_ms(t.work.prompt_tokens)
+                return self._dispatch1(t, e, now)
+        return None
+
+    def finish(self, t: Ticket, now: float) -> list[Dispatch]:
+        """The request ended (any way): free everything it holds, leave every queue."""
+        grants: list[Dispatch] = []
+        if t.state == "queued" and t.engine is not None:
+            e = self.engines[t.engine]
+            try:
+                e.queue.remove(t)
+                e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
+                self.queued -= 1
+            except ValueError:
+                pass
+        elif t.state == "decode_queued":
+            try:
+                self.decode_queue.remove(t)
+            except ValueError:
+                pass
+        if t.holds_prefill is not None:
+            e = self.engines[t.holds_prefill]
+            e.inflight_prefill.pop(t.id, None)
+            e.busy_until = min(e.busy_until, now + sum(e.inflight_prefill.values()) / 1000.0)
+            e.prefill_in_use -= 1
+            t.holds_prefill = None
+            grants += self._grant_phase1(e, now)
+        if t.holds_decode is not None:
+            d = self.engines[t.holds_decode]
+            d.decode_in_use -= 1
+            t.holds_decode = None
+            grants += self._grant_decode(now)
+            if d.role == "unified":
+                grants += self._grant_phase1(d, now)
+        t.state = "done"
+        return grants
+
+    # -- grants --------------------------------------------------------------------------
+
+    def _grant_phase1(self, e: EngineState, now: float) -> list[Dispatch]:
+        grants = []
+        while e.queue and e.phase1_free() and self.eligible(e):
+            t = e.queue.popleft()
+            e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
+            self.queued -= 1
+            grants.append(self._dispatch1(t, e, now))
+        return grants
+
+    def _grant_decode(self, now: float) -> list[Dispatch]:
+        grants = []
+        i = 0
+        while i < len(self.decode_queue):
+            t = self.decode_queue[i]
+            free = [d for d in self._decode_candidates(t.excluded) if d.decode_free()]
+            if not free:
+                i += 1
+                if all(not d.decode_free() for d in self._decoders):
+                    break
+                continue
+            del self.decode_queue[i]
+            d = min(free, key=lambda x: x.decode_in_use / x.decode_slots)
+            grants.append(self._dispatch_decode(t, d, now))
+        return grants
+
+    def reconcile(self, now: float) -> tuple[list[Dispatch], list[tuple[Ticket, Refuse]]]:
+        """After eligibility changed: move waiters off ineligible engines (R09 when no
+        engine is left for them) and grant whatever capacity is free."""
+        grants: list[Dispatch] = []
+        refused: list[tuple[Ticket, Refuse]] = []
+        for e in self._phase1:
+            if self.eligible(e) or not e.queue:
+                continue
+            moving = list(e.queue)
+            e.queue.clear()
+            e.queued_work_ms = 0.0
+            self.queued -= len(moving)
+            for t in moving:
+                cands = self.project(t.work.prompt_tokens, now)
+                if not cands:
+                    t.state = "done"
+                    refused.append((t, Refuse(E.R09, fields={"phase": "prefill"})))
+                    continue
+                _, _, tgt = min(cands, key=lambda c: c[0])
+                t.engine = tgt.name
+                t.pred_prefill_ms = tgt.prefill.predict_ms(t.work.prompt_tokens)
+                tgt.queue.append(t)
+                tgt.queued_work_ms += t.pred_prefill_ms
+                self.queued += 1
+        if self.decode_queue and not self._decode_candidates(set()):
+            for t in list(self.decode_queue):
+                t.state = "done"
+                refused.append((t, Refuse(E.R09, fields={"phase": "decode"})))
+            self.decode_queue.clear()
+        for e in self._phase1:
+            grants += self._grant_phase1(e, now)
+        grants += self._grant_decode(now)
+        return grants, refused
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "queued": self.queued,
+            "queue_limit": self.queue_limit,
+            "decode_queued": len(self.decode_queue),
+            "margin": self.margin.snapshot(),
+            "output_length": self.output_lengths.snapshot(),
+        }

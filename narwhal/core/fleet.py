@@ -1,0 +1,159 @@
+"""The router's view of each engine: eligibility, slots, queues and what it has learned.
+
+Eligible (R09 note) = healthy, not draining, its wave not in maintenance, circuit breaker
+closed, role fits the phase. `ineligible_reasons` names every reason that holds, for
+/v1/engines.
+
+Circuit breaker: `breaker_failures` consecutive failures (health polls or requests) open
+it; it stays open for `breaker_cooldown` seconds and closes on the first successful health
+poll after that (half-open in between). A success before the threshold resets the count.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from .prediction import DecodeModel, LinearModel, PrefillModel
+
+if TYPE_CHECKING:
+    from .admission import Ticket
+
+__all__ = ["EngineState", "Breaker", "PHASE1_ROLES"]
+
+PHASE1_ROLES = ("prefill", "unified")
+
+
+class Breaker:
+    __slots__ = ("threshold", "cooldown", "failures", "opened_at", "opens")
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0) -> None:
+        self.threshold, self.cooldown = threshold, cooldown_s
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.opens = 0
+
+    @property
+    def open(self) -> bool:
+        return self.opened_at is not None
+
+    def failure(self, now: float) -> bool:
+        """Record a failure; True when this one opened the breaker."""
+        self.failures += 1
+        if self.opened_at is None and self.failures >= self.threshold:
+            self.opened_at = now
+            self.opens += 1
+            return True
+        return False
+
+    def success(self, now: float, *, probe: bool) -> bool:
+        """Record a success; a health probe after the cooldown closes an open breaker.
+        True when the breaker closed."""
+        self.failures = 0
+        if self.opened_at is not None and probe and now - self.opened_at >= self.cooldown:
+            self.opened_at = None
+            return True
+        return False
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"open": self.open, "consecutive_failures": self.failures, "opens": self.opens}
+
+
+class EngineState:
+    """One engine. Mutated only by the scheduler, the health monitor and the profiler."""
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        *,
+        role: str,
+        dialect: str,
+        wave: str | None = None,
+        model: str | None = None,
+        prefill_slots: int = 4,
+        decode_slots: int = 64,
+        breaker: Breaker | None = None,
+    ) -> None:
+        self.name, self.url, self.role, self.dialect = name, url, role, dialect
+        self.wave, self.model = wave, model
+        # health
+        self.healthy = True
+        self.last_observed: float | None = None
+        self.last_error: str | None = None
+        self.draining = False
+        self.breaker = breaker or Breaker()
+        # slots and queues
+        self.prefill_slots, self.decode_slots = prefill_slots, decode_slots
+        self.prefill_in_use = 0
+        self.decode_in_use = 0
+        self.queue: deque[Ticket] = deque()  # phase-1 waiters placed on this engine
+        self.queued_work_ms = 0.0
+        self.busy_until = 0.0  # projected end of the dispatched prefill backlog
+        self.inflight_prefill: dict[int, float] = {}  # ticket id -> predicted ms
+        self.last_prefill_done = 0.0
+        # learned
+        self.prefill = PrefillModel()
+        self.decode = DecodeModel()
+        # transfer + the decode engine's first token, by prompt length (P/D only)
+        self.start_model = LinearModel([10.0, 1.0])
+        self.profile_status = "pending"
+        self.profile_error: str | None = None
+        self.profile_samples: dict[str, Any] = {}
+        self.completed = 0
+        self.failed = 0
+
+    # -- eligibility -------------------------------------------------------------------
+
+    def ineligible_reasons(self, maintenance_waves: set[str]) -> list[str]:
+        out = []
+        if not self.healthy:
+            out.append("unhealthy")
+        if self.draining:
+            out.append("draining")
+        if self.wave is not None and self.wave in maintenance_waves:
+            out.append("wave_maintenance")
+        if self.breaker.open:
+            out.append("circuit_open")
+        return out
+
+    def eligible(self, maintenance_waves: set[str]) -> bool:
+        return (
+            self.healthy
+            and not self.draining
+            and not self.breaker.open
+            and (self.wave is None or self.wave not in maintenance_waves)
+        )
+
+    # -- capacity ------------------------------------------------------------------------
+
+    def phase1_free(self) -> bool:
+        """A phase-1 slot: prefill for a prefill engine; prefill and decode for a unified one."""
+        if self.prefill_in_use >= self.prefill_slots:
+            return False
+        return self.role != "unified" or self.decode_in_use < self.decode_slots
+
+    def decode_free(self) -> bool:
+        return self.decode_in_use < self.decode_slots
+
+    def backlog_ms(self, now: float) -> float:
+        """Predicted prefill work ahead of a new request here (PREDICTION.md section 3)."""
+        return max(0.0, (self.busy_until - now) * 1000.0) + self.queued_work_ms
+
+    def depth(self) -> int:
+        return len(self.inflight_prefill) + len(self.queue)
+
+    def decode_start_ms(self, n: float) -> float:
+        return self.start_model.predict([1.0, n / 1000.0])
+
+    def load_snapshot(self, now: float) -> dict[str, Any]:
+        return {
+            "prefill_in_use": self.prefill_in_use,
+            "prefill_slots": self.prefill_slots,
+            "decode_in_use": self.decode_in_use,
+            "decode_slots": self.decode_slots,
+            "queued": len(self.queue),
+            "backlog_ms": round(self.backlog_ms(now), 3),
+            "completed": self.completed,
+            "failed": self.failed,
+        }

@@ -1,0 +1,450 @@
+"""What the router learns about each engine (reference/PREDICTION.md).
+
+  * PrefillModel: T(n) = s * max(0, b0 + b1*n + b2*n^2) ms (section 2), fitted from
+    profiling by weighted least squares with a ridge toward the prior and b >= 0, then
+    refined online by recursive least squares with forgetting (lambda = 0.999) and weight
+    1/T^2; samples whose measured/predicted ratio is outside [0.2, 5] stay out of the fit
+    and feed the drift score instead.
+  * DecodeModel: TPOT(B) = s_dec * (a + b*B) ms for batch size B, the load-conditioned
+    profile of section 8, fitted the same way.
+  * Drift: EWMA of log(measured / profiled) residuals, z = mu / sigma0, two one-sided
+    CUSUMs (k = 0.5, h = 5) that set the correction factor s = exp(mu) on alarm
+    ("decode correction", section 8).
+  * OutputLengthLearner: windowed quantiles (256 samples, >= 20 to use a level) over a
+    key hierarchy (section 7); P50 for expected decode load, P90 for safety checks.
+  * Margin: the conformal ratio actual/projected TTFT per queue-depth bucket (section 4).
+Features are scaled (n in thousands of tokens) so the 3x3 systems stay well conditioned.
+Everything here is pure arithmetic on floats: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+__all__ = [
+    "LinearModel",
+    "PrefillModel",
+    "DecodeModel",
+    "Drift",
+    "OutputLengthLearner",
+    "Margin",
+    "tpot_from_arrivals",
+    "depth_bucket",
+]
+
+_SCALE = 1000.0  # prompt tokens per feature unit
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                if f:
+                    for k in range(c, n + 1):
+                        m[r][k] -= f * m[c][k]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _inverse(a: list[list[float]]) -> list[list[float]]:
+    n = len(a)
+    cols = []
+    for i in range(n):
+        e = [1.0 if j == i else 0.0 for j in range(n)]
+        x = _solve(a, e)
+        cols.append(x if x is not None else e)
+    return [[cols[j][i] for j in range(n)] for i in range(n)]
+
+
+class LinearModel:
+    """y = theta . x with theta >= 0: batch fit (ridge toward a prior) + online RLS."""
+
+    __slots__ = ("theta", "prior", "P", "lam", "ridge", "samples", "fitted")
+
+    def __init__(self, prior: list[float], *, lam: float = 0.999, ridge: float = 1e-3) -> None:
+        self.prior = list(prior)
+        self.theta = list(prior)
+        k = len(prior)
+        self.P = [[(1e3 if i == j else 0.0) for j in range(k)] for i in range(k)]
+        self.lam = lam
+        self.ridge = ridge
+        self.samples = 0
+        self.fitted = False
+
+    def predict(self, x: list[float]) -> float:
+        return max(0.0, sum(t * v for t, v in zip(self.theta, x, strict=True)))
+
+    def fit(self, xs: list[list[float]], ys: list[float]) -> None:
+        """Weighted least squares (w = 1/y^2), ridge toward the prior, theta >= 0 by an
+        active set: a coefficient that comes out negative is pinned to 0 and the rest refit."""
+        k = len(self.prior)
+        active = list(range(k))
+        theta = [0.0] * k
+        for _ in range(k):
+            a = [[0.0] * len(active) for _ in active]
+            b = [0.0] * len(active)
+            for x, y in zip(xs, ys, strict=True):
+                w = 1.0 / max(y, 1e-3) ** 2
+                for i, ci in enumerate(active):
+                    b[i] += w * x[ci] * y
+                    for j, cj in enumerate(active):
+                        a[i][j] += w * x[ci] * x[cj]
+            # the ridge is relative to the data's own scale (weights 1/y^2 are tiny)
+            lam = self.ridge * max(1e-300, sum(a[i][i] for i in range(len(active))) / len(active))
+            for i, ci in enumerate(active):
+                a[i][i] += lam
+                b[i] += lam * self.prior[ci]
+            sol = _solve(a, b)
+            if sol is None:
+                return
+            theta = [0.0] * k
+            for i, ci in enumerate(active):
+                theta[ci] = sol[i]
+            neg = [ci for ci in active if theta[ci] < 0]
+            if not neg:
+                break
+            active = [ci for ci in active if ci not in neg]
+            if not active:
+                theta = [0.0] * k
+                break
+        self.theta = [max(0.0, t) for t in theta]
+        # covariance of the fit, so online updates move it in proportion to the evidence
+        a_full = [[0.0] * k for _ in range(k)]
+        for x, y in zip(xs, ys, strict=True):
+            w = 1.0 / max(y, 1e-3) ** 2
+            for i in range(k):
+                for j in range(k):
+                    a_full[i][j] += w * x[i] * x[j]
+        lam_full = self.ridge * max(1e-300, sum(a_full[i][i] for i in range(k)) / k)
+        for i in range(k):
+            a_full[i][i] += lam_full
+        self.P = _inverse(a_full)
+        self.samples = len(ys)
+        self.fitted = True
+
+    def update(self, x: list[float], y: float) -> None:
+        """One recursive-least-squares step with forgetting factor lam and weight 1/y^2."""
+        k = len(x)
+        w = 1.0 / max(y, 1e-3) ** 2
+        px = [sum(self.P[i][j] * x[j] for j in range(k)) for i in range(k)]
+        denom = self.lam / w + sum(x[i] * px[i] for i in range(k))
+        if denom <= 0:
+            return
+        gain = [v / denom for v in px]
+        err = y - sum(t * v for t, v in zip(self.theta, x, strict=True))
+        self.theta = [max(0.0, self.theta[i] + gain[i] * err) for i in range(k)]
+        self.P = [[(self.P[i][j] - gain[i] * px[j]) / self.lam for j in range(k)] for i in range(k)]
+        self.samples += 1
+
+
+class Drift:
+    """Residual drift score and CUSUM alarm on log(measured / predicted)."""
+
+    __slots__ = ("alpha", "sigma0", "k", "h", "mu", "s_pos", "s_neg", "correction", "alarms", "samples", "_sq")
+
+    def __init__(self, *, alpha: float = 0.05, sigma0: float = 0.1, k: float = 0.5, h: float = 5.0) -> None:
+        self.alpha, self.sigma0, self.k, self.h = alpha, sigma0, k, h
+        self.mu = 0.0
+        self.s_pos = self.s_neg = 0.0
+        self.correction = 1.0  # the factor applied to predictions ("decode correction")
+        self.alarms = 0
+        self.samples = 0
+        self._sq = 0.0
+
+    @property
+    def score(self) -> float:
+        """z = mu / sigma0: how many in-control deviations the recent mean residual is off."""
+        return self.mu / self.sigma0
+
+    def observe(self, measured: float, predicted: float) -> bool:
+        """Feed one residual; True when the CUSUM alarms (the correction is then reset to exp(mu))."""
+        if measured <= 0 or predicted <= 0:
+            return False
+        # residual against the *corrected* prediction: after an alarm the score re-centres
+        r = math.log(measured / (predicted * self.correction))
+        self.samples += 1
+        self.mu += self.alpha * (r - self.mu)
+        z = r / self.sigma0
+        self.s_pos = max(0.0, self.s_pos + z - self.k)
+        self.s_neg = max(0.0, self.s_neg - z - self.k)
+        if self.s_pos > self.h or self.s_neg > self.h:
+            self.correction *= math.exp(self.mu)
+            self.mu = 0.0
+            self.s_pos = self.s_neg = 0.0
+            self.alarms += 1
+            return True
+        return False
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "score": round(self.score, 4),
+            "mean_log_residual": round(self.mu, 4),
+            "cusum_up": round(self.s_pos, 3),
+            "cusum_down": round(self.s_neg, 3),
+            "correction": round(self.correction, 4),
+            "alarms": self.alarms,
+            "samples": self.samples,
+            "sigma0": round(self.sigma0, 4),
+        }
+
+
+class PrefillModel:
+    """T(n) = s * (b0 + b1*n + b2*n^2) in ms for a prompt of n tokens."""
+
+    __slots__ = ("lin", "drift", "outliers")
+
+    def __init__(self, b0_ms: float = 20.0, b1_ms_per_token: float = 0.05, b2_ms_per_token2: float = 0.0) -> None:
+        self.lin = LinearModel([b0_ms, b1_ms_per_token * _SCALE, b2_ms_per_token2 * _SCALE * _SCALE])
+        self.drift = Drift(sigma0=0.15)
+        self.outliers = 0
+
+    @staticmethod
+    def _x(n: float) -> list[float]:
+        u = n / _SCALE
+        return [1.0, u, u * u]
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(b0 ms, b1 ms/token, b2 ms/token^2)."""
+        t = self.lin.theta
+        return t[0], t[1] / _SCALE, t[2] / (_SCALE * _SCALE)
+
+    def predict_ms(self, n: float) -> float:
+        t = self.lin.theta
+        u = n / _SCALE
+        return self.drift.correction * max(0.0, t[0] + t[1] * u + t[2] * u * u)
+
+    def fit(self, samples: list[tuple[float, float]]) -> None:
+        """Profiling: (prompt tokens, measured ms) pairs."""
+        self.lin.fit([self._x(n) for n, _ in samples], [y for _, y in samples])
+        resid = [math.log(y / max(self.predict_ms(n), 1e-6)) for n, y in samples if y > 0]
+        if len(resid) >= 3:
+            m = sum(resid) / len(resid)
+            sd = math.sqrt(sum((r - m) ** 2 for r in resid) / (len(resid) - 1))
+            self.drift.sigma0 = max(0.05, sd)
+        self.drift.correction = 1.0
+
+    def observe(self, n: float, measured_ms: float) -> None:
+        """Online refinement from one measured prefill (service) time."""
+        pred = self.predict_ms(n)
+        if pred > 0 and not (0.2 <= measured_ms / pred <= 5.0):
+            self.outliers += 1
+            self.drift.observe(measured_ms, pred / self.drift.correction)
+            return
+        self.drift.observe(measured_ms, pred / self.drift.correction if pred > 0 else measured_ms)
+        self.lin.update(self._x(n), measured_ms / self.drift.correction)
+
+    def snapshot(self) -> dict[str, Any]:
+        b0, b1, b2 = self.coefficients
+        return {
+            "b0_ms": round(b0, 4),
+            "b1_ms_per_token": round(b1, 8),
+            "b2_ms_per_token2": round(b2, 12),
+            "samples": self.lin.samples,
+            "fitted": self.lin.fitted,
+            "outliers": self.outliers,
+        }
+
+
+class DecodeModel:
+    """TPOT(B) = s_dec * (a + b*B) ms at batch size B."""
+
+    __slots__ = ("lin", "drift", "last_tpot_ms")
+
+    def __init__(self, a_ms: float = 20.0, b_ms: float = 0.2) -> None:
+        self.lin = LinearModel([a_ms, b_ms])
+        self.drift = Drift(sigma0=0.1)
+        self.last_tpot_ms: float | None = None
+
+    def predict_ms(self, batch: float) -> float:
+        t = self.lin.theta
+        return self.drift.correction * max(0.0, t[0] + t[1] * batch)
+
+    def fit(self, samples: list[tuple[float, float]]) -> None:
+        """Profiling: (batch size, measured TPOT ms) pairs."""
+        batches = {b for b, _ in samples}
+        if len(batches) < 2:
+            # one batch size: the intercept carries it, the slope keeps its prior share
+            b = next(iter(batches))
+            mean = sum(y for _, y in samples) / len(samples)
+            slope = min(self.lin.theta[1], mean / max(b, 1.0) / 10)
+            self.lin.theta = [max(0.0, mean - slope * b), slope]
+            self.lin.fitted = True
+            self.lin.samples = len(samples)
+        else:
+            self.lin.fit([[1.0, b] for b, _ in samples], [y for _, y in samples])
+        resid = [math.log(y / max(self.predict_ms(b), 1e-6)) for b, y in samples if y > 0]
+        if len(resid) >= 3:
+            m = sum(resid) / len(resid)
+            sd = math.sqrt(sum((r - m) ** 2 for r in resid) / (len(resid) - 1))
+            self.drift.sigma0 = max(0.05, sd)
+        self.drift.correction = 1.0
+
+    def observe(self, batch: float, tpot_ms: float) -> bool:
+        """One measured TPOT (from token IDs): drift first, then the profile's own refinement.
+        True when the drift alarm fired."""
+        self.last_tpot_ms = tpot_ms
+        base = max(0.0, self.lin.theta[0] + self.lin.theta[1] * batch)
+        return self.drift.observe(tpot_ms, base) if base > 0 else False
+
+    def snapshot(self) -> dict[str, Any]:
+        a, b = self.lin.theta
+        return {
+            "a_ms": round(a, 4),
+            "b_ms_per_sequence": round(b, 6),
+            "tpot_ms_at_batch_1": round(self.predict_ms(1), 4),
+            "last_tpot_ms": None if self.last_tpot_ms is None else round(self.last_tpot_ms, 4),
+            "fitted": self.lin.fitted,
+            "samples": self.lin.samples,
+        }
+
+
+def tpot_from_arrivals(arrivals: list[tuple[float, int]]) -> float | None:
+    """TPOT = (t_last - t_first) / (N - 1) over identified tokens (PREDICTION.md section 9).
+
+    `arrivals` holds (time, IDs in the event) per event; N is the total of IDs. The first
+    event's IDs all count as arriving at t_first."""
+    n = sum(k for _, k in arrivals)
+    if n < 2 or len(arrivals) < 2:
+        return None
+    return (arrivals[-1][0] - arrivals[0][0]) / (n - 1)
+
+
+def _quantile(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return 0.0
+    pos = q * (len(sorted_vals) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+class _Window:
+    __slots__ = ("vals", "_sorted")
+
+    def __init__(self, size: int) -> None:
+        self.vals: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] | None = None
+
+    def add(self, v: float) -> None:
+        self.vals.append(v)
+        self._sorted = None
+
+    def quantile(self, q: float) -> float:
+        if self._sorted is None:
+            self._sorted = sorted(self.vals)
+        return _quantile(self._sorted, q)
+
+    def __len__(self) -> int:
+        return len(self.vals)
+
+
+def _half_octave(n: float) -> int:
+    return int(2 * math.log2(max(n, 1.0)))
+
+
+class OutputLengthLearner:
+    """Windowed output-length quantiles over (route, max_tokens bucket) ->
+    (route, half-octave prompt bucket) -> (route) -> all."""
+
+    __slots__ = ("window", "min_samples", "default", "_w", "observed", "censored")
+
+    def __init__(self, *, window: int = 256, min_samples: int = 20, default: float = 128.0) -> None:
+        self.window, self.min_samples, self.default = window, min_samples, default
+        self._w: dict[tuple[Any, ...], _Window] = {}
+        self.observed = 0
+        self.censored = 0
+
+    def _keys(self, route: str, prompt_tokens: float, max_tokens: int | None) -> list[tuple[Any, ...]]:
+        mt = None if max_tokens is None else _half_octave(max_tokens)
+        return [("mt", route, mt), ("p", route, _half_octave(prompt_tokens)), ("r", route), ("all",)]
+
+    def observe(self, route: str, prompt_tokens: float, max_tokens: int | None, output_tokens: int, *, finish_reason: str | None = None) -> None:
+        # A "length" finish is censored at max_tokens: stored as is, so it can only raise
+        # the quantiles of its key (a stand-in for Kaplan-Meier, PREDICTION.md section 7).
+        self.observed += 1
+        if finish_reason == "length":
+            self.censored += 1
+        for key in self._keys(route, prompt_tokens, max_tokens):
+            w = self._w.get(key)
+            if w is None:
+                w = self._w[key] = _Window(self.window)
+            w.add(float(output_tokens))
+
+    def predict(self, route: str, prompt_tokens: float, max_tokens: int | None, q: float = 0.5) -> float:
+        for key in self._keys(route, prompt_tokens, max_tokens):
+            w = self._w.get(key)
+            if w is not None and len(w) >= self.min_samples:
+                v = w.quantile(q)
+                break
+        else:
+            v = self.default
+        return float(min(v, max_tokens)) if max_tokens is not None else v
+
+    def snapshot(self) -> dict[str, Any]:
+        w = self._w.get(("all",))
+        return {
+            "observed": self.observed,
+            "censored": self.censored,
+            "p50": None if not w else round(w.quantile(0.5), 2),
+            "p90": None if not w else round(w.quantile(0.9), 2),
+            "keys": len(self._w),
+        }
+
+
+_DEPTH_BUCKETS = ((0, 0), (1, 2), (3, 5), (6, 10), (11, 1 << 30))
+
+
+def depth_bucket(depth: int) -> int:
+    for i, (lo, hi) in enumerate(_DEPTH_BUCKETS):
+        if lo <= depth <= hi:
+            return i
+    return len(_DEPTH_BUCKETS) - 1
+
+
+class Margin:
+    """m = max(1, q-quantile of actual/projected TTFT) per queue-depth bucket; `initial`
+    until a bucket has `min_samples` samples."""
+
+    __slots__ = ("initial", "quantile", "min_samples", "adaptive", "window", "_w", "_m", "covered", "samples")
+
+    def __init__(self, initial: float = 1.2, quantile: float = 0.9, min_samples: int = 50, adaptive: bool = True, window: int = 500) -> None:
+        self.initial, self.quantile, self.min_samples = initial, quantile, min_samples
+        self.adaptive, self.window = adaptive, window
+        self._w = [_Window(self.window) for _ in _DEPTH_BUCKETS]
+        self._m = [self.initial] * len(_DEPTH_BUCKETS)
+        self.covered = 0
+        self.samples = 0
+
+    def m(self, depth: int) -> float:
+        return self._m[depth_bucket(depth)]
+
+    def observe(self, depth: int, actual_ms: float, projected_ms: float) -> None:
+        if projected_ms <= 0:
+            return
+        b = depth_bucket(depth)
+        self.samples += 1
+        if actual_ms <= projected_ms * self._m[b]:
+            self.covered += 1
+        if not self.adaptive:
+            return
+        w = self._w[b]
+        w.add(actual_ms / projected_ms)
+        if len(w) >= self.min_samples:
+            self._m[b] = max(1.0, w.quantile(self.quantile))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "by_depth_bucket": [round(x, 4) for x in self._m],
+            "samples": self.samples,
+            "coverage": None if not self.samples else round(self.covered / self.samples, 4),
+        }

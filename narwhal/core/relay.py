@@ -1,0 +1,166 @@
+"""The relay step, sans-IO: engine stream bytes in, client bytes (or an assembly) out.
+
+Per engine event, exactly once: parse (orjson), check token IDs (T02-T04, engines with
+token_ids accounting), then either
+  * streaming client: forward in the engine's shape. The payload bytes go out unchanged
+    unless the router must strip what it asked for itself (T10: token IDs the client did
+    not ask for; the usage-only chunk when the client did not ask for usage);
+  * non-streaming client: normalise the dialect's quirks (D01) and feed the assembler.
+Nothing is validated through models on this path.
+
+Outcomes a caller acts on (`Step`): bytes to write, whether the first token arrived (the
+moment response headers may go out), end of stream, a failure (row ID + detail), or an
+engine error event (streaming: already forwarded in the engine's shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .assembly import Assembler, Failure
+from .dialects import ToolCallNormaliser
+from .sse import DONE, SSEParser
+from .tokens import carries_output, check_token_ids
+
+__all__ = ["StreamRelay", "Step"]
+
+_DATA = b"data: "
+_END = b"\n\n"
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    out: bytes
+    first_token: bool
+    done: bool
+    failure: tuple[str, str] | None  # (failure row ID, detail)
+    engine_error: dict[str, Any] | None
+
+
+def _strip_ids(obj: dict[str, Any]) -> None:
+    # T10: the IDs the router asked for itself never reach a client that did not ask.
+    obj.pop("prompt_token_ids", None)
+    for c in obj.get("choices") or ():
+        if type(c) is dict:
+            c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+
+
+class StreamRelay:
+    __slots__ = (
+        "_parser", "checks_ids", "client_ids", "client_usage", "assembler", "_normalise",
+        "started", "done", "token_count", "arrivals", "finish_reason", "usage", "engine_error", "events",
+        "prompt_tokens_override",
+    )
+
+    def __init__(
+        self,
+        *,
+        checks_ids: bool,
+        client_ids: bool,
+        client_usage: bool,
+        assembler: Assembler | None = None,
+        normalise_tool_calls: bool = False,
+        prompt_tokens_override: int | None = None,
+    ) -> None:
+        self._parser = SSEParser()
+        self.checks_ids = checks_ids
+        self.client_ids = client_ids
+        self.client_usage = client_usage
+        self.assembler = assembler
+        self._normalise = ToolCallNormaliser() if normalise_tool_calls else None
+        self.started = False  # the first token (or any output) has arrived
+        self.done = False
+        self.token_count = 0
+        self.arrivals: list[tuple[float, int]] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.engine_error: dict[str, Any] | None = None
+        self.events = 0
+        # P/D: usage reported to the client takes input counts from prefill
+        self.prompt_tokens_override = prompt_tokens_override
+
+    def feed(self, raw: bytes, now: float) -> Step:
+        out: list[bytes] = []
+        first = False
+        for payload in self._parser.feed(raw):
+            if self.done:
+                break
+            if payload == DONE:
+                self.done = True
+                if self.assembler is None:
+                    out.append(_DONE_EVENT)
+                break
+            self.events += 1
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return Step(b"".join(out), first, False, ("E02", "an engine event is not JSON"), None)
+            if type(obj) is not dict:
+                return Step(b"".join(out), first, False, ("E02", "an engine event is not a JSON object"), None)
+            err = obj.get("error")
+            if err is not None:
+                self.engine_error = obj
+                if self.assembler is None:
+                    out.append(_DATA + payload + _END)  # the engine's own shape
+                    continue
+                msg = err.get("message") if type(err) is dict else err
+                return Step(b"".join(out), first, False, ("E04", str(msg)), obj)
+            if self.checks_ids:
+                k, bad = check_token_ids(obj)
+                if bad is not None:
+                    return Step(b"".join(out), first, False, ("E03", bad), None)
+                if k:
+                    self.token_count += k
+                    self.arrivals.append((now, k))
+                    if not self.started:
+                        self.started = first = True
+            choices = obj.get("choices")
+            usage = obj.get("usage")
+            if usage is not None:
+                self.usage = usage
+            if choices:
+                for c in choices:
+                    if type(c) is dict:
+                        fr = c.get("finish_reason")
+                        if fr is not None:
+                            self.finish_reason = fr
+                        if not self.checks_ids and carries_output(c):
+                            # no IDs (T08): one output event stands for one token
+                            self.token_count += 1
+                            self.arrivals.append((now, 1))
+                            if not self.started:
+                                self.started = first = True
+            if self.assembler is not None:
+                if self._normalise is not None:
+                    self._normalise(obj)
+                f = self.assembler.feed(obj)
+                if isinstance(f, Failure):
+                    return Step(b"", first, False, (f.row, f"{f.detail} ({f.rule})"), None)
+                continue
+            if not choices and usage is not None and not self.client_usage:
+                continue  # the usage chunk the router asked for itself
+            rewrite = False
+            if self.prompt_tokens_override is not None and type(usage) is dict:
+                ct = usage.get("completion_tokens")
+                usage["prompt_tokens"] = self.prompt_tokens_override
+                if type(ct) is int:
+                    usage["total_tokens"] = self.prompt_tokens_override + ct
+                rewrite = True
+            if self.checks_ids and not self.client_ids:
+                _strip_ids(obj)
+                rewrite = True
+            if rewrite:
+                out.append(_DATA + orjson.dumps(obj) + _END)
+            else:
+                out.append(_DATA + payload + _END)
+        return Step(b"".join(out), first, self.done, None, None)
+
+    @property
+    def pending(self) -> bool:
+        return self._parser.pending
+

@@ -1,0 +1,354 @@
+"""One admitted request, from placement to its last byte: admission (R08-R13), the prefill
+and decode legs, retries, relay or assembly, and what the router learns from it.
+
+Rules
+  * Response headers go out with the first token (or at the end of a stream without
+    tokens). "Before response headers" therefore means "before the first token".
+  * A decode attempt that fails before response headers with a retryable row (E02-E04,
+    E06, E07) is retried once on another eligible engine (T05); the prefill leg is not
+    retried (the spec asks it of decode attempts only).
+  * After response headers, any failure or expiry ends the stream with an error event in
+    the engine's shape (`data: {"error": {...}}` then `data: [DONE]`), never a silent cut.
+  * P/D usage: input counts from prefill, output counts from decode.
+Returns the request's terminal class; the HTTP shell closes the books with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Protocol
+
+import orjson
+
+from narwhal_generated import errors as E
+
+from ..core.admission import Dispatch, Enqueued, Refuse, Ticket, Work
+from ..core.assembly import Assembler, Failure
+from ..core.dialects import DIALECTS, decode_body, prefill_body
+from ..core.fleet import EngineState
+from ..core.prediction import tpot_from_arrivals
+from ..core.relay import StreamRelay
+from ..core.requests import ParsedRequest
+from .client import UpstreamError
+from .runtime import Router
+
+__all__ = ["Sink", "run_request", "error_event"]
+
+log = logging.getLogger("narwhal")
+
+_ROUTE_PATH = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_DONE = b"data: [DONE]\n\n"
+
+
+class Sink(Protocol):
+    """Where the response goes (the HTTP shell implements it over ASGI)."""
+
+    headers_sent: bool
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
+
+    async def start_stream(self) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end_stream(self) -> None: ...
+
+
+class _Failed(Exception):
+    def __init__(self, row: str, detail: str, *, param: str | None = None, engine: EngineState | None = None) -> None:
+        super().__init__(detail)
+        self.row, self.detail, self.param, self.engine = row, detail, param, engine
+
+
+def error_event(row: E.ErrorRow, **fields: object) -> bytes:
+    """The error event that ends a stream after response headers."""
+    return b"data: " + json.dumps(E.envelope(row, **fields), separators=(",", ":")).encode() + b"\n\n" + _DONE
+
+
+async def _refuse(sink: Sink, row: E.ErrorRow, *, param: str | None = None, overrun_s: float | None = None, **fields: object) -> str:
+    status, headers, body = E.render(row, param=param, overrun_s=overrun_s, **fields)
+    await sink.respond(status, headers, body)
+    return row.counter
+
+
+def _engine_error_detail(status: int, body: bytes) -> tuple[str, str | None]:
+    """(message, param) from an engine's HTTP error body, whatever its version's shape."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return (body[:200].decode(errors="replace") or f"HTTP {status}"), None
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            msg = err.get("message") or err.get("detail") or f"HTTP {status}"
+            param = err.get("param")
+            return str(msg), (param if isinstance(param, str) else None)
+        if isinstance(err, str):
+            return err, None
+    return f"HTTP {status}", None
+
+
+class _Run:
+    """State of one request across its legs and attempts."""
+
+    def __init__(self, router: Router, req: ParsedRequest, work: Work, sink: Sink, rid: str) -> None:
+        self.r, self.req, self.work, self.sink, self.rid = router, req, work, sink, rid
+        self.headers = {"x-request-id": rid}
+        self.prefill_prompt_tokens: int | None = None
+        self.first_token_at: float | None = None
+
+    # -- legs --------------------------------------------------------------------------
+
+    async def prefill(self, t: Ticket, e: EngineState) -> dict[str, Any]:
+        """The prefill leg of the vLLM two-phase protocol; returns kv_transfer_params."""
+        body = prefill_body(self.req.body, route=self.req.route, model=e.model)
+        ok = False
+        try:
+            try:
+                status, raw = await self.r.client.post_json(e.url + _ROUTE_PATH[self.req.route], body, headers=self.headers)
+            except UpstreamError as x:
+                raise _Failed(x.row, f"prefill engine {e.name}: {x.detail}", engine=e) from None
+            if status >= 400:
+                msg, param = _engine_error_detail(status, raw)
+                raise _Failed("E05" if status < 500 else "E04", f"prefill engine {e.name}: {msg}", param=param, engine=e)
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise _Failed("E02", f"prefill engine {e.name} answered with non-JSON", engine=e) from None
+            kv = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
+            if not isinstance(kv, dict):
+                raise _Failed("E02", f"prefill engine {e.name} returned no kv_transfer_params", engine=e)
+            usage = obj.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                self.prefill_prompt_tokens = usage["prompt_tokens"]
+            ok = True
+            return kv
+        finally:
+            self.r.wake(self.r.scheduler.prefill_done(t, self.r.clock.now(), ok=ok))
+
+    async def decode(self, t: Ticket, e: EngineState, kv: dict[str, Any] | None) -> str:
+        """Stream from a unified or decode engine; relay or assemble. Returns the class."""
+        r, req = self.r, self.req
+        dialect = DIALECTS[e.dialect]
+        checks_ids = dialect.token_accounting == "token_ids"
+        body = decode_body(req.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv)
+        assembler = None
+        if not req.stream:
+            assembler = Assembler(req.route, content_null_when_empty=dialect.content_null_when_empty, include_token_ids=req.return_token_ids and checks_ids)
+        relay = StreamRelay(
+            checks_ids=checks_ids,
+            client_ids=req.return_token_ids,
+            client_usage=req.client_usage,
+            assembler=assembler,
+            normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
+            prompt_tokens_override=self.prefill_prompt_tokens,
+        )
+        try:
+            up = await r.client.open("POST", e.url + _ROUTE_PATH[req.route], body=orjson.dumps(body), headers=self.headers)
+        except UpstreamError as x:
+            raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
+        sink = self.sink
+        buffered: list[bytes] = []
+        try:
+            if up.status >= 400:
+                raw = await up.read(1 << 20)
+                msg, param = _engine_error_detail(up.status, raw)
+                raise _Failed("E05" if up.status < 500 else "E04", f"engine {e.name}: {msg}", param=param, engine=e)
+            async for chunk in up.chunks():
+                now = r.clock.now()
+                step = relay.feed(chunk, now)
+                if step.failure is not None:
+                    row, detail = step.failure
+                    if sink.headers_sent and step.out:
+                        await sink.write(step.out)
+                    raise _Failed(row, f"engine {e.name}: {detail}", engine=e)
+                if step.first_token:
+                    self._first_token(t, now)
+                if assembler is None:
+                    if sink.headers_sent:
+                        if step.out:
+                            await sink.write(step.out)
+                    else:
+                        if step.out:
+                            buffered.append(step.out)
+                        if relay.started or step.done:
+                            await self._start(buffered)
+                if step.done:
+                    break
+            else:
+                raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
+        finally:
+            await up.aclose()
+        now = r.clock.now()
+        if relay.engine_error is not None:
+            # a streaming client got the engine's own error event (E04 shape of the engine)
+            if not sink.headers_sent:
+                raise _Failed("E04", f"engine {e.name}: {_err_msg(relay.engine_error)}", engine=e)
+            await sink.end_stream()
+            r.engine_failed(e, "E04")
+            return "failed"
+        self._learn(e, relay, now)
+        if assembler is not None:
+            prompt = self.prefill_prompt_tokens if self.prefill_prompt_tokens is not None else self.work.prompt_tokens
+            res = assembler.finish(prompt_tokens=prompt, completion_tokens=relay.token_count if checks_ids else None)
+            if isinstance(res, Failure):
+                raise _Failed(res.row, f"engine {e.name}: {res.detail} ({res.rule})", engine=e)
+            if self.prefill_prompt_tokens is not None:
+                _merge_usage(res, self.prefill_prompt_tokens)
+            if self.first_token_at is None:
+                self._first_token(t, now)
+            await sink.respond(200, [(b"content-type", b"application/json")], orjson.dumps(res))
+        else:
+            if not sink.headers_sent:
+                await self._start(buffered)
+            await sink.end_stream()
+        r.engine_ok(e)
+        return "completed"
+
+    async def _start(self, buffered: list[bytes]) -> None:
+        await self.sink.start_stream()
+        if buffered:
+            await self.sink.write(b"".join(buffered))
+            buffered.clear()
+
+    def _first_token(self, t: Ticket, now: float) -> None:
+        if self.first_token_at is not None:
+            return
+        self.first_token_at = now
+        self.r.wake(self.r.scheduler.first_token(t, now))
+        self.r.telemetry.ttft.labels(self.req.route).observe(now - self.work.arrival)
+
+    def _learn(self, e: EngineState, relay: StreamRelay, now: float) -> None:
+        r = self.r
+        tpot = tpot_from_arrivals(relay.arrivals)
+        if tpot is not None:
+            e.decode.observe(max(1, e.decode_in_use), tpot * 1000.0)
+            r.telemetry.tpot.labels(e.name).observe(tpot)
+        r.scheduler.output_lengths.observe(self.req.route, self.work.prompt_tokens, self.req.max_tokens, relay.token_count, finish_reason=relay.finish_reason)
+        usage = relay.usage
+        pt = self.prefill_prompt_tokens
+        if pt is None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            pt = usage["prompt_tokens"]
+        if pt is not None and self.req.prompt_token_count is None:
+            r.sizer.learn(self.req.prompt_bytes, pt)
+
+    # -- attempts ------------------------------------------------------------------------
+
+    async def attempts(self, t: Ticket, d: Dispatch) -> str:
+        r = self.r
+        kv: dict[str, Any] | None = None
+        if d.phase == "prefill":
+            kv = await self.prefill(t, r.engines[d.engine])
+            g = await self._decode_slot(t)
+            if isinstance(g, str):
+                return g
+            d = g
+        retries = 1
+        while True:
+            e = r.engines[d.engine]
+            try:
+                return await self.decode(t, e, kv)
+            except _Failed as f:
+                if f.engine is not None:
+                    r.engine_failed(f.engine, f.row)
+                row = E.ROWS[f.row]
+                if self.sink.headers_sent or not row.retryable or retries <= 0:
+                    raise
+                retries -= 1
+                log.info("request %s: retrying after %s on %s", self.rid, f.row, e.name)
+                r.wake(r.scheduler.decode_failed(t, r.clock.now()))
+                nxt = await self._retry_slot(t, d.phase)
+                if nxt is None:
+                    raise
+                if isinstance(nxt, str):
+                    return nxt
+                d = nxt
+
+    async def _decode_slot(self, t: Ticket) -> Dispatch | str:
+        r = self.r
+        g = r.scheduler.want_decode(t, r.clock.now())
+        if isinstance(g, Enqueued):
+            got = await r.wait_grant(t)
+            if got is None:
+                row = r.scheduler.expiry(t, r.clock.now()) or E.R12
+                return await _refuse(self.sink, row, waited_ms=round(t.waited * 1000), limit=_limit(r, row, self.work))
+            g = got
+        if isinstance(g, Refuse):
+            return await _refuse(self.sink, g.row, overrun_s=g.overrun_s, **g.fields)
+        return g
+
+    async def _retry_slot(self, t: Ticket, phase: str) -> Dispatch | str | None:
+        """Another engine for the retry: a decode engine (P/D) or another unified engine.
+        None when there is no other engine to try."""
+        r = self.r
+        if phase == "decode":
+            if not r.scheduler.has_retry_decoder(t):
+                return None
+            return await self._decode_slot(t)
+        return r.scheduler.retry_unified(t, r.clock.now())
+
+
+def _err_msg(obj: dict[str, Any]) -> str:
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message"))
+    return str(err)
+
+
+def _merge_usage(res: dict[str, Any], prompt_tokens: int) -> None:
+    u = res.get("usage")
+    if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
+        u["prompt_tokens"] = prompt_tokens
+        u["total_tokens"] = prompt_tokens + u["completion_tokens"]
+
+
+def _limit(r: Router, row: E.ErrorRow, work: Work) -> int:
+    if row is E.R12:
+        return r.config.admission.max_wait_ms
+    return round((work.deadline_s or 0) * 1000)
+
+
+async def run_request(router: Router, req: ParsedRequest, work: Work, sink: Sink, rid: str) -> str:
+    """Admission (R08-R13) and the whole life of one sized request; returns its class."""
+    r = router
+    d = r.scheduler.admit(work, r.clock.now())
+    if isinstance(d, Refuse):
+        cls = await _refuse(sink, d.row, overrun_s=d.overrun_s, **d.fields)
+        r.telemetry.refusal.labels(d.row.code).observe(r.clock.now() - work.arrival)
+        return cls
+    t = d.ticket
+    run = _Run(r, req, work, sink, rid)
+    try:
+        if isinstance(d, Enqueued):
+            got = await r.wait_grant(t)
+            if got is None:
+                row = r.scheduler.expiry(t, r.clock.now()) or E.R12
+                return await _refuse(sink, row, waited_ms=round((t.waited + r.clock.now() - (t.enqueued_at or r.clock.now())) * 1000), limit=_limit(r, row, work))
+            if isinstance(got, Refuse):
+                return await _refuse(sink, got.row, overrun_s=got.overrun_s, **got.fields)
+            d = got
+        try:
+            if work.deadline_s is not None:
+                left = work.deadline_s - (r.clock.now() - work.arrival)
+                async with asyncio.timeout(max(0.0, left)):
+                    return await run.attempts(t, d)
+            return await run.attempts(t, d)
+        except TimeoutError:
+            # R13: the original request deadline expired while in flight
+            if sink.headers_sent:
+                await sink.write(error_event(E.R13, limit=round(work.deadline_s * 1000) if work.deadline_s else 0))
+                await sink.end_stream()
+                return E.R13.counter
+            return await _refuse(sink, E.R13, limit=round(work.deadline_s * 1000) if work.deadline_s else 0)
+        except _Failed as f:
+            row = E.ROWS[f.row]
+            fields = {"detail": f.detail, "limit": r.config.upstream.idle_timeout_ms}
+            if sink.headers_sent:
+                await sink.write(error_event(row, param=f.param, **fields))
+                await sink.end_stream()
+                return "failed"
+            return await _refuse(sink, row, param=f.param, **fields)
+    finally:
+        r.wake(r.scheduler.finish(t, r.clock.now()))

@@ -1,0 +1,242 @@
+"""The router's runtime: engines, scheduler, books, state, client, and the tasks that keep
+them fresh (health polling with a circuit breaker, profiling).
+
+This is the composition root below the HTTP layer. It owns one future per waiting ticket
+and resolves it when the scheduler grants a slot or refuses the ticket (reconcile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from narwhal_generated import dialects as D
+from narwhal_generated.models.config import NarwhalConfig
+
+from ..core.accounting import Books
+from ..core.admission import Dispatch, Refuse, Scheduler, Ticket
+from ..core.clock import Clock, MonotonicClock
+from ..core.fleet import Breaker, EngineState
+from ..core.prediction import Margin, OutputLengthLearner
+from ..core.sizing import PromptSizer
+from ..core.state import RouterState
+from .client import EngineClient, UpstreamError
+from .telemetry import Telemetry
+
+__all__ = ["Router", "EngineSpec"]
+
+log = logging.getLogger("narwhal")
+
+
+class EngineSpec:
+    """An engine to register: config entry plus the resolved URL."""
+
+    __slots__ = ("name", "url", "role", "dialect", "wave", "model")
+
+    def __init__(self, name: str, url: str, role: str, dialect: str, wave: str | None, model: str | None) -> None:
+        self.name, self.url, self.role, self.dialect, self.wave, self.model = name, url.rstrip("/"), role, dialect, wave, model
+
+
+class Router:
+    def __init__(self, config: NarwhalConfig, engines: list[EngineSpec], *, clock: Clock | None = None, count_tokens: Any = None) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.books = Books()
+        a, m = config.admission, config.monitoring
+        self.state = RouterState(wave=config.serving.wave, stale_after_s=m.stale_after_ms / 1000.0)
+        self.engines: dict[str, EngineState] = {}
+        for s in engines:
+            self.engines[s.name] = EngineState(
+                s.name, s.url, role=s.role, dialect=s.dialect, wave=s.wave, model=s.model,
+                prefill_slots=a.phase_concurrency.prefill, decode_slots=a.phase_concurrency.decode,
+                breaker=Breaker(m.breaker_failures, m.breaker_cooldown_ms / 1000.0),
+            )
+        p = a.prediction
+        self.scheduler = Scheduler(
+            self.engines.values(),
+            mode=a.mode,
+            queue_limit=a.queue_limit,
+            maintenance_waves=self.state.maintenance_waves,
+            margin=Margin(p.initial_margin, p.margin_quantile, p.margin_min_samples, p.adaptive_margin),
+            output_lengths=OutputLengthLearner(),
+        )
+        self.sizer = PromptSizer(count_tokens=count_tokens)
+        self.client = EngineClient(
+            connect_timeout_s=config.upstream.connect_timeout_ms / 1000.0,
+            idle_timeout_s=config.upstream.idle_timeout_ms / 1000.0,
+            max_connections=config.upstream.max_connections,
+        )
+        self.telemetry = Telemetry(self.snapshot_for_metrics)
+        self.held = 0  # R02: client requests held
+        self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._profiling: dict[str, asyncio.Task[Any]] = {}
+        self._started_at = self.clock.now()
+        self._refresh_health_state()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._started_at = self.clock.now()
+        self._tasks.append(asyncio.create_task(self._monitor(), name="narwhal-health"))
+        if self.config.admission.prediction.profile_on_start:
+            self.profile_all()
+
+    async def stop(self) -> None:
+        for t in [*self._tasks, *self._profiling.values()]:
+            t.cancel()
+        for t in [*self._tasks, *self._profiling.values()]:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks.clear()
+        self._profiling.clear()
+        await self.client.aclose()
+
+    # -- grants ----------------------------------------------------------------------
+
+    def wake(self, grants: list[Dispatch]) -> None:
+        for g in grants:
+            f = self.waiters.pop(g.ticket.id, None)
+            if f is not None and not f.done():
+                f.set_result(g)
+
+    async def wait_grant(self, t: Ticket) -> Dispatch | Refuse | None:
+        """Wait for a slot. None: R12/R13 expired first (the scheduler says which)."""
+        left = self.scheduler.time_left(t, self.clock.now())
+        f: asyncio.Future[Dispatch | Refuse] = asyncio.get_running_loop().create_future()
+        self.waiters[t.id] = f
+        try:
+            return await asyncio.wait_for(asyncio.shield(f), timeout=left) if left > 0 else None
+        except TimeoutError:
+            if f.done():  # granted in the same instant the timer fired
+                return f.result()
+            return None
+        finally:
+            self.waiters.pop(t.id, None)
+
+    def reconcile(self) -> None:
+        grants, refused = self.scheduler.reconcile(self.clock.now())
+        self.wake(grants)
+        for t, r in refused:
+            f = self.waiters.pop(t.id, None)
+            if f is not None and not f.done():
+                f.set_result(r)
+
+    # -- engine health ---------------------------------------------------------------
+
+    def engine_failed(self, e: EngineState, row: str) -> None:
+        """A request-level failure that says something about the engine (E04, E06, E07)."""
+        e.failed += 1
+        if row in ("E04", "E06", "E07") and e.breaker.failure(self.clock.now()):
+            log.warning("engine %s: circuit breaker opened after %s", e.name, row)
+            self.reconcile()
+
+    def engine_ok(self, e: EngineState) -> None:
+        e.completed += 1
+        e.breaker.success(self.clock.now(), probe=False)
+
+    async def _poll(self, e: EngineState) -> None:
+        path = D.BY_NAME[e.dialect].health_path
+        timeout = self.config.monitoring.poll_timeout_ms / 1000.0
+        try:
+            status = await self.client.get(e.url + path, timeout_s=timeout)
+            ok, err = status == 200, (None if status == 200 else f"health answered {status}")
+        except UpstreamError as x:
+            ok, err = False, str(x)
+        now = self.clock.now()
+        was = e.eligible(self.state.maintenance_waves)
+        e.healthy = ok
+        e.last_error = err
+        e.last_observed = now
+        if ok:
+            e.breaker.success(now, probe=True)
+        else:
+            e.breaker.failure(now)
+        if was != e.eligible(self.state.maintenance_waves):
+            self.reconcile()
+
+    def _refresh_health_state(self) -> None:
+        if not self.engines:
+            self.state.health_observed(None)
+            return
+        obs = [e.last_observed if e.last_observed is not None else self._started_at for e in self.engines.values()]
+        self.state.health_observed(min(obs))
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(e) for e in self.engines.values()))
+        self._refresh_health_state()
+
+    async def _monitor(self) -> None:
+        interval = self.config.monitoring.poll_interval_ms / 1000.0
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # a bug must not stop monitoring; staleness would show it
+                log.exception("health poll failed")
+            await asyncio.sleep(interval)
+
+    # -- profiling -------------------------------------------------------------------
+
+    def profile_all(self) -> None:
+        for e in self.engines.values():
+            self.profile(e.name)
+
+    def profile(self, name: str) -> None:
+        from .profiler import profile_engine
+
+        old = self._profiling.get(name)
+        if old is not None and not old.done():
+            return
+        e = self.engines[name]
+        e.profile_status = "running"
+        self._profiling[name] = asyncio.create_task(profile_engine(self, e), name=f"narwhal-profile-{name}")
+
+    async def wait_profiled(self, timeout_s: float = 60.0) -> None:
+        tasks = [t for t in self._profiling.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    # -- views -----------------------------------------------------------------------
+
+    def engine_view(self, e: EngineState) -> dict[str, Any]:
+        now = self.clock.now()
+        reasons = e.ineligible_reasons(self.state.maintenance_waves)
+        return {
+            "name": e.name,
+            "url": e.url,
+            "role": e.role,
+            "dialect": e.dialect,
+            "wave": e.wave,
+            "model": e.model or self.config.serving.model,
+            "healthy": e.healthy,
+            "eligible": not reasons,
+            "ineligible_reasons": reasons,
+            "draining": e.draining,
+            "circuit_breaker": e.breaker.snapshot(),
+            "last_health_age_ms": None if e.last_observed is None else round((now - e.last_observed) * 1000.0, 1),
+            "last_error": e.last_error,
+            "token_accounting": D.BY_NAME[e.dialect].token_accounting,
+            "profile": {
+                "status": e.profile_status,
+                "error": e.profile_error,
+                "prefill": e.prefill.snapshot(),
+                "decode": e.decode.snapshot(),
+                "decode_start": {"k0_ms": round(e.start_model.theta[0], 4), "k1_ms_per_ktoken": round(e.start_model.theta[1], 4), "samples": e.start_model.samples},
+                "measurements": e.profile_samples,
+            },
+            "drift": {"prefill": e.prefill.drift.snapshot(), "decode": e.decode.drift.snapshot()},
+            "output_length": self.scheduler.output_lengths.snapshot(),
+            "load": e.load_snapshot(now),
+        }
+
+    def snapshot_for_metrics(self) -> dict[str, Any]:
+        return {
+            "books": self.books.snapshot(),
+            "held": self.held,
+            "queued": self.scheduler.queued,
+            "decode_queued": len(self.scheduler.decode_queue),
+            "state": self.state.reason(self.clock.now()) or "active",
+            "engines": [self.engine_view(e) for e in self.engines.values()],
+        }

@@ -1,0 +1,108 @@
+"""The application factory: one Starlette app over one Router.
+
+Routes (NARWHAL.md "HTTP surface"): the two completion routes (raw ASGI, see
+completions.py), /v1/models, /health, /ready, /v1/engines, /metrics, the admin API, and
+/openapi.json (the generated document). Unknown paths and methods answer rows H01/H02.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from narwhal_generated import errors as E
+
+from ..engines.runtime import Router
+from .admin import admin_routes
+from .completions import CompletionEndpoint
+from .errors import row_response
+
+__all__ = ["create_app"]
+
+_OPENAPI = resources.files("narwhal_generated").joinpath("openapi.json").read_bytes()
+
+
+def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
+    """The ASGI app. With manage_router, the app's lifespan starts and stops the router's
+    background tasks (health polling, profiling)."""
+    created = int(time.time())
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": router.config.serving.model, "object": "model", "created": created, "owned_by": "narwhal"}]})
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(_: Request) -> Response:
+        reason = router.state.reason(router.clock.now())
+        if reason is None:
+            return JSONResponse({"ready": True, "state": "active"})
+        return JSONResponse({"ready": False, "state": reason, "reason": reason}, status_code=503)
+
+    async def engines(_: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [router.engine_view(e) for e in router.engines.values()],
+                "router": {
+                    "state": router.state.reason(router.clock.now()) or "active",
+                    "scheduler": router.scheduler.snapshot(),
+                    "sizing": router.sizer.snapshot(),
+                    "books": router.books.snapshot(),
+                    "held": router.held,
+                },
+            }
+        )
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(router.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(_: Request) -> Response:
+        return Response(_OPENAPI, media_type="application/json")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HTTPException) and exc.status_code == 405:
+            return row_response(E.H02, method=request.method, path=request.url.path)
+        return row_response(E.H01, method=request.method, path=request.url.path)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return row_response(E.H06, request_id="-")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[dict[str, Any]]:
+        if manage_router:
+            await router.start()
+        try:
+            yield {}
+        finally:
+            if manage_router:
+                await router.stop()
+
+    routes = [
+        Route("/v1/chat/completions", CompletionEndpoint(router, "chat")),
+        Route("/v1/completions", CompletionEndpoint(router, "completion")),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/v1/engines", engines, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        *admin_routes(router),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={404: not_found, 405: not_found, 500: server_error},
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return app

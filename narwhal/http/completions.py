@@ -1,0 +1,201 @@
+"""The completion routes, as raw ASGI (the hot path: no middleware, no Request objects).
+
+Order of decisions, as the refusal table orders them:
+  R01 router not ready and R02 retention full are decided before the body is read;
+  R03 while it is read (a Content-Length over the limit is refused before reading, and
+  reading stops at the first byte past the limit, so nothing past it is buffered);
+  R04-R07 on the parsed body (narwhal/core/requests.py); then workload sizing, and
+  R08-R13 in narwhal/engines/pipeline.py.
+Books: one `offered` per request here and exactly one terminal class when it ends,
+whatever happens (the `finally` below is the only place a request is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+
+from starlette.types import Receive, Scope, Send
+
+from narwhal_generated import errors as E
+
+from ..core.admission import Work
+from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
+from ..engines.pipeline import error_event, run_request
+from ..engines.runtime import Router
+from .errors import send_row
+
+__all__ = ["CompletionEndpoint"]
+
+log = logging.getLogger("narwhal")
+
+_RID_OK = re.compile(rb"^[!-~]{1,128}$")
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+]
+
+
+class _Gone(Exception):
+    """The client went away while its body was read."""
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class AsgiSink:
+    """pipeline.Sink over ASGI send."""
+
+    __slots__ = ("_send", "rid", "headers_sent", "finished")
+
+    def __init__(self, send: Send, rid: str) -> None:
+        self._send = send
+        self.rid = rid
+        self.headers_sent = False
+        self.finished = False
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        h = [*headers, (b"x-request-id", self.rid.encode()), (b"content-length", str(len(body)).encode())]
+        self.headers_sent = True
+        await self._send({"type": "http.response.start", "status": status, "headers": h})
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        self.finished = True
+
+    async def start_stream(self) -> None:
+        self.headers_sent = True
+        await self._send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode())]})
+
+    async def write(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_stream(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.finished = True
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            try:
+                if int(v) > limit:
+                    raise _TooLarge
+            except ValueError:
+                pass
+            break
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        t = msg["type"]
+        if t == "http.disconnect":
+            raise _Gone
+        body = msg.get("body", b"")
+        if body:
+            size += len(body)
+            if size > limit:
+                raise _TooLarge
+            chunks.append(body)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
+def _headers(scope: Scope) -> dict[bytes, bytes]:
+    return {k: v for k, v in scope["headers"] if k in (b"x-request-id", b"x-narwhal-ttft-target-ms", b"x-narwhal-deadline-ms")}
+
+
+class CompletionEndpoint:
+    """POST /v1/chat/completions or /v1/completions."""
+
+    def __init__(self, router: Router, route: str) -> None:
+        self.router = router
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        r = self.router
+        hdr = _headers(scope)
+        raw_rid = hdr.get(b"x-request-id")
+        rid = raw_rid.decode() if raw_rid is not None and _RID_OK.match(raw_rid) else uuid.uuid4().hex
+        if scope["method"] != "POST":
+            await send_row(send, E.H02, rid=rid, method=scope["method"], path=scope["path"])
+            return
+        arrival = r.clock.now()
+        entry = r.books.offer()
+        sink = AsgiSink(send, rid)
+        cls: str | None = None
+        held = False
+        try:
+            reason = r.state.reason(arrival)
+            if reason is not None:  # R01
+                await send_row(send, E.R01, rid=rid, reason=reason)
+                cls = E.R01.counter
+                return
+            adm = r.config.admission
+            if r.held >= adm.http_retention_limit:  # R02
+                await send_row(send, E.R02, rid=rid, limit=adm.http_retention_limit)
+                cls = E.R02.counter
+                return
+            r.held += 1
+            held = True
+            limit = r.config.serving.max_request_bytes
+            try:
+                body = await _read_body(scope, receive, limit)
+            except _TooLarge:  # R03
+                await send_row(send, E.R03, rid=rid, limit=limit)
+                cls = E.R03.counter
+                return
+            except _Gone:
+                cls = "cancelled"
+                return
+            ttft = hdr.get(b"x-narwhal-ttft-target-ms")
+            dl = hdr.get(b"x-narwhal-deadline-ms")
+            hv = parse_headers(
+                ttft.decode("latin-1") if ttft is not None else None,
+                dl.decode("latin-1") if dl is not None else None,
+                budget_ms=adm.ttft_budget_ms,
+                max_target_ms=adm.max_ttft_target_ms,
+            )
+            parsed: ParsedRequest | Rejection = hv if isinstance(hv, Rejection) else parse_request(self.route, body, model=r.config.serving.model)
+            if isinstance(parsed, Rejection):  # R04-R07
+                await send_row(send, parsed.row, rid=rid, param=parsed.param, **parsed.fields)
+                cls = parsed.row.counter
+                return
+            assert not isinstance(hv, Rejection)
+            # workload sizing: from here on the request is sized (C02 no longer applies)
+            r.books.sized(entry)
+            prompt_tokens = r.sizer.size(parsed.prompt_bytes, parsed.prompt_token_count, parsed.prompt_text)
+            work = Work(
+                route=self.route,
+                prompt_tokens=prompt_tokens,
+                max_tokens=parsed.max_tokens,
+                budget_ms=float(hv.ttft_target_ms if hv.ttft_target_ms is not None else adm.ttft_budget_ms),
+                arrival=arrival,
+                max_wait_s=adm.max_wait_ms / 1000.0,
+                deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
+            )
+            cls = await run_request(r, parsed, work, sink, rid)
+        except asyncio.CancelledError:
+            cls = "cancelled"
+            raise
+        except OSError:
+            cls = "cancelled"  # the client's connection broke while we wrote to it
+        except Exception:
+            log.exception("request %s: router bug", rid)
+            cls = E.H06.counter
+            try:
+                if not sink.headers_sent:
+                    await send_row(send, E.H06, rid=rid, request_id=rid)
+                elif not sink.finished:
+                    await sink.write(error_event(E.H06, request_id=rid))
+                    await sink.end_stream()
+            except Exception:  # noqa: BLE001 - the client may be gone too
+                pass
+        finally:
+            if held:
+                r.held -= 1
+            r.books.end(entry, cls or "cancelled")
+            r.telemetry.e2e.labels(cls or "cancelled").observe(r.clock.now() - arrival)
+
