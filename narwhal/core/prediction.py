@@ -7,9 +7,9 @@
     and feed the drift score instead.
   * DecodeModel: TPOT(B) = s_dec * (a + b*B) ms for batch size B, the load-conditioned
     profile of section 8, fitted the same way.
-  * Drift: EWMA of log(measured / profiled) residuals, z = mu / sigma0, two one-sided
-    CUSUMs (k = 0.5, h = 5) that set the correction factor s = exp(mu) on alarm
-    ("decode correction", section 8).
+  * Drift: EWMA of log(measured / profiled) residuals (winsorised at 3 sigma0), z =
+    mu / sigma0, two one-sided CUSUMs (k = 0.5, h = 5) that set the correction factor
+    s = exp(mu) on alarm ("decode correction", section 8).
   * OutputLengthLearner: windowed quantiles (256 samples, >= 20 to use a level) over a
     key hierarchy (section 7); P50 for expected decode load, P90 for safety checks.
   * Margin: the conformal ratio actual/projected TTFT per queue-depth bucket (section 4).
@@ -171,6 +171,9 @@ class Drift:
             return False
         # residual against the *corrected* prediction: after an alarm the score re-centres
         r = math.log(measured / (predicted * self.correction))
+        # winsorised at 3 sigma0: one stalled measurement cannot raise an alarm alone
+        lim = 3.0 * self.sigma0
+        r = max(-lim, min(lim, r))
         self.samples += 1
         self.mu += self.alpha * (r - self.mu)
         z = r / self.sigma0
@@ -236,7 +239,8 @@ class PrefillModel:
     def observe(self, n: float, measured_ms: float) -> None:
         """Online refinement from one measured prefill (service) time."""
         pred = self.predict_ms(n)
-        if pred > 0 and not (0.2 <= measured_ms / pred <= 5.0):
+        trusted = self.lin.fitted or self.lin.samples >= 20  # a prior alone filters nothing
+        if trusted and pred > 0 and not (0.2 <= measured_ms / pred <= 5.0):
             self.outliers += 1
             self.drift.observe(measured_ms, pred / self.drift.correction)
             return

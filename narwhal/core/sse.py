@@ -7,8 +7,8 @@ Rules
     ignored (OpenAI-compatible engines send data-only events).
   * An event with no data line dispatches nothing.
 Theory of operation: bytes go in through `feed`, complete event payloads come out, in
-order, whatever the chunking (whole, one byte at a time). A CR at the end of a chunk is
-held back until the next byte shows whether it starts a CRLF.
+order, whatever the chunking (whole, one byte at a time). A CR ends its line at once; when
+a chunk ends in CR, an LF that starts the next chunk is the rest of that CRLF and dropped.
 """
 
 from __future__ import annotations
@@ -19,28 +19,26 @@ DONE = b"[DONE]"
 
 
 class SSEParser:
-    __slots__ = ("_buf", "_data")
+    __slots__ = ("_buf", "_data", "_skip_lf")
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._buf = b""  # an unfinished line
         self._data: list[bytes] | None = None  # data lines of the event being read
+        self._skip_lf = False  # the last chunk ended in CR: a leading LF completes a CRLF
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Payloads of the events completed by `chunk`."""
+        if self._skip_lf and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        self._skip_lf = False
+        if b"\r" in chunk:
+            self._skip_lf = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:
-            if buf.endswith(b"\r"):
-                buf, self._buf = buf[:-1], b"\r"
-            else:
-                self._buf = b""
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        else:
-            self._buf = b""
         out: list[bytes] = []
         start = 0
-        n = len(buf)
         data = self._data
-        while start < n:
+        while True:
             nl = buf.find(b"\n", start)
             if nl < 0:
                 break
@@ -59,9 +57,7 @@ class SSEParser:
                     data.append(v)
             # comments and other fields are ignored
         self._data = data
-        rest = buf[start:]
-        if rest:
-            self._buf = rest + self._buf
+        self._buf = buf[start:]
         return out
 
     @property

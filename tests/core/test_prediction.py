@@ -1,0 +1,94 @@
+"""What the router learns (PREDICTION.md): prefill model, decode profile, drift, output
+lengths, margin, TPOT from token IDs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from narwhal.core.prediction import Drift, DecodeModel, Margin, OutputLengthLearner, PrefillModel, tpot_from_arrivals
+
+
+def truth(n: float, a: float = 15.0, b: float = 0.08, c: float = 2e-5) -> float:
+    return a + b * n + c * n * n
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_prefill_profile_fit_recovers_timing_within_10_percent(seed: int) -> None:
+    rnd = random.Random(seed)
+    m = PrefillModel()
+    m.fit([(n, truth(n) * rnd.lognormvariate(0, 0.05)) for n in (16, 256, 768, 1536) for _ in range(2)])
+    for n in (32, 500, 1000, 1536, 2048):
+        assert abs(m.predict_ms(n) - truth(n)) / truth(n) < 0.10, n
+
+
+def test_prefill_online_refinement_converges_and_keeps_outliers_out() -> None:
+    rnd = random.Random(7)
+    m = PrefillModel(b0_ms=5.0, b1_ms_per_token=0.01)  # a poor prior
+    for _ in range(400):
+        n = rnd.randint(10, 4000)
+        m.observe(n, truth(n) * rnd.lognormvariate(0, 0.05))
+    m.observe(1000, truth(1000) * 50)  # a stalled measurement
+    assert m.outliers == 1
+    for n in (100, 1000, 3000):
+        assert abs(m.predict_ms(n) - truth(n)) / truth(n) < 0.10
+
+
+def test_linear_fit_keeps_coefficients_nonnegative() -> None:
+    m = PrefillModel()
+    m.fit([(n, 10 + 0.05 * n) for n in (16, 256, 768, 1536)])
+    b0, b1, b2 = m.coefficients
+    assert b0 >= 0 and b1 >= 0 and b2 >= 0
+
+
+def test_decode_profile_and_drift_correction() -> None:
+    d = DecodeModel()
+    d.fit([(1.0, 10.0), (1.0, 10.2), (4.0, 10.6), (4.0, 10.5)])
+    assert abs(d.predict_ms(1) - 10.1) < 0.5
+    # the engine becomes 1.5x slower: the CUSUM alarms and the correction follows
+    alarms = sum(d.observe(1, 15.15) for _ in range(60))
+    assert alarms >= 1
+    assert abs(d.predict_ms(1) - 15.15) / 15.15 < 0.1
+
+
+def test_drift_score_stays_quiet_in_control() -> None:
+    rnd = random.Random(3)
+    dr = Drift(sigma0=0.1)
+    for _ in range(500):
+        dr.observe(10 * rnd.lognormvariate(0, 0.05), 10)
+    assert dr.alarms == 0 and abs(dr.score) < 1.5
+
+
+def test_drift_alarms_both_ways() -> None:
+    dr = Drift(sigma0=0.1)
+    assert any(dr.observe(7.0, 10.0) for _ in range(30))
+    assert dr.correction < 1.0
+
+
+def test_tpot_from_arrivals_counts_ids_not_events() -> None:
+    assert tpot_from_arrivals([(0.0, 1), (0.02, 1), (0.04, 1)]) == pytest.approx(0.02)
+    # 5 tokens, two of them in the last event: (0.06 - 0) / 4
+    assert tpot_from_arrivals([(0.0, 1), (0.02, 1), (0.04, 1), (0.06, 2)]) == pytest.approx(0.015)
+    assert tpot_from_arrivals([(0.0, 1)]) is None
+
+
+def test_output_length_quantiles_fall_back_through_the_hierarchy() -> None:
+    ol = OutputLengthLearner(min_samples=20)
+    assert ol.predict("chat", 100, None) == 128.0  # the default until learned
+    for i in range(100):
+        ol.observe("chat", 100, 256, 50 + i % 10)
+    assert 50 <= ol.predict("chat", 100, 256) <= 60
+    assert ol.predict("chat", 100, 256, q=0.9) >= ol.predict("chat", 100, 256)
+    # another max_tokens bucket falls back to the prompt-length bucket
+    assert 50 <= ol.predict("chat", 100, 4000) <= 60
+    assert ol.predict("chat", 100, 20) == 20  # clamped to max_tokens
+
+
+def test_margin_learns_the_quantile_per_depth_bucket() -> None:
+    m = Margin(initial=1.2, quantile=0.9, min_samples=50)
+    assert m.m(0) == 1.2
+    for i in range(100):
+        m.observe(0, 100.0 * (1.0 + (i % 10) / 20), 100.0)  # ratios 1.0 .. 1.45
+    assert 1.35 <= m.m(0) <= 1.45
+    assert m.m(4) == 1.2  # another bucket keeps the initial margin
