@@ -8,7 +8,9 @@ completions.py), /v1/models, /health, /ready, /v1/engines, /metrics, the admin A
 from __future__ import annotations
 
 import contextlib
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
@@ -29,6 +32,7 @@ from .errors import row_response
 
 __all__ = ["create_app"]
 
+_RID_OK = re.compile(rb"^[!-~]{1,128}$")
 _OPENAPI = resources.files("narwhal_generated").joinpath("openapi.json").read_bytes()
 
 
@@ -105,4 +109,31 @@ def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
         lifespan=lifespan,
     )
     app.state.router = router
-    return app
+    return _RequestId(app)  # type: ignore[return-value]
+
+
+_COMPLETION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+
+
+class _RequestId:
+    """Every response carries x-request-id (propagated, or generated when absent). The
+    completion routes set it themselves; this wraps only the other routes."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _COMPLETION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if rid is None or not _RID_OK.match(rid):
+            rid = uuid.uuid4().hex.encode()
+
+        async def send_with_id(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
+            await send(msg)
+
+        await self.app(scope, receive, send_with_id)

@@ -1,0 +1,131 @@
+"""Test equipment: a real router served by hypercorn on a free loopback port, in a thread
+with its own event loop, stopped in bounded time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from narwhal.config import parse_config
+from narwhal.engines.runtime import EngineSpec, Router
+from narwhal.http.app import create_app
+from narwhal.http.server import build_router, free_port, hypercorn_config
+
+__all__ = ["RunningRouter", "running_router", "wait_until"]
+
+
+def wait_until(pred: Any, *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
+    """Poll `pred` until it returns a truthy value; fail after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class RunningRouter:
+    def __init__(self, url: str, router: Router, loop: asyncio.AbstractEventLoop) -> None:
+        self.url = url
+        self.router = router
+        self.loop = loop
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run fn(*args) on the router's loop (for state the loop owns) and return its result."""
+        async def go() -> Any:
+            r = fn(*args)
+            if asyncio.iscoroutine(r):
+                r = await r
+            return r
+
+        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(timeout=30)
+
+    def books(self) -> dict[str, Any]:
+        return self.call(self.router.books.snapshot)
+
+    def balanced(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait until the books are at rest and balanced; return them."""
+        def ok() -> dict[str, Any] | None:
+            b = self.books()
+            if b["open"] == 0 and b["offered"] == sum(b["terminal"].values()) and b["double_ends"] == 0:
+                return b
+            return None
+
+        return wait_until(ok, timeout=timeout, what="books to balance")
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, **kw)
+
+    def post(self, path: str, json: Any = None, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=json, timeout=30, **kw)
+
+
+@contextlib.contextmanager
+def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = None, *, wait_profiled: bool = True, start: bool = True) -> Iterator[RunningRouter]:
+    """config: a config mapping (validated like a YAML file); engines: the fleet (default:
+    the config's engines)."""
+    cfg = parse_config(config, source="test config")
+    if engines is None:
+        engines = [EngineSpec(e.name, e.url, e.role, e.dialect, e.wave, e.model) for e in cfg.engines or ()]
+    port = free_port()
+    listen = f"127.0.0.1:{port}"
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+    stop: asyncio.Event | None = None
+
+    async def main() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        router = build_router(cfg, engines)
+        holder["router"] = router
+        app = create_app(router, manage_router=False)
+        if start:
+            await router.start()
+        from hypercorn.asyncio import serve
+
+        task = asyncio.create_task(serve(app, hypercorn_config(listen), shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+        for _ in range(500):
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.01)
+        if start and wait_profiled:
+            await router.wait_profiled(60)
+        ready.set()
+        await task
+        await router.stop()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(main())
+        except BaseException as e:  # surface start-up failures to the test
+            holder["error"] = e
+            ready.set()
+
+    th = threading.Thread(target=run, name="narwhal-test-router", daemon=True)
+    th.start()
+    if not ready.wait(90):
+        raise AssertionError("router did not start in 90 s")
+    if "error" in holder:
+        raise holder["error"]
+    rr = RunningRouter(f"http://{listen}", holder["router"], loop)
+    try:
+        yield rr
+    finally:
+        if stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+        th.join(30)
+        if not loop.is_closed() and not th.is_alive():
+            loop.close()
