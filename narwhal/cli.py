@@ -22,6 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     listen = args.listen or cfg.serving.listen
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     scheme = "https" if cfg.serving.tls.certfile else "http"
     fleet = "the embedded simulated fleet" if cfg.engines is None else f"{len(cfg.engines)} configured engines"
     print(f"narwhal: serving model {cfg.serving.model!r} on {scheme}://{listen} (HTTP/1.1 and HTTP/2) in front of {fleet}", flush=True)

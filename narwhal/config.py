@@ -59,6 +59,8 @@ def parse_config(data: Any, *, source: str = "config") -> NarwhalConfig:
 
 
 def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
+    if any(n < 1 for n in cfg.admission.prediction.profile_prompt_tokens):
+        raise ConfigError(f"{source}: admission.prediction.profile_prompt_tokens: every length must be >= 1")
     tls = cfg.serving.tls
     if (tls.certfile is None) != (tls.keyfile is None):
         raise ConfigError(f"{source}: serving.tls needs both certfile and keyfile")

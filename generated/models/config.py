@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 
 class Tls(BaseModel):
@@ -21,10 +21,6 @@ class PhaseConcurrency(BaseModel):
     )
     prefill: Annotated[StrictInt, Field(ge=1)] = 4
     decode: Annotated[StrictInt, Field(ge=1)] = 64
-
-
-class ProfilePromptToken(RootModel[StrictInt]):
-    root: Annotated[StrictInt, Field(ge=1)]
 
 
 class Prediction(BaseModel):
@@ -55,7 +51,10 @@ class Prediction(BaseModel):
     ] = None
     profile_on_start: StrictBool = True
     profile_prompt_tokens: Annotated[
-        list[ProfilePromptToken], Field(min_length=3, validate_default=True)
+        list[StrictInt],
+        Field(
+            description='Prompt lengths (tokens, each >= 1) profiled on registration.', min_length=3
+        ),
     ] = [16, 256, 768, 1536]
     profile_output_tokens: Annotated[StrictInt, Field(ge=2)] = 16
     profile_repeats: Annotated[StrictInt, Field(ge=1)] = 2

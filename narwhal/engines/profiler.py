@@ -118,19 +118,24 @@ async def profile_engine(router: Any, e: EngineState) -> None:
         decode: list[tuple[float, float]] = []
         starts: list[tuple[float, float]] = []
         k = 0
-        for n in lengths:
-            for _ in range(reps):
+        # one warm-up measurement, discarded: it pays for connection set-up
+        warm = [lengths[0]]
+        for n in [*warm, *lengths]:
+            for _ in range(1 if k == 0 else reps):
                 k += 1
                 rid = f"narwhal-profile-{e.name}-{k}"
+                keep = k > 1
                 if e.role == "prefill":
                     dt, _, pt = await _prefill_leg(router, e, _body(router, e, n, 1), rid)
-                    prefill.append((pt or n, dt * 1000.0))
+                    if keep:
+                        prefill.append((pt or n, dt * 1000.0))
                 elif e.role == "unified":
                     body = decode_body(_body(router, e, n, out_tokens), dialect=e.dialect, model=e.model)
                     ttft, tp, pt, _ = await _stream(router, e, body, rid)
-                    prefill.append((pt or n, ttft * 1000.0))
-                    if tp is not None:
-                        decode.append((1.0, tp * 1000.0))
+                    if keep:
+                        prefill.append((pt or n, ttft * 1000.0))
+                        if tp is not None:
+                            decode.append((1.0, tp * 1000.0))
                 else:
                     p = next((x for x in router.engines.values() if x.role == "prefill" and x.healthy), None)
                     if p is None:
@@ -139,9 +144,10 @@ async def profile_engine(router: Any, e: EngineState) -> None:
                     _, kv, pt = await _prefill_leg(router, p, base, rid + "-p")
                     body = decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv)
                     start, tp, pt2, _ = await _stream(router, e, body, rid)
-                    starts.append((pt or pt2 or n, start * 1000.0))
-                    if tp is not None:
-                        decode.append((1.0, tp * 1000.0))
+                    if keep:
+                        starts.append((pt or pt2 or n, start * 1000.0))
+                        if tp is not None:
+                            decode.append((1.0, tp * 1000.0))
         if e.role in ("unified", "decode"):
             # TPOT under a small batch, for the slope of the load-conditioned profile
             batch = 4
@@ -174,3 +180,7 @@ async def profile_engine(router: Any, e: EngineState) -> None:
         e.profile_status = "failed"
         e.profile_error = str(x) or type(x).__name__
         log.warning("engine %s: profiling failed: %s", e.name, e.profile_error)
+    except Exception as x:  # a bug: say so where operators look, keep serving
+        e.profile_status = "failed"
+        e.profile_error = f"internal error: {type(x).__name__}: {x}"
+        log.exception("engine %s: profiling failed", e.name)

@@ -1,1 +1,212 @@
-"""."""
+"""Simulated OpenAI-compatible engines ("mock engines") for tests, conformance, benchmarks
+and demos: vllm, sglang and openai wire dialects, prefill/decode/unified roles, a timing
+model (FCFS prefill, batch-dependent decode) and fault injection selected per request
+by the request body (`"mock": {...}` or a `[[mock {...}]]` directive in the prompt).
+
+    with running_mock(MockConfig(dialect="vllm")) as m:
+        httpx.post(m.url + "/v1/chat/completions", json={...})
+        m.requests()  # what the engine received
+
+Rules
+  * `running_mock`/`running_fleet` bind their sockets (port 0) before yielding, so a
+    client can connect at once; they serve from one background thread with its own
+    event loop and stop within a bounded time on exit (open streams are cut).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
+
+from .app import DIALECTS, ROLES, MockConfig, MockEngine, create_mock_app
+from .scenarios import EOS_ID, FAULTS, SCENARIOS, VOCAB, Behaviour, content_piece
+from .timing import Timing
+
+__all__ = [
+    "MockConfig",
+    "Timing",
+    "MockEngine",
+    "RunningMock",
+    "create_mock_app",
+    "serve_mock",
+    "running_mock",
+    "running_fleet",
+    "Behaviour",
+    "DIALECTS",
+    "ROLES",
+    "SCENARIOS",
+    "FAULTS",
+    "VOCAB",
+    "EOS_ID",
+    "expected_content",
+    "expected_token_ids",
+]
+
+_STOP_TIMEOUT_S = 10.0
+
+
+def expected_content(tokens: int) -> str:
+    """The text of a plain content answer of `tokens` tokens ending on EOS (finish stop)."""
+    return "".join(content_piece(i).text for i in range(max(0, tokens - 1)))
+
+
+def expected_token_ids(tokens: int, *, stop: bool = True) -> list[int]:
+    """The IDs of a plain content answer: `tokens` IDs, the last one EOS when `stop`."""
+    if not stop:
+        return [content_piece(i).token_id for i in range(tokens)]
+    return [content_piece(i).token_id for i in range(max(0, tokens - 1))] + ([EOS_ID] if tokens else [])
+
+
+def _hypercorn_config(bind: str, *, graceful_timeout: float) -> Any:
+    from hypercorn.config import Config
+
+    hc = Config()
+    hc.bind = [bind]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("narwhal.mock.server")  # not hypercorn's stderr default
+    hc.graceful_timeout = graceful_timeout
+    hc.backlog = 2048
+    hc.keep_alive_max_requests = 1 << 30  # benchmarks reuse connections for a long time
+    hc.keep_alive_timeout = 30
+    return hc
+
+
+def _bind_str(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve_mock(
+    config: MockConfig,
+    host: str,
+    port: int,
+    shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
+    *,
+    graceful_timeout: float = 2.0,
+) -> None:
+    """Serve one mock engine with hypercorn until shutdown_trigger resolves (default:
+    SIGINT/SIGTERM, main thread only)."""
+    from hypercorn.asyncio import serve
+
+    cfg = dataclasses.replace(config, port=port, host=config.host if config.host != "127.0.0.1" else host)
+    app = create_mock_app(cfg)
+    hc = _hypercorn_config(_bind_str(host, port), graceful_timeout=graceful_timeout)
+    await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningMock:
+    """A mock engine serving from a background thread."""
+
+    config: MockConfig
+    host: str
+    port: int
+    app: MockEngine
+
+    @property
+    def url(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return self.app.name
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Recorded completion requests, oldest first: {route, path, x_request_id, body}."""
+        return self.app.recorded()
+
+    def clear_requests(self) -> None:
+        self.app.records.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return self.app.stats()
+
+
+def _listening_socket(host: str) -> socket.socket:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.bind((host, 0))
+    s.listen(2048)  # connections queue from now on, before hypercorn starts accepting
+    return s
+
+
+@contextlib.contextmanager
+def running_fleet(configs: Sequence[MockConfig], host: str = "127.0.0.1") -> Iterator[list[RunningMock]]:
+    """Run several mock engines on free ports in one background event loop."""
+    from hypercorn.asyncio import serve
+
+    socks = [_listening_socket(host) for _ in configs]
+    mocks = []
+    for c, s in zip(configs, socks, strict=True):
+        port = s.getsockname()[1]
+        cfg = dataclasses.replace(c, port=port, host=c.host if c.host != "127.0.0.1" else host)
+        mocks.append(RunningMock(cfg, host, port, create_mock_app(cfg)))
+    loop = asyncio.new_event_loop()
+    stop: asyncio.Event | None = None
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        tasks = []
+        for m, s in zip(mocks, socks, strict=True):
+            hc = _hypercorn_config(f"fd://{s.detach()}", graceful_timeout=0.5)  # hypercorn owns the fd now
+            tasks.append(asyncio.create_task(serve(m.app, hc, shutdown_trigger=stop.wait)))  # type: ignore[arg-type]
+        started.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        failure.extend(r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError))
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(main())
+        except BaseException as e:  # pragma: no cover - reported to the caller
+            failure.append(e)
+        finally:
+            with contextlib.suppress(Exception):
+                _cancel_all(loop)
+            loop.close()
+            started.set()
+
+    t = threading.Thread(target=run, name="narwhal-mock-fleet", daemon=True)
+    t.start()
+    started.wait(_STOP_TIMEOUT_S)
+    try:
+        yield mocks
+    finally:
+        if stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        t.join(_STOP_TIMEOUT_S)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()
+    if t.is_alive():  # pragma: no cover
+        raise RuntimeError("mock engines did not stop within the timeout")
+    if failure:
+        raise RuntimeError(f"mock engine failed: {failure[0]!r}") from failure[0]
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=2.0))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+
+
+@contextlib.contextmanager
+def running_mock(config: MockConfig, host: str = "127.0.0.1") -> Iterator[RunningMock]:
+    """Run one mock engine on a free port in a background thread; stops on exit."""
+    with running_fleet([config], host) as (m,):
+        yield m

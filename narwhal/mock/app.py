@@ -1,0 +1,555 @@
+"""The mock engine as a raw ASGI application.
+
+Rules
+  * Routes: POST /v1/chat/completions, POST /v1/completions (streaming and not),
+    GET /v1/models, GET /health, GET|DELETE /mock/requests, GET /mock/stats,
+    POST /mock/health {"healthy": bool} (a failing health check, for monitoring tests).
+  * Roles (ENGINES.md section 11): `unified` prefills then decodes; `prefill` answers
+    after its prefill and, when asked with kv_transfer_params.do_remote_decode, returns
+    top-level kv_transfer_params; `decode` refuses (400) a completion request whose
+    kv_transfer_params lack do_remote_prefill: true, and with them skips the prefill
+    (only a transfer wait).
+  * Order of checks on a completion request: JSON -> model (404) -> `mock` options ->
+    request shape -> dialect rules -> role -> early faults. Every refusal is answered
+    before any byte of a stream.
+  * Streaming engines send response headers at once (as real engines do), the role
+    chunk and first token right after the prefill, then one token per decode step.
+  * A client disconnect cancels the request's task at once (a watcher task waits for
+    http.disconnect): its prefill-queue slot and decode-batch seat are freed in
+    `finally` blocks, and `cancelled` counts it.
+  * `drop` returns from the app mid-body: hypercorn then closes the connection without
+    the chunked terminator, which is what a crashed engine looks like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from . import wire
+from .scenarios import (
+    PIECE_FAULTS,
+    STREAM_FAULTS,
+    TOOL_FAULTS,
+    TOOL_OPEN,
+    Behaviour,
+    BehaviourError,
+    Script,
+    build_script,
+    parse_behaviour,
+)
+from .timing import EngineLoad, Timing, prompt_size
+
+__all__ = ["MockConfig", "MockEngine", "create_mock_app", "DIALECTS", "ROLES"]
+
+DIALECTS = ("vllm", "sglang", "openai")
+ROLES = ("unified", "prefill", "decode")
+_ROUTES = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+_JSON = (b"content-type", b"application/json")
+_SGLANG_STREAM_IDS = "return_token_ids is not supported with streaming on /v1/chat/completions. Please set stream=false when using return_token_ids=true."
+_DECODE_NEEDS_KV = "this is a decode engine: kv_transfer_params from a prefill engine (do_remote_prefill: true) are required"
+_MALFORMED = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"trunc\n\n'
+_OWNER = {"vllm": "vllm", "sglang": "sglang", "openai": "system"}
+
+
+@dataclass(frozen=True, slots=True)
+class MockConfig:
+    """One simulated engine. `name` defaults to f"{role}-{port}"."""
+
+    dialect: str = "vllm"
+    role: str = "unified"
+    model: str = "narwhal-demo"
+    name: str | None = None
+    port: int | None = None  # set by serve_mock/running_mock; names the engine
+    host: str = "127.0.0.1"  # advertised as kv_transfer_params.remote_host
+    timing: Timing = field(default_factory=Timing)
+    bytes_per_token: float = 4.0
+    output_tokens: int = 16  # natural output length when a request does not say
+    stream_interval: int = 1  # the server's interval; vLLM requests may only raise it
+    max_model_len: int | None = None  # prompt + max_tokens above it -> 400 (None: no limit)
+    quirks: frozenset[str] = frozenset()  # e.g. {"tgi_repeat_ids"} for every request
+    record_limit: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {DIALECTS}, not {self.dialect!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
+        if self.stream_interval < 1 or self.output_tokens < 0 or self.bytes_per_token <= 0:
+            raise ValueError("stream_interval >= 1, output_tokens >= 0, bytes_per_token > 0")
+
+    def engine_name(self, port: int | None = None) -> str:
+        return self.name or f"{self.role}-{self.port if self.port is not None else port}"
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class _Watch:
+    __slots__ = ("gone", "finished")
+
+    def __init__(self) -> None:
+        self.gone = False  # the client went away
+        self.finished = False  # the full answer was handed to the server: ignore a disconnect
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return str(v.decode("latin-1"))
+    return None
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    parts = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(parts)
+
+
+async def _send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [_JSON, *(headers or ())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _max_tokens(route: str, body: dict[str, Any]) -> int | None:
+    keys = ("max_completion_tokens", "max_tokens") if route == "chat" else ("max_tokens",)
+    for k in keys:
+        v = body.get(k)
+        if v is None:
+            continue
+        if type(v) is not int or v < 1:
+            raise _Refusal(400, f"{k} must be at least 1, got {v!r}.", k)
+        return v
+    return None
+
+
+def _validate(cfg: MockConfig, route: str, body: dict[str, Any]) -> None:
+    if route == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise _Refusal(400, "messages must be a non-empty list of message objects", "messages")
+    elif not isinstance(body.get("prompt"), (str, list)):
+        raise _Refusal(400, "prompt must be a string, a list of strings or a list of token IDs", "prompt")
+    if "stream" in body and type(body["stream"]) is not bool:
+        raise _Refusal(400, "stream must be a boolean", "stream")
+    stream = body.get("stream") is True
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise _Refusal(400, "stream_options must be an object", "stream_options")
+    if cfg.dialect == "vllm" and so is not None and not stream:
+        raise _Refusal(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+    if cfg.dialect == "sglang" and route == "chat" and stream and body.get("return_token_ids") is True:
+        raise _Refusal(400, _SGLANG_STREAM_IDS, "return_token_ids")  # ENGINES.md pitfall 5
+
+
+def _prompt_ids(route: str, body: dict[str, Any], n: int) -> list[int]:
+    """Deterministic stand-in prompt IDs for a text prompt."""
+    seed = zlib.crc32(orjson.dumps(body.get("messages") if route == "chat" else body.get("prompt")))
+    return [100 + (seed + 7 * i) % 800 for i in range(n)]
+
+
+class MockEngine:
+    """The ASGI application of one simulated engine."""
+
+    def __init__(self, config: MockConfig) -> None:
+        self.config = config
+        self.load = EngineLoad(config.timing)
+        self.records: deque[dict[str, Any]] = deque(maxlen=config.record_limit)
+        self.healthy = True
+        self.requests = 0
+        self.in_flight = 0
+        self.cancelled = 0
+        self.completed = 0
+        self.refused = 0
+        self.faulted = 0
+        self._blocks = 0
+        self._port: int | None = config.port
+
+    @property
+    def name(self) -> str:
+        return self.config.engine_name(self._port)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dialect": self.config.dialect,
+            "role": self.config.role,
+            "model": self.config.model,
+            "requests": self.requests,
+            "in_flight": self.in_flight,
+            "cancelled": self.cancelled,
+            "completed": self.completed,
+            "refused": self.refused,
+            "faulted": self.faulted,
+            "prefill_queue": self.load.prefill_queue,
+            "decoding": self.load.decoding,
+            "prefills": self.load.prefills_done,
+        }
+
+    def recorded(self) -> list[dict[str, Any]]:
+        while True:
+            try:
+                return list(self.records)
+            except RuntimeError:  # mutated by the serving thread while copying
+                continue
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if self._port is None and scope.get("server"):
+            self._port = scope["server"][1]
+        path = scope.get("raw_path") or scope["path"].encode()
+        path = path.split(b"?", 1)[0]
+        method = scope["method"]
+        route = _ROUTES.get(path)
+        if route is not None:
+            if method != "POST":
+                return await self._error(send, 405, "Method Not Allowed")
+            return await self._completion(scope, receive, send, route)
+        if path == b"/health" and method == "GET":
+            status = 200 if self.healthy else 503
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]})
+            return await send({"type": "http.response.body", "body": b""})
+        if path == b"/v1/models" and method == "GET":
+            if not self.healthy:
+                return await self._error(send, 503, "engine unhealthy (mock)")
+            return await _send_json(send, 200, orjson.dumps(self._models()))
+        if path == b"/mock/requests":
+            if method == "DELETE":
+                self.records.clear()
+                return await _send_json(send, 200, b'{"cleared":true}')
+            return await _send_json(send, 200, orjson.dumps(self.recorded()))
+        if path == b"/mock/stats":
+            return await _send_json(send, 200, orjson.dumps(self.stats()))
+        if path == b"/mock/health" and method == "POST":
+            raw = await _read_body(receive)
+            try:
+                self.healthy = bool(orjson.loads(raw or b"{}").get("healthy", True))
+            except (orjson.JSONDecodeError, AttributeError):
+                return await self._error(send, 400, 'expected {"healthy": true|false}')
+            return await _send_json(send, 200, orjson.dumps({"healthy": self.healthy}))
+        return await self._error(send, 404, "Not Found")
+
+    def _models(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"id": self.config.model, "object": "model", "created": int(time.time()), "owned_by": _OWNER[self.config.dialect]}
+        if self.config.dialect == "vllm":
+            m.update(root=self.config.model, parent=None, max_model_len=self.config.max_model_len or 131072)
+        return {"object": "list", "data": [m]}
+
+    async def _error(self, send: Any, status: int, message: str, param: str | None = None, code: str | None = None, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        await _send_json(send, status, wire.error_body(self.config.dialect, status, message, param=param, code=code), headers)
+
+    # --- completion routes --------------------------------------------------------------
+
+    async def _completion(self, scope: dict[str, Any], receive: Any, send: Any, route: str) -> None:
+        cfg = self.config
+        xrid = _header(scope, b"x-request-id")
+        hdrs = [(b"x-request-id", xrid.encode())] if xrid else []
+        raw = await _read_body(receive)
+        if raw is None:
+            return
+        self.requests += 1
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        self.records.append({"route": route, "path": scope["path"], "x_request_id": xrid, "body": body if body is not None else raw[:2000].decode("utf-8", "replace")})
+        try:
+            if not isinstance(body, dict):
+                raise _Refusal(400, "the request body is not a JSON object")
+            if body.get("model") != cfg.model:
+                code = "model_not_found" if cfg.dialect == "openai" else None
+                raise _Refusal(404, f"The model `{body.get('model')}` does not exist.", "model", code)
+            try:
+                beh = parse_behaviour(route, body)
+            except BehaviourError as e:
+                raise _Refusal(400, e.message, "mock") from None
+            _validate(cfg, route, body)
+            kv = body.get("kv_transfer_params")
+            remote = isinstance(kv, dict) and kv.get("do_remote_prefill") is True
+            if cfg.role == "decode" and not remote:
+                raise _Refusal(400, _DECODE_NEEDS_KV, "kv_transfer_params")
+            max_tokens = _max_tokens(route, body)
+            n_prompt, exact_ids = prompt_size(route, body, cfg.bytes_per_token)
+            if cfg.max_model_len is not None and n_prompt + (max_tokens or 0) > cfg.max_model_len:
+                raise _Refusal(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested {n_prompt + (max_tokens or 0)} tokens ({n_prompt} in the messages, {max_tokens or 0} in the completion).", "max_tokens")
+            fault = beh.fault_on(self.name)
+            if fault == "reject":
+                raise _Refusal(400, "mock: request rejected (fault reject)")
+            if fault == "error_before":
+                raise _Refusal(500, "mock: internal engine error (fault error_before)")
+        except _Refusal as r:
+            self.refused += 1
+            return await self._error(send, r.status, r.message, r.param, r.code, hdrs)
+
+        task = asyncio.current_task()
+        assert task is not None
+        watch = _Watch()
+        watcher = asyncio.create_task(self._watch(receive, task, watch))
+        self.in_flight += 1
+        try:
+            await self._serve(send, route, body, beh, fault, xrid, hdrs, watch, n_prompt, exact_ids, max_tokens, remote, kv)
+        except asyncio.CancelledError:
+            if watch.gone and task.uncancel() == 0:
+                self.cancelled += 1  # the client went away: the engine is free again
+                return
+            raise
+        finally:
+            watch.finished = True
+            self.in_flight -= 1
+            watcher.cancel()
+
+    async def _watch(self, receive: Any, task: asyncio.Task[Any], watch: _Watch) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if not watch.finished:
+                    watch.gone = True
+                    task.cancel()
+                return
+
+    def _reply(self, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, script: Script, n_prompt: int, exact_ids: list[int] | None, stream: bool, kv_out: dict[str, Any] | None) -> wire.Reply:
+        d = self.config.dialect
+        so = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else None
+        want_ids = body.get("return_token_ids") is True
+        if d == "vllm":
+            ids = want_ids
+        elif d == "sglang":
+            ids = want_ids and (route == "completions" or not stream)
+        else:
+            ids = False
+        if route == "chat":
+            k = body.get("top_logprobs")
+            on = body.get("logprobs") is True or beh.logprobs
+            logprobs = max(1, k if type(k) is int else 0) if on else None
+        else:
+            lp = body.get("logprobs")
+            if type(lp) is int or lp is True or beh.logprobs:
+                logprobs = max(1, lp if type(lp) is int else 1)
+            else:
+                logprobs = None
+        usage = continuous = False
+        if so is not None:
+            if d == "vllm":
+                usage = so.get("include_usage", True) is not False  # default true once sent
+                continuous = usage and so.get("continuous_usage_stats") is True
+            else:
+                usage = so.get("include_usage") is True
+                continuous = d == "sglang" and so.get("continuous_usage_stats") is True
+        if beh.usage is not None:
+            usage = beh.usage
+        tool_fault = None
+        if fault in TOOL_FAULTS:
+            opens = [p for i, p in enumerate(script.pieces) if p.kind == TOOL_OPEN and i >= beh.fault_after]
+            opens = opens or [p for p in script.pieces if p.kind == TOOL_OPEN]
+            tool_fault = (fault, opens[0].index) if opens else None
+        return wire.Reply(
+            dialect=d,
+            route=route,
+            scenario=beh.scenario,
+            id=wire.new_id(d, route, xrid),
+            created=int(time.time()),
+            model=self.config.model,
+            prompt_tokens=n_prompt,
+            prompt_ids=exact_ids if exact_ids is not None else (_prompt_ids(route, body, n_prompt) if ids else []),
+            script=script,
+            ids=ids,
+            logprobs=logprobs,
+            usage=usage,
+            continuous_usage=continuous,
+            usage_null=d == "openai" and usage,
+            obfuscation=not (so is not None and so.get("include_obfuscation") is False),
+            quirks=self.config.quirks | beh.quirks,
+            piece_fault=fault if (fault in PIECE_FAULTS and not stream) else None,
+            tool_fault=tool_fault,
+            no_finish_reason=fault == "no_finish_reason",
+            kv_transfer_params=kv_out,
+        )
+
+    def _kv_out(self, xrid: str | None, n_prompt: int) -> dict[str, Any]:
+        blocks = max(1, -(-n_prompt // 16))
+        start = self._blocks
+        self._blocks += blocks
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(start, start + blocks)),
+            "remote_engine_id": self.name,
+            "remote_request_id": xrid,
+            "remote_host": host,
+            "remote_port": self._port,
+            "tp_size": 1,
+        }
+
+    async def _serve(self, send: Any, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, hdrs: list[tuple[bytes, bytes]], watch: _Watch, n_prompt: int, exact_ids: list[int] | None, max_tokens: int | None, remote: bool, kv_in: Any) -> None:
+        cfg = self.config
+        stream = body.get("stream") is True
+        ignore_eos = cfg.dialect != "openai" and body.get("ignore_eos") is True
+        mt = body.get("min_tokens")
+        script = build_script(beh, route=route, max_tokens=max_tokens, default_tokens=cfg.output_tokens, ignore_eos=ignore_eos, min_tokens=mt if type(mt) is int else 0)
+        wants_kv = cfg.role == "prefill" and isinstance(kv_in, dict) and kv_in.get("do_remote_decode") is True
+        kv_out = self._kv_out(xrid, n_prompt) if wants_kv and not stream else None
+        reply = self._reply(route, body, beh, fault, xrid, script, n_prompt, exact_ids, stream, kv_out)
+        if fault is not None:
+            self.faulted += 1
+        if fault == "stall_before":
+            await self._stall(beh)  # before the first byte of the response
+        if stream:
+            await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *hdrs]})
+        if cfg.role == "decode" and remote:
+            await self.load.transfer(n_prompt)
+        else:
+            await self.load.prefill(n_prompt, beh.prefill_ms)
+        self.load.decoding += 1
+        try:
+            if stream:
+                complete = await self._stream(send, reply, beh, fault, watch, body)
+            else:
+                complete = await self._respond(send, reply, beh, fault, watch, hdrs)
+        finally:
+            self.load.decoding -= 1
+        if complete:
+            self.completed += 1
+
+    async def _stall(self, beh: Behaviour) -> None:
+        if beh.stall_ms is None:
+            await asyncio.Event().wait()  # until the client goes away (task cancelled)
+        else:
+            await asyncio.sleep(beh.stall_ms / 1000.0)
+
+    def _interval(self, body: dict[str, Any]) -> int:
+        cfg = self.config
+        if cfg.dialect == "openai":
+            return 1
+        si = body.get("stream_interval")
+        if cfg.dialect == "vllm" and type(si) is int and si > cfg.stream_interval:
+            return si  # a request may only raise the server's interval
+        return cfg.stream_interval
+
+    async def _stream(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, body: dict[str, Any]) -> bool:
+        """Stream the answer; False when a fault ended it early."""
+        loop = asyncio.get_running_loop()
+        rend = wire.renderer(reply)
+        pieces = reply.script.pieces
+        n = len(pieces)
+        at = min(beh.fault_after, n)  # stream faults fire before token `at` is sent
+        stream_fault = fault if fault in STREAM_FAULTS else None
+        piece_at = min(beh.fault_after, n - 1) if fault in PIECE_FAULTS else -1
+        interval = self._interval(body)
+        tpot = beh.tpot_ms
+        load = self.load
+
+        async def write(ev: bytes) -> None:
+            await send({"type": "http.response.body", "body": ev, "more_body": True})
+
+        for ev in rend.head():
+            await write(ev)
+        group: list[Any] = []
+        next_t = loop.time()
+        i = 0
+        while True:
+            if stream_fault is not None and i == at:
+                if group:
+                    for ev in rend.group(group, final=False):
+                        await write(ev)
+                    group = []
+                if stream_fault == "error_event":
+                    await write(wire.error_event(reply.dialect, "mock: the engine failed mid-stream (fault error_event)"))
+                    watch.finished = True
+                    await send({"type": "http.response.body", "body": wire.DONE})
+                    return False
+                if stream_fault == "drop":
+                    watch.finished = True
+                    return False  # no terminator: the server closes the connection
+                if stream_fault == "malformed_json":
+                    await write(_MALFORMED)
+                elif stream_fault == "stall":
+                    await self._stall(beh)
+                stream_fault = None
+            if i == n:
+                break
+            if i > 0:  # the first token comes with the prefill; then one per decode step
+                next_t += load.tpot_s(tpot)
+                now = loop.time()
+                if next_t > now:
+                    await asyncio.sleep(next_t - now)
+                else:
+                    next_t = now  # running late: no catch-up burst
+            if i == piece_at:
+                rend.pending = fault
+            p = pieces[i]
+            group.append(p)
+            i += 1
+            if i == 1 or i == n or len(group) >= interval or pieces[i].kind != p.kind or pieces[i].index != p.index:
+                for ev in rend.group(group, final=i == n):
+                    await write(ev)
+                group = []
+        if n == 0:
+            for ev in rend.group([], final=True):
+                await write(ev)
+        if reply.usage:
+            await write(rend.usage_chunk())
+        watch.finished = True
+        await send({"type": "http.response.body", "body": wire.DONE})
+        return True
+
+    async def _respond(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, hdrs: list[tuple[bytes, bytes]]) -> bool:
+        loop = asyncio.get_running_loop()
+        next_t = loop.time()
+        for _ in range(1, len(reply.script.pieces)):
+            next_t += self.load.tpot_s(beh.tpot_ms)
+            now = loop.time()
+            if next_t > now:
+                await asyncio.sleep(next_t - now)
+            else:
+                next_t = now
+        if fault == "error_event":
+            watch.finished = True
+            await self._error(send, 500, "mock: the engine failed during generation (fault error_event)", headers=hdrs)
+            return False
+        data = orjson.dumps(wire.response(reply))
+        if fault == "stall":
+            await send({"type": "http.response.start", "status": 200, "headers": [_JSON, *hdrs]})
+            await self._stall(beh)
+            watch.finished = True
+            await send({"type": "http.response.body", "body": data})
+            return True
+        if fault == "drop":
+            await send({"type": "http.response.start", "status": 200, "headers": [_JSON, *hdrs]})
+            await send({"type": "http.response.body", "body": data[: len(data) // 2], "more_body": True})
+            watch.finished = True
+            return False
+        if fault == "malformed_json":
+            data = data[: len(data) // 2]
+        watch.finished = True
+        await _send_json(send, 200, data, hdrs)
+        return fault is None
+
+
+def create_mock_app(config: MockConfig) -> MockEngine:
+    """The ASGI app of one mock engine (call it as app(scope, receive, send))."""
+    return MockEngine(config)

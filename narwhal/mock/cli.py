@@ -1,0 +1,126 @@
+"""`narwhal mock-engine` (also `python -m narwhal.mock`): one simulated engine.
+
+    narwhal mock-engine --dialect vllm|sglang|openai --role prefill|decode|unified \
+        --port N --model NAME [--host H] [--name NAME] [timing flags...]
+
+Timing flags default to the model in narwhal/mock/timing.py; every time is multiplied
+by --time-scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from .app import DIALECTS, ROLES, MockConfig
+from .scenarios import QUIRKS
+from .timing import Timing
+
+__all__ = ["add_arguments", "run", "config_from_args", "main"]
+
+_T = Timing()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dialect", choices=DIALECTS, default="vllm", help="wire dialect (default vllm)")
+    p.add_argument("--role", choices=ROLES, default="unified", help="engine role (default unified)")
+    p.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    p.add_argument("--model", default="narwhal-demo", help="the served model name (default narwhal-demo)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--name", help="engine name (default ROLE-PORT); faults with fault_engines match it")
+    t = p.add_argument_group("timing (milliseconds, before --time-scale)")
+    t.add_argument("--prefill-base-ms", type=float, default=_T.prefill_base_ms, help="a in T(n) = a + b*n + c*n^2")
+    t.add_argument("--prefill-per-token-ms", type=float, default=_T.prefill_per_token_ms, help="b in T(n)")
+    t.add_argument("--prefill-quadratic-ms", type=float, default=_T.prefill_quadratic_ms, help="c in T(n)")
+    t.add_argument("--tpot-base-ms", type=float, default=_T.tpot_base_ms, help="d0 in tpot = d0 + d1*B")
+    t.add_argument("--tpot-per-seq-ms", type=float, default=_T.tpot_per_seq_ms, help="d1 in tpot (B = sequences decoding)")
+    t.add_argument("--transfer-base-ms", type=float, default=_T.transfer_base_ms, help="decode role: KV transfer base time")
+    t.add_argument("--transfer-per-token-ms", type=float, default=_T.transfer_per_token_ms, help="decode role: KV transfer per prompt token")
+    t.add_argument("--time-scale", type=float, default=1.0, help="multiplies every modelled time (default 1)")
+    t.add_argument("--noise-sigma", type=float, default=0.0, help="lognormal noise sigma on every time (default 0)")
+    t.add_argument("--seed", type=int, default=0, help="noise seed")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-tokens", type=int, default=16, help="output length when a request does not say (default 16)")
+    o.add_argument("--bytes-per-token", type=float, default=4.0, help="text prompt sizing (default 4.0)")
+    o.add_argument("--stream-interval", type=int, default=1, help="server stream interval: tokens per event (default 1)")
+    o.add_argument("--max-model-len", type=int, default=None, help="context window; longer requests get 400 (default none)")
+    o.add_argument("--quirk", action="append", choices=sorted(QUIRKS), default=[], help="engine quirk for every request (repeatable)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> MockConfig:
+    timing = Timing(
+        prefill_base_ms=args.prefill_base_ms,
+        prefill_per_token_ms=args.prefill_per_token_ms,
+        prefill_quadratic_ms=args.prefill_quadratic_ms,
+        tpot_base_ms=args.tpot_base_ms,
+        tpot_per_seq_ms=args.tpot_per_seq_ms,
+        transfer_base_ms=args.transfer_base_ms,
+        transfer_per_token_ms=args.transfer_per_token_ms,
+        time_scale=args.time_scale,
+        noise_sigma=args.noise_sigma,
+        seed=args.seed,
+    )
+    return MockConfig(
+        dialect=args.dialect,
+        role=args.role,
+        model=args.model,
+        name=args.name,
+        port=args.port,
+        host=args.host,
+        timing=timing,
+        bytes_per_token=args.bytes_per_token,
+        output_tokens=args.output_tokens,
+        stream_interval=args.stream_interval,
+        max_model_len=args.max_model_len,
+        quirks=frozenset(args.quirk),
+    )
+
+
+async def _main(cfg: MockConfig, host: str, port: int) -> None:
+    from . import serve_mock
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await serve_mock(cfg, host, port, shutdown_trigger=stop.wait)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"narwhal mock-engine: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(
+        f"narwhal mock-engine {cfg.engine_name()}: {cfg.dialect} {cfg.role} engine, model {cfg.model!r}, "
+        f"on http://{args.host}:{args.port} (time scale {cfg.timing.time_scale})",
+        flush=True,
+    )
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(_main(cfg, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:
+        print(f"narwhal mock-engine: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m narwhal.mock", description="A simulated OpenAI-compatible LLM engine.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
