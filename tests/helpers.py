@@ -129,3 +129,85 @@ def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = No
         th.join(30)
         if not loop.is_closed() and not th.is_alive():
             loop.close()
+
+
+class Streamed:
+    """An SSE answer read to its end: status, headers, parsed events, [DONE] seen."""
+
+    def __init__(self, status: int, headers: httpx.Headers) -> None:
+        self.status = status
+        self.headers = headers
+        self.events: list[Any] = []
+        self.done = False
+        self.body = b""
+        self.error: Exception | None = None
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if isinstance(e, dict) and "error" not in e]
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [e["error"] for e in self.events if isinstance(e, dict) and "error" in e]
+
+    def json(self) -> Any:
+        import orjson
+
+        return orjson.loads(self.body)
+
+
+def sse(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, client: httpx.Client | None = None, timeout: float = 30.0) -> Streamed:
+    import orjson
+
+    c = client or httpx.Client(timeout=timeout)
+    try:
+        with c.stream("POST", url + path, json=body, headers=headers) as r:
+            out = Streamed(r.status_code, r.headers)
+            if not r.headers.get("content-type", "").startswith("text/event-stream"):
+                out.body = r.read()
+                return out
+            try:
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    assert line.startswith("data: "), line
+                    data = line[6:]
+                    if data == "[DONE]":
+                        out.done = True
+                        continue
+                    try:
+                        out.events.append(orjson.loads(data))
+                    except orjson.JSONDecodeError:
+                        out.events.append(data)
+            except httpx.HTTPError as e:
+                out.error = e
+            return out
+    finally:
+        if client is None:
+            c.close()
+
+
+def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a client builds from streamed chat deltas (the naive way: join strings by
+    field, tool calls by index), to compare with the router's assembled answer."""
+    msg: dict[str, Any] = {}
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for ch in chunks:
+        for c in ch.get("choices") or ():
+            d = c.get("delta") or {}
+            for k in ("content", "reasoning", "reasoning_content", "refusal"):
+                if isinstance(d.get(k), str):
+                    msg[k] = msg.get(k, "") + d[k]
+            for tc in d.get("tool_calls") or ():
+                acc = calls.setdefault(tc.get("index", 0), {"id": "", "name": "", "arguments": ""})
+                acc["id"] += tc.get("id") or ""
+                fn = tc.get("function") or {}
+                acc["name"] += fn.get("name") or ""
+                acc["arguments"] += fn.get("arguments") or ""
+            if c.get("finish_reason"):
+                finish = c["finish_reason"]
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    msg["finish_reason"] = finish
+    return msg

@@ -179,6 +179,8 @@ class _Run:
                     break
             else:
                 raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
+        except UpstreamError as x:
+            raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
         finally:
             await up.aclose()
         now = r.clock.now()

@@ -9,10 +9,12 @@ from typing import Any
 import httpx
 import orjson
 
-__all__ = ["Streamed", "sse", "post", "chat_body", "completion_body", "wait_until", "classify", "MODEL"]
+__all__ = ["Streamed", "sse", "post", "get", "chat_body", "completion_body", "wait_until", "classify", "request", "MODEL"]
 
 MODEL = "narwhal-demo"
 TIMEOUT = httpx.Timeout(5.0)
+# One pooled client for the whole run: creating an httpx.Client costs ~30 ms (SSL context).
+_CLIENT = httpx.Client(timeout=TIMEOUT, limits=httpx.Limits(max_connections=64))
 
 
 @dataclass
@@ -33,38 +35,41 @@ class Streamed:
 def sse(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, timeout: Any = TIMEOUT, client: httpx.Client | None = None) -> Streamed:
     """POST and read an SSE answer to the end (or to a transport error)."""
     t0 = time.monotonic()
-    own = client is None
-    c = client or httpx.Client(timeout=timeout)
-    try:
-        with c.stream("POST", url + path, json=body, headers=headers) as r:
-            out = Streamed(r.status_code, dict(r.headers))
-            if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/event-stream"):
-                out.body = r.read()
-                return out
-            try:
-                for line in r.iter_lines():
-                    if not line:
-                        continue
-                    assert line.startswith("data: "), line
-                    data = line[6:]
-                    out.arrivals.append(time.monotonic() - t0)
-                    if data == "[DONE]":
-                        out.done = True
-                        continue
-                    try:
-                        out.events.append(orjson.loads(data))
-                    except orjson.JSONDecodeError:
-                        out.events.append(data)
-            except httpx.HTTPError as e:
-                out.error = e
+    c = client or _CLIENT
+    with c.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
+        out = Streamed(r.status_code, dict(r.headers))
+        if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/event-stream"):
+            out.body = r.read()
             return out
-    finally:
-        if own:
-            c.close()
+        try:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                assert line.startswith("data: "), line
+                data = line[6:]
+                out.arrivals.append(time.monotonic() - t0)
+                if data == "[DONE]":
+                    out.done = True
+                    continue
+                try:
+                    out.events.append(orjson.loads(data))
+                except orjson.JSONDecodeError:
+                    out.events.append(data)
+        except httpx.HTTPError as e:
+            out.error = e
+        return out
 
 
-def post(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, timeout: Any = TIMEOUT) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers=headers, timeout=timeout)
+def post(url: str, body: Any, *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, timeout: Any = TIMEOUT) -> httpx.Response:
+    return _CLIENT.post(url + path, json=body, headers=headers, timeout=timeout)
+
+
+def get(url: str, **kw: Any) -> httpx.Response:
+    return _CLIENT.get(url, **kw)
+
+
+def request(method: str, url: str, **kw: Any) -> httpx.Response:
+    return _CLIENT.request(method, url, **kw)
 
 
 def chat_body(text: str = "Hello there", **kw: Any) -> dict[str, Any]:
