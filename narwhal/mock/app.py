@@ -96,11 +96,15 @@ class _Refusal(Exception):
 
 
 class _Watch:
-    __slots__ = ("gone", "finished")
+    """One request's life: settled once, before its last byte (so a client that has read
+    the answer sees the engine's counters already updated) or on the way out."""
+
+    __slots__ = ("gone", "finished", "seated")
 
     def __init__(self) -> None:
         self.gone = False  # the client went away
-        self.finished = False  # the full answer was handed to the server: ignore a disconnect
+        self.finished = False  # settled: the answer was handed over, ignore a disconnect
+        self.seated = False  # holds a seat in the decode batch
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
@@ -318,9 +322,19 @@ class MockEngine:
                 return
             raise
         finally:
-            watch.finished = True
-            self.in_flight -= 1
+            self._settle(watch, complete=False)
             watcher.cancel()
+
+    def _settle(self, watch: _Watch, *, complete: bool) -> None:
+        if watch.finished:
+            return
+        watch.finished = True
+        self.in_flight -= 1
+        if watch.seated:
+            watch.seated = False
+            self.load.decoding -= 1
+        if complete:
+            self.completed += 1
 
     async def _watch(self, receive: Any, task: asyncio.Task[Any], watch: _Watch) -> None:
         while True:
@@ -425,15 +439,11 @@ class MockEngine:
         else:
             await self.load.prefill(n_prompt, beh.prefill_ms)
         self.load.decoding += 1
-        try:
-            if stream:
-                complete = await self._stream(send, reply, beh, fault, watch, body)
-            else:
-                complete = await self._respond(send, reply, beh, fault, watch, hdrs)
-        finally:
-            self.load.decoding -= 1
-        if complete:
-            self.completed += 1
+        watch.seated = True
+        if stream:
+            await self._stream(send, reply, beh, fault, watch, body)
+        else:
+            await self._respond(send, reply, beh, fault, watch, hdrs)
 
     async def _stall(self, beh: Behaviour) -> None:
         if beh.stall_ms is None:
@@ -450,8 +460,7 @@ class MockEngine:
             return si  # a request may only raise the server's interval
         return cfg.stream_interval
 
-    async def _stream(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, body: dict[str, Any]) -> bool:
-        """Stream the answer; False when a fault ended it early."""
+    async def _stream(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, body: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
         rend = wire.renderer(reply)
         pieces = reply.script.pieces
@@ -479,12 +488,12 @@ class MockEngine:
                     group = []
                 if stream_fault == "error_event":
                     await write(wire.error_event(reply.dialect, "mock: the engine failed mid-stream (fault error_event)"))
-                    watch.finished = True
+                    self._settle(watch, complete=False)
                     await send({"type": "http.response.body", "body": wire.DONE})
-                    return False
+                    return
                 if stream_fault == "drop":
-                    watch.finished = True
-                    return False  # no terminator: the server closes the connection
+                    self._settle(watch, complete=False)
+                    return  # no terminator: the server closes the connection
                 if stream_fault == "malformed_json":
                     await write(_MALFORMED)
                 elif stream_fault == "stall":
@@ -513,11 +522,10 @@ class MockEngine:
                 await write(ev)
         if reply.usage:
             await write(rend.usage_chunk())
-        watch.finished = True
+        self._settle(watch, complete=True)
         await send({"type": "http.response.body", "body": wire.DONE})
-        return True
 
-    async def _respond(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, hdrs: list[tuple[bytes, bytes]]) -> bool:
+    async def _respond(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, hdrs: list[tuple[bytes, bytes]]) -> None:
         loop = asyncio.get_running_loop()
         next_t = loop.time()
         for _ in range(1, len(reply.script.pieces)):
@@ -528,26 +536,25 @@ class MockEngine:
             else:
                 next_t = now
         if fault == "error_event":
-            watch.finished = True
+            self._settle(watch, complete=False)
             await self._error(send, 500, "mock: the engine failed during generation (fault error_event)", headers=hdrs)
-            return False
+            return
         data = orjson.dumps(wire.response(reply))
         if fault == "stall":
             await send({"type": "http.response.start", "status": 200, "headers": [_JSON, *hdrs]})
             await self._stall(beh)
-            watch.finished = True
+            self._settle(watch, complete=True)
             await send({"type": "http.response.body", "body": data})
-            return True
+            return
         if fault == "drop":
             await send({"type": "http.response.start", "status": 200, "headers": [_JSON, *hdrs]})
+            self._settle(watch, complete=False)
             await send({"type": "http.response.body", "body": data[: len(data) // 2], "more_body": True})
-            watch.finished = True
-            return False
+            return
         if fault == "malformed_json":
             data = data[: len(data) // 2]
-        watch.finished = True
+        self._settle(watch, complete=True)
         await _send_json(send, 200, data, hdrs)
-        return fault is None
 
 
 def create_mock_app(config: MockConfig) -> MockEngine:

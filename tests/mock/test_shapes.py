@@ -18,7 +18,7 @@ from narwhal.core.dialects import ToolCallNormaliser
 from narwhal.core.tokens import check_token_ids
 from narwhal.mock import EOS_ID, expected_content, expected_token_ids
 
-from .support import chat_body, classify, completion_body, post, sse
+from .support import chat_body, classify, completion_body, get, post, sse
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "engine-streams"
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
@@ -341,11 +341,9 @@ def test_max_tokens_caps_output(fleet: Any) -> None:
 
 
 def test_models_health_and_unknown_model(fleet: Any) -> None:
-    import httpx
-
     for d, m in fleet.items():
-        models = httpx.get(m.url + "/v1/models", timeout=5).json()
+        models = get(m.url + "/v1/models", timeout=5.0).json()
         assert models["object"] == "list" and models["data"][0]["id"] == "narwhal-demo"
-        assert httpx.get(m.url + "/health", timeout=5).status_code == 200
+        assert get(m.url + "/health", timeout=5.0).status_code == 200
         r = post(m.url, {**chat_body(), "model": "other"})
         assert r.status_code == 404 and set(r.json()["error"]) >= {"message", "type", "param", "code"}, d
