@@ -180,8 +180,21 @@ class Router:
     # -- profiling -------------------------------------------------------------------
 
     def profile_all(self) -> None:
-        for e in self.engines.values():
-            self.profile(e.name)
+        """Profile the fleet: prefill and unified engines together, then decode engines one
+        at a time (their measurements send prefill legs, which must not queue behind one
+        another's or behind a prefill engine's own profiling)."""
+        from .profiler import profile_engine
+
+        async def fleet() -> None:
+            first = [e for e in self.engines.values() if e.role != "decode"]
+            for e in self.engines.values():
+                e.profile_status = "running"
+            await asyncio.gather(*(profile_engine(self, e) for e in first))
+            for e in self.engines.values():
+                if e.role == "decode":
+                    await profile_engine(self, e)
+
+        self._profiling["*fleet"] = asyncio.create_task(fleet(), name="narwhal-profile-fleet")
 
     def profile(self, name: str) -> None:
         from .profiler import profile_engine

@@ -16,6 +16,8 @@ import asyncio
 import logging
 import re
 import uuid
+from collections.abc import Coroutine
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
@@ -103,6 +105,38 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     return b"".join(chunks) if len(chunks) != 1 else chunks[0]
 
 
+class _Disconnected(Exception):
+    pass
+
+
+async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive) -> str:
+    """Run the request; if the client disconnects first, cancel it (which closes the
+    engine connections and frees every slot) and report the class `cancelled`.
+
+    hypercorn reports a disconnect only through receive(); a send() to a gone client is
+    silently dropped, so without this watcher a stream would run on to its end."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        msg = watch.result()
+        if msg.get("type") != "http.disconnect":  # not expected after the whole body
+            return await task
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return "cancelled"
+    finally:
+        if not watch.done():
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
 def _headers(scope: Scope) -> dict[bytes, bytes]:
     return {k: v for k, v in scope["headers"] if k in (b"x-request-id", b"x-narwhal-ttft-target-ms", b"x-narwhal-deadline-ms")}
 
@@ -176,7 +210,7 @@ class CompletionEndpoint:
                 max_wait_s=adm.max_wait_ms / 1000.0,
                 deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
             )
-            cls = await run_request(r, parsed, work, sink, rid)
+            cls = await _until_disconnect(run_request(r, parsed, work, sink, rid), receive)
         except asyncio.CancelledError:
             cls = "cancelled"
             raise

@@ -7,6 +7,21 @@ by the request body (`"mock": {...}` or a `[[mock {...}]]` directive in the prom
         httpx.post(m.url + "/v1/chat/completions", json={...})
         m.requests()  # what the engine received
 
+Per-request options (all optional; unknown keys ignored, bad values -> 400):
+
+    scenario      content | reasoning | tool_calls | function_call | refusal | empty
+    tokens        natural output length (default: the engine's output_tokens, 16)
+    logprobs      true: include logprobs (also on when the request asks for them)
+    usage         true/false: force or suppress the final usage chunk
+    fault         missing_token_ids | bool_token_ids | negative_token_ids | string_token_ids |
+                  audio | annotations | custom_tool | tool_call_no_id | tool_call_no_name |
+                  malformed_json | wrong_type | error_event | error_before | reject | drop |
+                  stall | stall_before | no_finish_reason
+    fault_after   output token index where a mid-stream fault happens (default 1)
+    fault_engines engine names the fault applies on (default: all)
+    prefill_ms, tpot_ms, stall_ms   wall-clock overrides (not multiplied by time_scale)
+    quirks        ["tgi_repeat_ids"] (openai dialect: TGI's repeated tool-call id "0")
+
 Rules
   * `running_mock`/`running_fleet` bind their sockets (port 0) before yielding, so a
     client can connect at once; they serve from one background thread with its own

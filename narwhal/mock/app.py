@@ -15,8 +15,10 @@ Rules
   * Streaming engines send response headers at once (as real engines do), the role
     chunk and first token right after the prefill, then one token per decode step.
   * A client disconnect cancels the request's task at once (a watcher task waits for
-    http.disconnect): its prefill-queue slot and decode-batch seat are freed in
-    `finally` blocks, and `cancelled` counts it.
+    http.disconnect): its prefill-queue slot is freed in EngineLoad.prefill's `finally`,
+    its decode-batch seat by `_settle`, and `cancelled` counts it.
+  * `_settle` runs once per request, just before its last byte (so a client that has
+    read the answer already sees in_flight/decoding/completed updated) or on the way out.
   * `drop` returns from the app mid-body: hypercorn then closes the connection without
     the chunked terminator, which is what a crashed engine looks like.
 """
@@ -43,6 +45,7 @@ from .scenarios import (
     Script,
     build_script,
     parse_behaviour,
+    without_reasoning,
 )
 from .timing import EngineLoad, Timing, prompt_size
 
@@ -236,7 +239,8 @@ class MockEngine:
         if path == b"/health" and method == "GET":
             status = 200 if self.healthy else 503
             await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]})
-            return await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.body", "body": b""})
+            return
         if path == b"/v1/models" and method == "GET":
             if not self.healthy:
                 return await self._error(send, 503, "engine unhealthy (mock)")
@@ -284,6 +288,8 @@ class MockEngine:
         try:
             if not isinstance(body, dict):
                 raise _Refusal(400, "the request body is not a JSON object")
+            if "model" not in body and cfg.dialect != "openai":
+                body["model"] = cfg.model  # vLLM and SGLang default to the served model
             if body.get("model") != cfg.model:
                 code = "model_not_found" if cfg.dialect == "openai" else None
                 raise _Refusal(404, f"The model `{body.get('model')}` does not exist.", "model", code)
@@ -349,15 +355,17 @@ class MockEngine:
         d = self.config.dialect
         so = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else None
         want_ids = body.get("return_token_ids") is True
+        hide = d == "vllm" and route == "chat" and body.get("include_reasoning") is False
         if d == "vllm":
-            ids = want_ids
+            # ENGINES.md pitfall 4: include_reasoning false hides IDs and logprobs as well
+            ids = want_ids and not hide
         elif d == "sglang":
             ids = want_ids and (route == "completions" or not stream)
         else:
             ids = False
         if route == "chat":
             k = body.get("top_logprobs")
-            on = body.get("logprobs") is True or beh.logprobs
+            on = (body.get("logprobs") is True or beh.logprobs) and not hide
             logprobs = max(1, k if type(k) is int else 0) if on else None
         else:
             lp = body.get("logprobs")
@@ -425,6 +433,8 @@ class MockEngine:
         ignore_eos = cfg.dialect != "openai" and body.get("ignore_eos") is True
         mt = body.get("min_tokens")
         script = build_script(beh, route=route, max_tokens=max_tokens, default_tokens=cfg.output_tokens, ignore_eos=ignore_eos, min_tokens=mt if type(mt) is int else 0)
+        if cfg.dialect == "vllm" and route == "chat" and body.get("include_reasoning") is False:
+            script = without_reasoning(script)
         wants_kv = cfg.role == "prefill" and isinstance(kv_in, dict) and kv_in.get("do_remote_decode") is True
         kv_out = self._kv_out(xrid, n_prompt) if wants_kv and not stream else None
         reply = self._reply(route, body, beh, fault, xrid, script, n_prompt, exact_ids, stream, kv_out)

@@ -11,8 +11,9 @@ Rules
     (`VOCAB`), so tests can predict content and IDs.
   * Theory of operation: a scenario yields its *natural* script (a tuple of `Piece`s,
     one per output token, specials included); `max_tokens` truncates it, which turns the
-    finish reason into "length". Wire rendering (narwhal/mock/wire.py) never adds or
-    drops tokens, so completion_tokens == len(script.pieces) on every dialect.
+    finish reason into "length". usage.completion_tokens == len(script.pieces) on every
+    dialect; a vLLM stream shows every piece's ID exactly once (other dialects send no
+    chunk for held-back tokens and EOS, as the real engines do).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "Piece",
     "Script",
     "build_script",
+    "without_reasoning",
     "VOCAB",
     "content_piece",
     "EOS_ID",
@@ -366,3 +368,9 @@ def build_script(
     if max_tokens is not None and max_tokens < len(pieces):
         return Script(tuple(pieces[:max_tokens]), "length", None)
     return Script(tuple(pieces), finish, EOS_ID if finish == "stop" and pieces else None)
+
+
+def without_reasoning(script: Script) -> Script:
+    """vLLM `include_reasoning: false`: reasoning tokens are generated but not shown."""
+    pieces = tuple(Piece(HIDDEN, p.text, p.token_id, p.index) if p.kind == REASONING else p for p in script.pieces)
+    return Script(pieces, script.finish_reason, script.matched_stop)

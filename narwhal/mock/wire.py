@@ -14,9 +14,9 @@ Rules
   * openai: id, object, created, model, service_tier, system_fingerprint, choices, then
     `usage: null` on every chunk when usage was asked for and an `obfuscation` string;
     never token IDs.
-  * One output token (a `Piece`) is never dropped or invented here, so every ID the
-    script holds appears exactly once in a vLLM stream (completion_tokens == sum of
-    len(token_ids)). Groups handed to `group()` hold pieces of one kind and one index.
+  * No output token (a `Piece`) is invented here, and a vLLM stream shows every ID the
+    script holds exactly once (completion_tokens == sum of len(token_ids)). Groups
+    handed to `group()` hold pieces of one kind and one tool index.
   * WARNING: the framing (`data: ` + JSON + blank line) lives only in `_event`.
 """
 
@@ -36,6 +36,8 @@ from .scenarios import (
     HIDDEN,
     REASONING,
     REFUSAL,
+    THINK_CLOSE_ID,
+    THINK_OPEN_ID,
     TOOL_ARGS,
     TOOL_OPEN,
     Piece,
@@ -145,7 +147,7 @@ def _completion_logprobs(pieces: list[Piece], k: int, offset: int) -> dict[str, 
 
 
 def _reasoning_tokens(script: Script) -> int:
-    return sum(1 for p in script.pieces if p.kind == REASONING or p.token_id in (3, 4))
+    return sum(1 for p in script.pieces if p.kind == REASONING or p.token_id in (THINK_OPEN_ID, THINK_CLOSE_ID))
 
 
 def usage_object(dialect: str, prompt: int, completion: int, *, reasoning: int = 0, final: bool = True, streaming: bool = True) -> dict[str, Any]:

@@ -347,3 +347,18 @@ def test_models_health_and_unknown_model(fleet: Any) -> None:
         assert get(m.url + "/health", timeout=5.0).status_code == 200
         r = post(m.url, {**chat_body(), "model": "other"})
         assert r.status_code == 404 and set(r.json()["error"]) >= {"message", "type", "param", "code"}, d
+
+
+def test_vllm_include_reasoning_false_drops_ids(fleet: Any) -> None:
+    body = chat_body(stream=True, return_token_ids=True, include_reasoning=False, mock={"scenario": "reasoning"})
+    s = sse(fleet["vllm"].url, body)
+    assert s.done and "token_ids" not in json.dumps(s.chunks) and "reasoning" not in json.dumps(s.chunks)
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in s.chunks)
+    assert "prompt_token_ids" not in s.chunks[0]
+
+
+def test_model_defaults_to_served_model(fleet: Any) -> None:
+    body = chat_body()
+    del body["model"]
+    assert post(fleet["vllm"].url, body).status_code == 200
+    assert post(fleet["openai"].url, body).status_code == 404
