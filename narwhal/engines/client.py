@@ -1,4 +1,4 @@
-"""One pooled, keep-alive HTTP client for every engine call.
+"""One pooled, keep-alive HTTP client for every engine call (narwhal/engines/http1.py).
 
 The router talks HTTP/1.1 to engines: closing an HTTP/1.1 connection aborts the engine
 request, which is how a client's disconnect reaches the engine (httpx over HTTP/2 never
@@ -11,12 +11,12 @@ specific first, mapped to failure rows:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
+
+from .http1 import ConnectTimeout, H1Error, H1Pool, H1Response, ReadTimeout
 
 __all__ = ["EngineClient", "UpstreamError", "Upstream"]
 
@@ -32,68 +32,56 @@ class UpstreamError(Exception):
         return f"{self.row}: {self.detail}"
 
 
-def _map(exc: Exception) -> UpstreamError:
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError("E07", type(exc).__name__)
-    return UpstreamError("E06", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+def _map(exc: H1Error) -> UpstreamError:
+    if isinstance(exc, (ReadTimeout, ConnectTimeout)):
+        return UpstreamError("E07", str(exc))
+    return UpstreamError("E06", str(exc))
 
 
 class Upstream:
     """An open engine response: status and headers read, body not yet."""
 
-    __slots__ = ("_resp", "status", "_cm")
+    __slots__ = ("_resp", "status")
 
-    def __init__(self, resp: httpx.Response, cm: Any) -> None:
+    def __init__(self, resp: H1Response) -> None:
         self._resp = resp
-        self._cm = cm
-        self.status = resp.status_code
+        self.status = resp.status
 
     @property
     def content_type(self) -> str:
         return self._resp.headers.get("content-type", "")
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Raw body bytes as they arrive (no decoding, no buffering)."""
+    async def next_chunk(self) -> bytes:
+        """Body bytes received since the last call (all of them, coalesced); b"" at the end."""
         try:
-            async for chunk in self._resp.aiter_raw():
-                yield chunk
-        except (httpx.TransportError, httpx.StreamError) as e:
+            return await self._resp.next_chunk()
+        except H1Error as e:
             raise _map(e) from None
 
     async def read(self, limit: int = 16 << 20) -> bytes:
-        out = bytearray()
-        async for c in self.chunks():
-            out += c
-            if len(out) > limit:
-                raise UpstreamError("E02", f"engine response over {limit} bytes")
-        return bytes(out)
+        try:
+            return await self._resp.read(limit)
+        except H1Error as e:
+            raise _map(e) from None
 
     async def aclose(self) -> None:
-        await self._cm.__aexit__(None, None, None)
+        self._resp.close()
 
 
 class EngineClient:
     def __init__(self, *, connect_timeout_s: float = 2.0, idle_timeout_s: float = 30.0, max_connections: int = 4096) -> None:
         self.idle_timeout_s = idle_timeout_s
-        self._c = httpx.AsyncClient(
-            http1=True,
-            http2=False,
-            timeout=httpx.Timeout(connect=connect_timeout_s, read=idle_timeout_s, write=idle_timeout_s, pool=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=60.0),
-            trust_env=False,
-        )
+        self._pool = H1Pool(connect_timeout_s=connect_timeout_s, idle_timeout_s=idle_timeout_s, max_idle_per_host=max_connections)
+        self._json_headers = {"content-type": "application/json", "accept": "text/event-stream, application/json"}
 
-    async def open(self, method: str, url: str, *, body: bytes | None = None, headers: dict[str, str] | None = None) -> Upstream:
-        """Send a request and return once the engine's response headers arrived."""
-        h = {"content-type": "application/json", "accept": "text/event-stream, application/json"}
-        if headers:
-            h.update(headers)
-        cm = self._c.stream(method, url, content=body, headers=h)
+    async def open(self, method: str, url: str, *, body: bytes | None = None, headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Upstream:
+        """Send a request and return once the engine's response head arrived."""
+        h = self._json_headers if not headers else {**self._json_headers, **headers}
         try:
-            resp = await cm.__aenter__()
-        except (httpx.TransportError, httpx.StreamError) as e:
+            resp = await self._pool.request(method, url, body=body or b"", headers=h, timeout_s=timeout_s)
+        except H1Error as e:
             raise _map(e) from None
-        return Upstream(resp, cm)
+        return Upstream(resp)
 
     async def post_json(self, url: str, obj: Any, *, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         up = await self.open("POST", url, body=orjson.dumps(obj), headers=headers)
@@ -103,11 +91,15 @@ class EngineClient:
             await up.aclose()
 
     async def get(self, url: str, *, timeout_s: float) -> int:
+        up = await self.open("GET", url, timeout_s=timeout_s)
         try:
-            r = await self._c.get(url, timeout=timeout_s)
-            return r.status_code
-        except (httpx.TransportError, httpx.StreamError) as e:
-            raise _map(e) from None
+            await up.read(1 << 20)
+            return up.status
+        finally:
+            await up.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        return self._pool.stats()
 
     async def aclose(self) -> None:
-        await self._c.aclose()
+        self._pool.close()

@@ -156,7 +156,10 @@ class _Run:
                 raw = await up.read(1 << 20)
                 msg, param = _engine_error_detail(up.status, raw)
                 raise _Failed("E05" if up.status < 500 else "E04", f"engine {e.name}: {msg}", param=param, engine=e)
-            async for chunk in up.chunks():
+            while True:
+                chunk = await up.next_chunk()
+                if not chunk:
+                    raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
                 now = r.clock.now()
                 step = relay.feed(chunk, now)
                 if step.failure is not None:
@@ -177,8 +180,6 @@ class _Run:
                             await self._start(buffered)
                 if step.done:
                     break
-            else:
-                raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
         except UpstreamError as x:
             raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
         finally:

@@ -65,7 +65,10 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
     try:
         if up.status >= 400:
             raise ProfileError(f"engine answered HTTP {up.status}: {(await up.read(4096))[:200]!r}")
-        async for chunk in up.chunks():
+        while True:
+            chunk = await up.next_chunk()
+            if not chunk:
+                raise ProfileError("the stream ended without data: [DONE]")
             now = clock.now()
             step = relay.feed(chunk, now)
             if step.failure is not None:
@@ -75,8 +78,6 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
                 first = now
             if step.done:
                 break
-        else:
-            raise ProfileError("the stream ended without data: [DONE]")
     finally:
         await up.aclose()
     if relay.engine_error is not None:

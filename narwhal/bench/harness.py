@@ -1,0 +1,231 @@
+"""Starting what a benchmark measures: mock engines, the ticker, Narwhal (hypercorn or
+granian) and the peer routers, each a pinned child process (procs.Proc).
+
+Rules
+  * Engines and the load tool share the "load" CPUs; every router under test gets the
+    "router" CPU alone (procs.layout()). Peers run one worker/process so that CPU per
+    token compares like with like.
+  * A peer that cannot run here raises `PeerUnavailable` with the exact reason (missing
+    venv: run scripts/peers/install.sh; a start failure: the tail of its log).
+  * Peer venvs: .venvs/peers/<name> in the repository ($NARWHAL_PEERS_DIR overrides).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .procs import Proc, free_port, log_dir, python, wait_http
+
+__all__ = [
+    "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
+    "Started", "PeerUnavailable", "start_peer", "PEERS",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+MASTER_KEY = "sk-narwhal-bench-0123456789abcdef"
+PEERS = ("narwhal", "narwhal-granian", "litellm", "vllm-router", "xpyd-proxy")
+
+
+def peers_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("NARWHAL_PEERS_DIR") or (REPO / ".venvs" / "peers"))
+
+
+@dataclass
+class Engine:
+    name: str
+    role: str  # unified | prefill | decode
+    url: str
+    proc: Proc
+
+
+def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo", dialect: str = "vllm", cpus: set[int] | None = None, timing: dict[str, float] | None = None, output_tokens: int = 16, port: int | None = None) -> Engine:
+    """`narwhal mock-engine` as a child process; timing keys are the CLI's flag names
+    without dashes (prefill_base_ms, tpot_per_seq_ms, time_scale, noise_sigma, ...)."""
+    port = port or free_port()
+    argv = [python(), "-m", "narwhal.mock", "--dialect", dialect, "--role", role, "--port", str(port), "--model", model, "--name", name, "--output-tokens", str(output_tokens)]
+    for k, v in (timing or {}).items():
+        argv += ["--" + k.replace("_", "-"), str(v)]
+    p = Proc(f"mock-{name}", argv, cpus=cpus).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc=p, timeout_s=30)
+    return Engine(name, role, url, p)
+
+
+def ticker_engine(name: str, *, interval_ms: float = 20.0, model: str = "narwhal-demo", cpus: set[int] | None = None) -> Engine:
+    port = free_port()
+    p = Proc(f"ticker-{name}", [python(), "-m", "narwhal.bench.ticker", "--port", str(port), "--model", model, "--interval-ms", str(interval_ms)], cpus=cpus).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc=p, timeout_s=30)
+    return Engine(name, "unified", url, p)
+
+
+def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admission: dict[str, Any] | None = None, prediction: dict[str, Any] | None = None, monitoring: dict[str, Any] | None = None) -> dict[str, Any]:
+    adm: dict[str, Any] = {"http_retention_limit": 8192, "queue_limit": 4096, "phase_concurrency": {"prefill": 4, "decode": 8192}}
+    adm.update(admission or {})
+    if prediction:
+        adm["prediction"] = {**adm.get("prediction", {}), **prediction}
+    cfg: dict[str, Any] = {
+        "serving": {"model": model},
+        "admission": adm,
+        "engines": [{"name": e.name, "url": e.url, "role": e.role, "dialect": "vllm"} for e in engines],
+    }
+    if monitoring:
+        cfg["monitoring"] = monitoring
+    return cfg
+
+
+@dataclass
+class Started:
+    """A router (Narwhal or a peer) in front of the engines."""
+
+    name: str
+    url: str
+    proc: Proc
+    headers: dict[str, str] = field(default_factory=dict)
+    protocols: tuple[str, ...] = ("1",)  # HTTP versions it serves on this URL
+    notes: str = ""
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot run here; str() is the exact reason."""
+
+
+def _write(name: str, suffix: str, data: Any) -> Path:
+    p = log_dir() / f"{name}{suffix}"
+    p.write_text(yaml.safe_dump(data, sort_keys=False) if suffix.endswith((".yaml", ".yml")) else str(data))
+    return p
+
+
+def _wait_narwhal(url: str, proc: Proc, timeout_s: float) -> None:
+    import httpx
+
+    wait_http(url + "/ready", proc=proc, timeout_s=timeout_s)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:  # profiling on start: wait for it to end
+        r = httpx.get(url + "/v1/engines", timeout=5, trust_env=False)
+        st = [e["profile"]["status"] for e in r.json()["data"]]
+        if all(s not in ("pending", "running") for s in st):
+            if any(s == "failed" for s in st):
+                raise RuntimeError(f"narwhal: engine profiling failed: {[e['profile']['error'] for e in r.json()['data']]}")
+            return
+        time.sleep(0.2)
+    raise TimeoutError("narwhal: engines still profiling after the timeout")
+
+
+def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: set[int] | None = None, name: str = "narwhal", timeout_s: float = 90.0) -> Started:
+    """Narwhal under hypercorn (`narwhal serve`) or granian (narwhal.bench.granian_app);
+    returns once /ready is 200 and engine profiling has ended."""
+    port = free_port()
+    cfg_path = _write(name, ".yaml", config)
+    if server == "hypercorn":
+        argv = [python(), "-m", "narwhal.cli", "serve", "--config", str(cfg_path), "--listen", f"127.0.0.1:{port}", "--log-level", "warning"]
+        p = Proc(name, argv, cpus=cpus)
+        notes = "hypercorn, uvloop, one process"
+    elif server == "granian":
+        exe = peers_dir() / "granian" / "bin" / "granian"
+        if not exe.exists():
+            raise PeerUnavailable(f"granian is not installed ({exe} missing): run scripts/peers/install.sh granian")
+        argv = [str(exe), "--interface", "asgi", "--factory", "narwhal.bench.granian_app:app", "--host", "127.0.0.1", "--port", str(port),
+                "--http", "auto", "--loop", "uvloop", "--workers", "1", "--no-access-log", "--log-level", "warning", "--backlog", "4096",
+                "--http2-max-concurrent-streams", "1024"]
+        p = Proc(name, argv, cpus=cpus, env={"NARWHAL_CONFIG": str(cfg_path)})
+        notes = "granian ASGI (Rust HTTP, uvloop), one worker"
+    else:
+        raise ValueError(server)
+    p.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_narwhal(url, p, timeout_s)
+    except BaseException:
+        p.stop()
+        raise
+    return Started(name, url, p, protocols=("1", "2"), notes=notes)
+
+
+def _venv_exe(peer: str, exe: str) -> Path:
+    path = peers_dir() / peer / "bin" / exe
+    if not path.exists():
+        raise PeerUnavailable(f"{peer} is not installed ({path} missing): run scripts/peers/install.sh {peer}")
+    return path
+
+
+def _started(name: str, p: Proc, url: str, ready: str, timeout_s: float, **kw: Any) -> Started:
+    try:
+        wait_http(url + ready, proc=p, timeout_s=timeout_s, headers=kw.get("headers"))
+    except (TimeoutError, RuntimeError) as e:
+        p.stop()
+        raise PeerUnavailable(f"{name} did not start: {e}") from None
+    return Started(name, url, p, **kw)
+
+
+def start_peer(name: str, engines: list[Engine], *, model: str = "narwhal-demo", cpus: set[int] | None = None, narwhal_overrides: dict[str, Any] | None = None, timeout_s: float = 90.0) -> Started:
+    """Start one router of PEERS in front of `engines` (unified, or prefill + decode)."""
+    if name in ("narwhal", "narwhal-granian"):
+        cfg = narwhal_config(engines, model=model, **(narwhal_overrides or {}))
+        return start_narwhal(cfg, server="granian" if name == "narwhal-granian" else "hypercorn", cpus=cpus, name=name, timeout_s=timeout_s)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    unified = [e for e in engines if e.role == "unified"]
+    prefill = [e for e in engines if e.role == "prefill"]
+    decode = [e for e in engines if e.role == "decode"]
+    if name == "litellm":
+        exe = _venv_exe("litellm", "litellm")
+        if not unified:
+            raise PeerUnavailable("litellm has no prefill/decode (vLLM two-phase) mode: it needs unified engines")
+        cfg = {
+            "model_list": [{"model_name": model, "litellm_params": {"model": f"openai/{model}", "api_base": e.url + "/v1", "api_key": "none"}} for e in unified],
+            "router_settings": {"routing_strategy": "simple-shuffle", "num_retries": 0},
+            "litellm_settings": {"num_retries": 0, "request_timeout": 600, "set_verbose": False, "json_logs": False},
+            "general_settings": {"master_key": MASTER_KEY},
+        }
+        path = _write("litellm", ".yaml", cfg)
+        env = {"LITELLM_MASTER_KEY": MASTER_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "NO_DOCS": "True"}
+        p = Proc("litellm", [str(exe), "--config", str(path), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"], cpus=cpus, env=env).start()
+        return _started("litellm", p, url, "/health/liveliness", timeout_s, headers={"Authorization": f"Bearer {MASTER_KEY}"}, protocols=("1",), notes=f"litellm[proxy] {_version('litellm', 'litellm')}, 1 worker (uvicorn)")
+    if name == "vllm-router":
+        exe = _venv_exe("vllm-router", "vllm-router")
+        argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--disable-retries", "--log-dir", str(log_dir() / "vllm-router-logs")]
+        if unified:
+            argv += ["--worker-urls", *[e.url for e in unified], "--policy", "power_of_two"]
+        else:
+            argv += ["--vllm-pd-disaggregation"]
+            for e in prefill:
+                argv += ["--prefill", e.url]
+            for e in decode:
+                argv += ["--decode", e.url]
+            argv += ["--policy", "power_of_two"]
+        p = Proc("vllm-router", argv, cpus=cpus).start()
+        return _started("vllm-router", p, url, "/health", timeout_s, protocols=("1",), notes=f"vllm-router {_version('vllm-router', 'vllm-router')} (Rust), power_of_two")
+    if name == "xpyd-proxy":
+        exe = _venv_exe("xpyd-proxy", "xpyd")
+        inst = [{"address": e.url.removeprefix("http://"), "role": "aggregated" if e.role == "unified" else e.role, "model": model} for e in engines]
+        cfg = {
+            "model": model, "instances": inst, "port": port, "log_level": "warning", "scheduling": "loadbalanced",
+            "startup": {"wait_timeout_seconds": 60, "probe_interval_seconds": 1, "heartbeat_interval_seconds": 30},
+            "health_check": {"enabled": True, "interval_seconds": 2.0, "timeout_seconds": 3.0},
+        }
+        path = _write("xpyd-proxy", ".yaml", cfg)
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        p = Proc("xpyd-proxy", [str(exe), "proxy", "--config", str(path)], cpus=cpus, env=env).start()
+        return _started("xpyd-proxy", p, url, "/health", timeout_s, protocols=("1",), notes=f"xpyd-proxy {_version('xpyd-proxy', 'xpyd-proxy')} (Python), loadbalanced")
+    raise ValueError(f"unknown peer {name!r} (known: {', '.join(PEERS)})")
+
+
+def _version(peer: str, dist: str) -> str:
+    import subprocess
+
+    py = peers_dir() / peer / "bin" / "python"
+    try:
+        return subprocess.run([str(py), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"

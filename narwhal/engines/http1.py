@@ -1,0 +1,441 @@
+"""A small HTTP/1.1 client on asyncio protocols, for the engine side of the relay.
+
+Why not a general-purpose client: on the relay path every engine event is one read, and a
+layered client (httpx -> httpcore -> anyio) spends most of the router's CPU per event there
+(docs/performance.md). This client does only what engines need: one request at a time
+per connection, keep-alive pooling per host, Content-Length or chunked bodies (or
+read-to-close), an idle timeout, and abort on close so an engine sees a client's
+disconnect at once.
+
+Rules
+  * A response body that was not read to its end is never returned to the pool: the
+    connection is aborted (that is how a cancelled request reaches the engine).
+  * A request on a reused keep-alive connection that fails before any response byte is
+    retried once on a new connection (the server closed the idle connection first).
+  * Errors: `ConnectTimeout`, `ReadTimeout` (idle for idle_timeout_s) and `ConnectionFailed`
+    (refused, reset, closed early, protocol violation), all subclasses of `H1Error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["H1Pool", "H1Response", "H1Error", "ConnectTimeout", "ReadTimeout", "ConnectionFailed"]
+
+_MAX_HEAD = 64 * 1024
+_HIGH_WATER = 1 << 20
+
+
+class H1Error(Exception):
+    pass
+
+
+class ConnectTimeout(H1Error):
+    pass
+
+
+class ReadTimeout(H1Error):
+    pass
+
+
+class ConnectionFailed(H1Error):
+    pass
+
+
+class _Conn(asyncio.Protocol):
+    """One connection. State: head -> body -> done; `_chunks` holds decoded body bytes
+    the consumer has not taken yet."""
+
+    __slots__ = (
+        "key", "loop", "transport", "closed", "_buf", "_state", "_remaining", "_chunked",
+        "_chunks", "_chunks_len", "_waiter", "_eof", "_error", "status", "headers", "keep_alive",
+        "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter",
+    )
+
+    def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, idle_timeout: float) -> None:
+        self.key = key
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_timeout = idle_timeout
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._buf = b""
+        self._state = "idle"
+        self._remaining = 0
+        self._chunked = False
+        self._chunks: list[bytes] = []
+        self._chunks_len = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._head_waiter: asyncio.Future[None] | None = None
+        self._eof = False
+        self._error: BaseException | None = None
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.keep_alive = True
+        self.got_bytes = False
+        self.last_rx = 0.0
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._state in ("head", "body") and self._error is None:
+            if self._state == "body" and not self._chunked and self._remaining < 0:
+                self._eof = True  # read-to-close body ended
+                self._state = "done"
+            else:
+                self._error = ConnectionFailed(f"connection closed by the engine ({exc or 'EOF'})")
+        self._wake()
+        self._cancel_timer()
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        self.last_rx = self.loop.time()
+        if self._state == "idle" or self._state == "done":
+            return  # bytes after a response: ignored (the connection will not be reused)
+        self._buf = self._buf + data if self._buf else data
+        try:
+            self._parse()
+        except H1Error as e:
+            self._error = e
+            self._abort()
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        return False
+
+    # -- parsing ---------------------------------------------------------------------
+
+    def _parse(self) -> None:
+        if self._state == "head":
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > _MAX_HEAD:
+                    raise ConnectionFailed("response head too large")
+                return
+            head, self._buf = self._buf[:end], self._buf[end + 4 :]
+            lines = head.split(b"\r\n")
+            parts = lines[0].split(b" ", 2)
+            if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+                raise ConnectionFailed(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+            try:
+                self.status = int(parts[1])
+            except ValueError:
+                raise ConnectionFailed(f"bad status line {lines[0][:80]!r}") from None
+            h = self.headers
+            for ln in lines[1:]:
+                k, sep, v = ln.partition(b":")
+                if sep:
+                    h[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+            if h.get("connection", "").lower() == "close" or parts[0] == b"HTTP/1.0":
+                self.keep_alive = False
+            te = h.get("transfer-encoding", "").lower()
+            if "chunked" in te:
+                self._chunked = True
+                self._remaining = 0
+            elif "content-length" in h:
+                try:
+                    self._remaining = int(h["content-length"])
+                except ValueError:
+                    raise ConnectionFailed("bad Content-Length") from None
+            elif self.status in (204, 304) or 100 <= self.status < 200:
+                self._remaining = 0
+            else:
+                self._remaining = -1  # read to close
+                self.keep_alive = False
+            self._state = "body"
+            if self._head_waiter is not None and not self._head_waiter.done():
+                self._head_waiter.set_result(None)
+            if not self._chunked and self._remaining == 0:
+                self._state = "done"
+                self._eof = True
+                return
+        if self._state != "body" or not self._buf:
+            return
+        if not self._chunked:
+            data = self._buf
+            self._buf = b""
+            if self._remaining >= 0:
+                if len(data) >= self._remaining:
+                    data = data[: self._remaining]
+                    self._remaining = 0
+                    self._state = "done"
+                    self._eof = True
+                else:
+                    self._remaining -= len(data)
+            self._push(data)
+            return
+        buf = self._buf
+        pos = 0
+        out = []
+        while True:
+            if self._remaining > 0:
+                take = min(self._remaining, len(buf) - pos)
+                if take <= 0:
+                    break
+                out.append(buf[pos : pos + take])
+                pos += take
+                self._remaining -= take
+                if self._remaining:
+                    break
+                self._remaining = -2  # expect CRLF after the chunk data
+            if self._remaining == -2:
+                if len(buf) - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise ConnectionFailed("bad chunk terminator")
+                pos += 2
+                self._remaining = 0
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                if len(buf) - pos > 1024:
+                    raise ConnectionFailed("bad chunk size line")
+                break
+            size_s = buf[pos:nl].split(b";", 1)[0].strip()
+            try:
+                size = int(size_s, 16)
+            except ValueError:
+                raise ConnectionFailed(f"bad chunk size {size_s[:20]!r}") from None
+            if size == 0:
+                # the last chunk: the body ends at the blank line after any trailers
+                if buf.find(b"\r\n\r\n", nl) < 0:
+                    break  # wait for the rest; pos still points at this size line
+                self._state = "done"
+                self._eof = True
+                pos = len(buf)
+                break
+            pos = nl + 2
+            self._remaining = size
+        self._buf = buf[pos:]
+        if out:
+            self._push(out[0] if len(out) == 1 else b"".join(out))
+
+    def _push(self, data: bytes) -> None:
+        if data:
+            self._chunks.append(data)
+            self._chunks_len += len(data)
+            if self._chunks_len > _HIGH_WATER and self.transport is not None and not self._paused:
+                self.transport.pause_reading()
+                self._paused = True
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        hw = self._head_waiter
+        if hw is not None and not hw.done() and (self._error is not None or self.closed):
+            hw.set_result(None)
+
+    # -- timers ----------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = self.loop.call_at(self.last_rx + self.idle_timeout, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self._timer = None
+        if self._state not in ("head", "body"):
+            return
+        due = self.last_rx + self.idle_timeout
+        if self.loop.time() >= due:
+            self._error = ReadTimeout(f"no bytes from the engine for {self.idle_timeout:g} s")
+            self._abort()
+            self._wake()
+        else:
+            self._timer = self.loop.call_at(due, self._check_idle)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _abort(self) -> None:
+        self.closed = True
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- consumer side ---------------------------------------------------------------
+
+    def start(self, data: bytes) -> None:
+        self._reset()
+        self._state = "head"
+        self.last_rx = self.loop.time()
+        assert self.transport is not None
+        self.transport.write(data)
+        self._arm()
+
+    async def wait_head(self) -> None:
+        while self._state == "head" and self._error is None and not self.closed:
+            self._head_waiter = self.loop.create_future()
+            self._arm()
+            await self._head_waiter
+        if self._error is not None:
+            raise self._error
+        if self._state == "head":
+            raise ConnectionFailed("connection closed before the response head")
+
+    async def next_chunk(self) -> bytes:
+        """The body bytes received since the last call; b"" at the end of the body."""
+        while True:
+            if self._chunks:
+                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+                self._chunks = []
+                self._chunks_len = 0
+                if self._paused and self.transport is not None:
+                    self.transport.resume_reading()
+                    self._paused = False
+                return data
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                self._cancel_timer()
+                return b""
+            if self.closed:
+                raise ConnectionFailed("connection closed before the end of the body")
+            self._waiter = self.loop.create_future()
+            self._arm()
+            await self._waiter
+            self._waiter = None
+
+    @property
+    def reusable(self) -> bool:
+        return self._state == "done" and self.keep_alive and not self.closed and not self._buf
+
+
+class H1Response:
+    __slots__ = ("_pool", "_conn", "status", "headers", "_done")
+
+    def __init__(self, pool: H1Pool, conn: _Conn) -> None:
+        self._pool = pool
+        self._conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+        self._done = False
+
+    async def next_chunk(self) -> bytes:
+        data = await self._conn.next_chunk()
+        if not data:
+            self._done = True
+        return data
+
+    async def read(self, limit: int = 16 << 20) -> bytes:
+        out = bytearray()
+        while True:
+            c = await self.next_chunk()
+            if not c:
+                return bytes(out)
+            out += c
+            if len(out) > limit:
+                raise ConnectionFailed(f"response body over {limit} bytes")
+
+    def close(self) -> None:
+        """Release the connection: back to the pool when the body was read whole, else aborted."""
+        conn = self._conn
+        conn._cancel_timer()
+        if self._done and conn.reusable:
+            self._pool._release(conn)
+        else:
+            conn._abort()
+
+
+class H1Pool:
+    def __init__(self, *, connect_timeout_s: float = 2.0, idle_timeout_s: float = 30.0, max_idle_per_host: int = 1024) -> None:
+        self.connect_timeout = connect_timeout_s
+        self.idle_timeout = idle_timeout_s
+        self.max_idle = max_idle_per_host
+        self._idle: dict[tuple[str, int], deque[_Conn]] = {}
+        self.connects = 0  # connections opened, for tests and metrics
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(key, loop, self.idle_timeout), key[0], key[1]),
+                self.connect_timeout,
+            )
+        except TimeoutError:
+            raise ConnectTimeout(f"connect to {key[0]}:{key[1]} timed out") from None
+        except OSError as e:
+            raise ConnectionFailed(f"connect to {key[0]}:{key[1]}: {e.strerror or e}") from None
+        self.connects += 1
+        return conn
+
+    def _release(self, conn: _Conn) -> None:
+        q = self._idle.setdefault(conn.key, deque())
+        if len(q) < self.max_idle:
+            conn._state = "idle"
+            q.append(conn)
+        else:
+            conn._abort()
+
+    def _take(self, key: tuple[str, int]) -> _Conn | None:
+        q = self._idle.get(key)
+        while q:
+            c = q.pop()
+            if not c.closed and c.transport is not None and not c.transport.is_closing():
+                return c
+        return None
+
+    async def request(self, method: str, url: str, *, body: bytes = b"", headers: dict[str, str] | None = None, timeout_s: float | None = None) -> H1Response:
+        """Send a request; return once the response head arrived."""
+        u = urlsplit(url)
+        host = u.hostname or "127.0.0.1"
+        port = u.port or (443 if u.scheme == "https" else 80)
+        if u.scheme != "http":
+            raise ConnectionFailed(f"only http:// engine URLs are supported, not {u.scheme}://")
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        head = [f"{method} {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Length: {len(body)}\r\n"]
+        for k, v in (headers or {}).items():
+            head.append(f"{k}: {v}\r\n")
+        head.append("\r\n")
+        data = "".join(head).encode("latin-1") + body
+        key = (host, port)
+        for attempt in (0, 1):
+            conn = self._take(key)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(key)
+            if timeout_s is not None:
+                conn.idle_timeout = timeout_s
+            else:
+                conn.idle_timeout = self.idle_timeout
+            conn.start(data)
+            try:
+                await conn.wait_head()
+            except ConnectionFailed:
+                conn._abort()
+                if reused and not conn.got_bytes and attempt == 0:
+                    continue  # the engine closed the idle connection first: once more, fresh
+                raise
+            except BaseException:
+                conn._abort()
+                raise
+            return H1Response(self, conn)
+        raise ConnectionFailed("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        for q in self._idle.values():
+            for c in q:
+                c._abort()
+        self._idle.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"connects": self.connects, "idle": sum(len(q) for q in self._idle.values())}

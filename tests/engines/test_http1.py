@@ -1,0 +1,162 @@
+"""The engine-side HTTP/1.1 client: framing fed whole and one byte at a time, keep-alive
+reuse, the stale-connection retry, the idle timeout, abort on early close."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from narwhal.engines.http1 import ConnectionFailed, H1Pool, ReadTimeout
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def serve(handler: Handler) -> tuple[asyncio.AbstractServer, str]:
+    srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    return srv, f"http://127.0.0.1:{port}"
+
+
+async def read_request(r: asyncio.StreamReader) -> bytes:
+    head = await r.readuntil(b"\r\n\r\n")
+    n = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            n = int(line.split(b":")[1])
+    return head + (await r.readexactly(n) if n else b"")
+
+
+def canned(resp: bytes, *, split: int | None = None, close: bool = False) -> Handler:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_request(r)
+                if split:
+                    for i in range(0, len(resp), split):
+                        w.write(resp[i : i + split])
+                        await w.drain()
+                        await asyncio.sleep(0)
+                else:
+                    w.write(resp)
+                    await w.drain()
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+
+    return h
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n7\r\ndata: a\r\n3;ext=1\r\n\n\n\n\r\n0\r\nX-Trailer: t\r\n\r\n"
+LENGTH = b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\n\r\nhello"
+TO_CLOSE = b"HTTP/1.1 200 OK\r\n\r\nuntil close"
+
+
+@pytest.mark.parametrize("split", [None, 1, 2, 5])
+@pytest.mark.parametrize(("resp", "status", "body", "close"), [(CHUNKED, 200, b"data: a\n\n\n", False), (LENGTH, 201, b"hello", False), (TO_CLOSE, 200, b"until close", True)], ids=["chunked", "length", "to-close"])
+def test_framing(resp: bytes, status: int, body: bytes, close: bool, split: int | None) -> None:
+    async def main() -> None:
+        srv, url = await serve(canned(resp, split=split, close=close))
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            for _ in range(2):
+                r = await pool.request("POST", url + "/x", body=b"{}")
+                assert r.status == status
+                assert await r.read() == body
+                r.close()
+            assert pool.connects == (2 if close else 1)  # keep-alive reuse unless read-to-close
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_stale_keep_alive_connection_is_retried_once() -> None:
+    async def main() -> None:
+        async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await read_request(r)
+            w.write(LENGTH)
+            await w.drain()
+            w.close()  # closes after one answer although it said keep-alive
+
+        srv, url = await serve(h)
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            for _ in range(3):
+                r = await pool.request("GET", url + "/")
+                assert await r.read() == b"hello"
+                r.close()
+                await asyncio.sleep(0.05)
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_idle_timeout_and_early_close_abort() -> None:
+    async def main() -> None:
+        seen_eof = asyncio.Event()
+
+        async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            await w.drain()
+            try:
+                await r.read()  # returns at EOF: the client aborted
+                seen_eof.set()
+            finally:
+                w.close()
+
+        srv, url = await serve(h)
+        pool = H1Pool(idle_timeout_s=0.2)
+        try:
+            r = await pool.request("POST", url + "/")
+            assert await r.next_chunk() == b"first"
+            with pytest.raises(ReadTimeout):
+                await r.next_chunk()
+            r.close()
+            await asyncio.wait_for(seen_eof.wait(), 5)
+            seen_eof.clear()
+            r = await pool.request("POST", url + "/")
+            assert await r.next_chunk() == b"first"
+            r.close()  # not read to its end: aborted, the engine sees EOF
+            await asyncio.wait_for(seen_eof.wait(), 5)
+            assert pool.stats()["idle"] == 0
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+@pytest.mark.parametrize("resp", [b"garbage\r\n\r\n", b"HTTP/1.1 abc OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"])
+def test_protocol_violations_fail_the_request(resp: bytes) -> None:
+    async def main() -> None:
+        srv, url = await serve(canned(resp, close=True))
+        pool = H1Pool(idle_timeout_s=2)
+        try:
+            with pytest.raises(ConnectionFailed):
+                r = await pool.request("GET", url + "/")
+                await r.read()
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_connection_refused() -> None:
+    async def main() -> None:
+        srv, url = await serve(canned(LENGTH))
+        srv.close()
+        await srv.wait_closed()
+        with pytest.raises(ConnectionFailed):
+            await H1Pool().request("GET", url + "/")
+
+    asyncio.run(asyncio.wait_for(main(), 20))
