@@ -66,7 +66,7 @@ def ticker_engine(name: str, *, interval_ms: float = 20.0, model: str = "narwhal
     return Engine(name, "unified", url, p)
 
 
-def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admission: dict[str, Any] | None = None, prediction: dict[str, Any] | None = None, monitoring: dict[str, Any] | None = None) -> dict[str, Any]:
+def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admission: dict[str, Any] | None = None, prediction: dict[str, Any] | None = None, monitoring: dict[str, Any] | None = None, upstream: dict[str, Any] | None = None) -> dict[str, Any]:
     adm: dict[str, Any] = {"http_retention_limit": 8192, "queue_limit": 4096, "phase_concurrency": {"prefill": 4, "decode": 8192}}
     adm.update(admission or {})
     if prediction:
@@ -78,6 +78,7 @@ def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admiss
     }
     if monitoring:
         cfg["monitoring"] = monitoring
+    cfg["upstream"] = {"max_connections": 8192, **(upstream or {})}
     return cfg
 
 
@@ -196,16 +197,16 @@ def start_peer(name: str, engines: list[Engine], *, model: str = "narwhal-demo",
         exe = _venv_exe("vllm-router", "vllm-router")
         argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--disable-retries", "--log-dir", str(log_dir() / "vllm-router-logs")]
         if unified:
-            argv += ["--worker-urls", *[e.url for e in unified], "--policy", "power_of_two"]
+            argv += ["--worker-urls", *[e.url for e in unified], "--policy", "power_of_two" if len(unified) > 1 else "round_robin"]
         else:
             argv += ["--vllm-pd-disaggregation"]
             for e in prefill:
                 argv += ["--prefill", e.url]
             for e in decode:
                 argv += ["--decode", e.url]
-            argv += ["--policy", "power_of_two"]
+            argv += ["--policy", "round_robin"]
         p = Proc("vllm-router", argv, cpus=cpus).start()
-        return _started("vllm-router", p, url, "/health", timeout_s, protocols=("1",), notes=f"vllm-router {_version('vllm-router', 'vllm-router')} (Rust), power_of_two")
+        return _started("vllm-router", p, url, "/health", timeout_s, protocols=("1",), notes=f"vllm-router {_version('vllm-router', 'vllm-router')} (Rust), {argv[argv.index('--policy') + 1]}")
     if name == "xpyd-proxy":
         exe = _venv_exe("xpyd-proxy", "xpyd")
         inst = [{"address": e.url.removeprefix("http://"), "role": "aggregated" if e.role == "unified" else e.role, "model": model} for e in engines]

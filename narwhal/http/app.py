@@ -109,22 +109,28 @@ def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
         lifespan=lifespan,
     )
     app.state.router = router
-    return _RequestId(app)  # type: ignore[return-value]
+    hot = {"/v1/chat/completions": routes[0].endpoint, "/v1/completions": routes[1].endpoint}
+    return _Front(app, hot)  # type: ignore[return-value]
 
 
-_COMPLETION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+class _Front:
+    """The outermost ASGI layer. The completion routes go straight to their raw ASGI
+    endpoints (no Starlette routing or middleware on the relay path: every event written
+    would otherwise pass two more send wrappers); they set x-request-id themselves. Every
+    other response gets x-request-id here (propagated, or generated when absent)."""
 
-
-class _RequestId:
-    """Every response carries x-request-id (propagated, or generated when absent). The
-    completion routes set it themselves; this wraps only the other routes."""
-
-    def __init__(self, app: Starlette) -> None:
+    def __init__(self, app: Starlette, hot: dict[str, Any]) -> None:
         self.app = app
         self.state = app.state
+        self.hot = hot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _COMPLETION_PATHS:
+        if scope["type"] == "http":
+            ep = self.hot.get(scope["path"])
+            if ep is not None:
+                await ep(scope, receive, send)
+                return
+        else:
             await self.app(scope, receive, send)
             return
         rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
