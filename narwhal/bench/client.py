@@ -41,9 +41,13 @@ def split_url(url: str) -> tuple[str, str, int, str]:
 
 
 class SSERecorder:
-    """Fills one `Result` from a streaming (SSE) or JSON response."""
+    """Fills one `Result` from a streaming (SSE) or JSON response.
+
+    `SSERecorder.tokens_seen` counts output tokens over every recorder of the process, so
+    a benchmark can read token throughput over a time window."""
 
     __slots__ = ("r", "_buf", "_body", "_sse", "done")
+    tokens_seen = 0
 
     def __init__(self, result: Result) -> None:
         self.r = result
@@ -113,6 +117,7 @@ class SSERecorder:
                 if src.get("text") or src.get("tool_calls") or any(src.get(x) for x in _OUTPUT_KEYS):
                     k += 1
             if k:
+                SSERecorder.tokens_seen += k
                 if r.first_token_at is None:
                     r.first_token_at = now
                 r.last_token_at = now

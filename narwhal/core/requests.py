@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from narwhal_generated import errors as E
 from narwhal_generated.models.chat_request import ChatCompletionRequest
@@ -25,7 +25,7 @@ from narwhal_generated.models.completion_request import CompletionRequest
 
 __all__ = ["ParsedRequest", "Rejection", "parse_request", "parse_headers", "HeaderValues"]
 
-_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
+_MODELS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
 _TYPE_TAGS = frozenset(("str", "int", "bool", "float", "list", "dict", "none", "json-or-python", "function-after", "function-before", "nullable"))
 _MAX_HEADER_MS = 10**9

@@ -107,6 +107,20 @@ async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: s
     return dt, kv, u.get("prompt_tokens") if isinstance(u.get("prompt_tokens"), int) else None
 
 
+def _fastest(samples: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    by: dict[float, float] = {}
+    for n, ms in samples:
+        by[n] = min(ms, by.get(n, ms))
+    return sorted(by.items())
+
+
+def _median(samples: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    by: dict[float, list[float]] = {}
+    for b, ms in samples:
+        by.setdefault(b, []).append(ms)
+    return [(b, sorted(v)[len(v) // 2]) for b, v in sorted(by.items())]
+
+
 async def profile_engine(router: Any, e: EngineState) -> None:
     cfg = router.config.admission.prediction
     lengths = list(cfg.profile_prompt_tokens)
@@ -164,12 +178,15 @@ async def profile_engine(router: Any, e: EngineState) -> None:
             for _, tp, _, _ in res:
                 if tp is not None:
                     decode.append((float(batch), tp * 1000.0))
+        # Delays from a busy machine only ever add time: per prompt length the fastest of
+        # the repeats is the measurement (TPOT: the median per batch size).
         if prefill:
-            e.prefill.fit(prefill)
+            e.prefill.fit(_fastest(prefill))
         if decode:
-            e.decode.fit(decode)
+            e.decode.fit(_median(decode))
         if starts:
-            e.start_model.fit([[1.0, n / 1000.0] for n, _ in starts], [ms for _, ms in starts])
+            fs = _fastest(starts)
+            e.start_model.fit([[1.0, n / 1000.0] for n, _ in fs], [ms for _, ms in fs])
         e.profile_samples = {
             "prefill_ms_by_prompt_tokens": [[round(n), round(ms, 3)] for n, ms in prefill],
             "tpot_ms_by_batch": [[b, round(ms, 3)] for b, ms in decode],

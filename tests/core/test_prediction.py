@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from narwhal.core.prediction import Drift, DecodeModel, Margin, OutputLengthLearner, PrefillModel, tpot_from_arrivals
+from narwhal.core.prediction import (
+    DecodeModel,
+    Drift,
+    Margin,
+    OutputLengthLearner,
+    PrefillModel,
+    tpot_from_arrivals,
+)
 
 
 def truth(n: float, a: float = 15.0, b: float = 0.08, c: float = 2e-5) -> float:

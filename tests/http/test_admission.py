@@ -35,7 +35,7 @@ def words(tokens: int) -> str:
 
 def cfg(mode: str = "predictive", *, profile: bool = True, **admission: Any) -> dict[str, Any]:
     return {
-        "admission": {"mode": mode, "prediction": {"profile_on_start": profile, "profile_prompt_tokens": [16, 256, 1024, 1536], "adaptive_margin": False}, **admission},
+        "admission": {"mode": mode, "prediction": {"profile_on_start": profile, "profile_prompt_tokens": [16, 256, 1024, 1536], "profile_repeats": 3, "adaptive_margin": False}, **admission},
         "monitoring": {"poll_interval_ms": 200, "stale_after_ms": 60000},
         "admin": {"token_env": "NARWHAL_TEST_ADMISSION_TOKEN"},
     }

@@ -44,7 +44,7 @@ async def client(url: str, i: int, rnd: random.Random, results: dict[str, int], 
             if b.get("stream"):
                 async with c.stream("POST", url + "/v1/chat/completions", json=b) as r:
                     n = 0
-                    async for line in r.aiter_lines():
+                    async for _line in r.aiter_lines():
                         n += 1
                         if kind == "disconnect" and n >= 6:
                             break  # the client goes away mid-stream

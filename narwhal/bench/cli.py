@@ -1,0 +1,202 @@
+"""`narwhal bench`: the load generator and the experiments of docs/performance.md.
+
+    narwhal bench load --url URL [--rate R | --trace conv|code|FILE] [--duration S] [--http 1|2] ...
+    narwhal bench overhead [--rate 200] [--duration 10] [--rounds 2] [--http 1,2] [--servers hypercorn,granian]
+    narwhal bench relay [--streams 200] [--interval-ms 20] [--window 15] [--profile 10] [--servers ...]
+    narwhal bench memory [--streams 5000]
+    narwhal bench peers [--peers narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy] [--rates 20,200]
+    narwhal bench overload [--scenario prefill|decode] [--loads 0.5,1,1.5,2,3,4] [--peers ...]
+
+Every subcommand prints Markdown tables; --out DIR also saves them with the raw numbers
+as JSON (default out/bench, git-ignored); sweeps write PNG plots to --img (default
+docs/img). Experiments start and stop their own engines and routers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench_command", required=True)
+
+    ld = sub.add_parser("load", help="open-loop load against any OpenAI-compatible URL; prints percentiles")
+    ld.add_argument("--url", required=True, help="base URL (http://host:port); requests go to URL/v1/chat/completions or /v1/completions")
+    ld.add_argument("--rate", type=float, help="fixed rate, req/s (Poisson arrivals; --uniform for fixed gaps)")
+    ld.add_argument("--uniform", action="store_true", help="fixed gaps of 1/rate instead of Poisson arrivals")
+    ld.add_argument("--trace", help="replay a trace: conv, code (the shipped Azure 2023 traces) or a CSV path (arrived_at,num_prefill_tokens,num_decode_tokens)")
+    ld.add_argument("--trace-rate", type=float, help="time-scale the trace to this mean rate, req/s (default: its own rate)")
+    ld.add_argument("--trace-start", type=float, default=0.0, help="start this many trace seconds in")
+    ld.add_argument("--prompt-scale", type=float, default=1.0, help="multiply trace prompt lengths")
+    ld.add_argument("--output-scale", type=float, default=1.0, help="multiply trace output lengths")
+    ld.add_argument("--max-output", type=int, default=None, help="cap output lengths")
+    ld.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals (default 10)")
+    ld.add_argument("--drain", type=float, default=30.0, help="seconds to wait for open requests after the last arrival (default 30)")
+    ld.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, s")
+    ld.add_argument("--http", default="1", choices=["1", "2"], help="HTTP/1.1 (raw asyncio client) or HTTP/2 (httpx; h2c prior knowledge on http://)")
+    ld.add_argument("--no-stream", action="store_true", help="non-streaming requests")
+    ld.add_argument("--route", default="chat", choices=["chat", "completion"])
+    ld.add_argument("--model", default="narwhal-demo")
+    ld.add_argument("--prompt-tokens", type=int, default=64, help="fixed-rate prompt length (tokens, mock sizing)")
+    ld.add_argument("--output-tokens", type=int, default=16, help="fixed-rate output length")
+    ld.add_argument("--mock", default="{}", help='extra [[mock {...}]] options as JSON, e.g. \'{"prefill_ms": 0, "tpot_ms": 10}\'')
+    ld.add_argument("--mock-field", action="store_true", help='send the options as a "mock" body field instead of a prompt directive')
+    ld.add_argument("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable), e.g. 'Authorization: Bearer KEY'")
+    ld.add_argument("--ttft-target-ms", type=float, help="also print goodput: share of offered requests with TTFT <= this")
+    ld.add_argument("--pid", type=int, help="router process id: report its CPU seconds per relayed token (from /proc)")
+    ld.add_argument("--seed", type=int, default=1)
+    ld.add_argument("--json", help="write every request's record to this JSON file")
+
+    oh = sub.add_parser("overhead", help="router-added TTFT (routed minus direct) and CPU per token, HTTP/1.1 and HTTP/2")
+    oh.add_argument("--rate", type=float, default=200.0)
+    oh.add_argument("--duration", type=float, default=10.0)
+    oh.add_argument("--rounds", type=int, default=2)
+    oh.add_argument("--http", default="1,2", help="protocols, comma-separated (default 1,2)")
+    oh.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated)")
+    oh.add_argument("--output-tokens", type=int, default=16)
+    oh.add_argument("--tpot-ms", type=float, default=10.0)
+    oh.add_argument("--no-stream", action="store_true")
+
+    rl = sub.add_parser("relay", help="relayed token events per router CPU-second (N streams, one token every I ms)")
+    rl.add_argument("--streams", type=int, default=200)
+    rl.add_argument("--interval-ms", type=float, default=20.0)
+    rl.add_argument("--tokens", type=int, default=250, help="tokens per stream before it restarts")
+    rl.add_argument("--warm", type=float, default=4.0)
+    rl.add_argument("--window", type=float, default=15.0)
+    rl.add_argument("--profile", type=float, default=0.0, help="then profile the router with py-spy for this many seconds")
+    rl.add_argument("--servers", default="hypercorn")
+    rl.add_argument("--http", default="1", choices=["1", "2"])
+
+    mm = sub.add_parser("memory", help="router memory per open stream")
+    mm.add_argument("--streams", type=int, default=5000)
+    mm.add_argument("--interval-ms", type=float, default=2000.0)
+    mm.add_argument("--ramp", type=float, default=15.0)
+    mm.add_argument("--hold", type=float, default=5.0)
+    mm.add_argument("--servers", default="hypercorn")
+
+    pr = sub.add_parser("peers", help="the same load through Narwhal and each peer router, in front of the same mock engine")
+    pr.add_argument("--peers", default="narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy")
+    pr.add_argument("--rates", default="20,200")
+    pr.add_argument("--duration", type=float, default=10.0)
+    pr.add_argument("--output-tokens", type=int, default=16)
+    pr.add_argument("--tpot-ms", type=float, default=10.0)
+
+    ov = sub.add_parser("overload", help="trace replay at multiples of capacity: admission arms and peers, goodput over offered")
+    ov.add_argument("--scenario", default="prefill", choices=["prefill", "decode"])
+    ov.add_argument("--loads", default="0.5,1,1.5,2,3,4")
+    ov.add_argument("--arms", default="none,queue,predictive", help="Narwhal arms: none (open, no limits), queue (open, queue limit), predictive")
+    ov.add_argument("--queue-limit", type=int, default=None, help="queue limit of the 'queue' arm (default 8: 4 per engine)")
+    ov.add_argument("--peers", default="vllm-router,litellm,xpyd-proxy", help="peer routers through the same replay ('' for none)")
+    ov.add_argument("--engines", type=int, default=2)
+    ov.add_argument("--duration", type=float, default=20.0)
+    ov.add_argument("--drain", type=float, default=8.0)
+    ov.add_argument("--trace", default="conv", choices=["conv", "code"])
+
+    for sp in (oh, rl, mm, pr, ov):
+        sp.add_argument("--out", default="out/bench", help="save Markdown + JSON here (default out/bench; '' to skip)")
+    ov.add_argument("--img", default="docs/img", help="write the PNG plot here ('' to skip)")
+
+
+_ARM_KEYS = {"none": "narwhal: no limits", "queue": "narwhal: queue limit", "predictive": "narwhal: predictive"}
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = args.bench_command
+    out = Path(args.out) if getattr(args, "out", "") else None
+    try:
+        if cmd == "load":
+            return _load(args)
+        from . import experiments as X
+
+        if cmd == "overhead":
+            X.overhead(rate=args.rate, duration_s=args.duration, rounds=args.rounds, protocols=_names(args.http), servers=_names(args.servers),
+                       output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, stream=not args.no_stream, out=out)
+        elif cmd == "relay":
+            X.relay(streams=args.streams, interval_ms=args.interval_ms, tokens=args.tokens, warm_s=args.warm, window_s=args.window, servers=_names(args.servers),
+                    http=args.http, profile_s=args.profile, out=out)
+        elif cmd == "memory":
+            X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=_names(args.servers), out=out)
+        elif cmd == "peers":
+            X.peers(names=_names(args.peers), rates=_floats(args.rates), duration_s=args.duration, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, out=out)
+        elif cmd == "overload":
+            arms = [_ARM_KEYS[a] for a in _names(args.arms)]
+            X.overload(scenario=args.scenario, loads=_floats(args.loads), arms=arms, peer_names=_names(args.peers), engines=args.engines, duration_s=args.duration,
+                       drain_s=args.drain, trace=args.trace, queue_limit=args.queue_limit, out=out, img=Path(args.img) if args.img else None)
+        return 0
+    except KeyboardInterrupt:
+        print("narwhal bench: interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
+        print(f"narwhal bench {cmd}: {e}", file=sys.stderr)
+        return 1
+
+
+def _load(args: argparse.Namespace) -> int:
+    from .experiments import _run
+    from .load import RequestShape, default_trace, fixed_rate, load_trace, run_open_loop, trace_arrivals
+    from .client import make_client
+    from .procs import cpu_seconds
+    from .stats import LATENCY_HEADER, fmt_ms, latency_rows, markdown_table, summarize
+
+    if (args.rate is None) == (args.trace is None):
+        print("narwhal bench load: give exactly one of --rate or --trace", file=sys.stderr)
+        return 2
+    if args.trace:
+        path = default_trace(args.trace) if args.trace in ("conv", "code") else Path(args.trace)
+        arrivals, speedup = trace_arrivals(load_trace(path), duration_s=args.duration, rate=args.trace_rate, start_s=args.trace_start,
+                                           prompt_scale=args.prompt_scale, output_scale=args.output_scale, max_output=args.max_output)
+        what = f"trace {path.name} x{speedup:.2f} ({len(arrivals) / args.duration:.1f} req/s)"
+    else:
+        arrivals = fixed_rate(args.rate, args.duration, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, uniform=args.uniform, seed=args.seed)
+        what = f"{args.rate:g} req/s {'uniform' if args.uniform else 'Poisson'}"
+    headers = {}
+    for h in args.header:
+        k, _, v = h.partition(":")
+        headers[k.strip()] = v.strip()
+    try:
+        mock = json.loads(args.mock)
+    except json.JSONDecodeError as e:
+        print(f"narwhal bench load: --mock is not JSON: {e}", file=sys.stderr)
+        return 2
+    shape = RequestShape(model=args.model, route=args.route, stream=not args.no_stream, mock=mock, mock_field=args.mock_field)
+
+    async def go() -> list:
+        c = make_client(args.url, args.http, headers=headers)
+        try:
+            return await run_open_loop(c, arrivals, shape, timeout_s=args.timeout, drain_s=args.drain)
+        finally:
+            await c.aclose()
+
+    c0 = cpu_seconds(args.pid) if args.pid else None
+    res = _run(go())
+    s = summarize(res, duration_s=args.duration, ttft_target_s=(args.ttft_target_ms / 1000.0) if args.ttft_target_ms else None)
+    print(f"{args.url}: {what}, {args.duration:g} s, HTTP/{'1.1' if args.http == '1' else '2'}, {'streaming' if shape.stream else 'non-streaming'}")
+    print()
+    print(markdown_table(LATENCY_HEADER, [latency_rows("load", s)]))
+    print()
+    extra = [["statuses", json.dumps(s["statuses"])], ["refusal rate", f"{s['refusal_rate']:.4f}"], ["refusal codes", json.dumps(s["refusal_codes"])],
+             ["refusal latency p50/p99 ms", f"{fmt_ms(s['refusal_latency']['p50'])} / {fmt_ms(s['refusal_latency']['p99'])}"],
+             ["errors", f"{s['errors']} {s['error_samples'][:2] if s['errors'] else ''}"], ["output tokens", s["tokens"]],
+             ["load-tool send lag p50/p99 ms", f"{fmt_ms(s['send_lag']['p50'])} / {fmt_ms(s['send_lag']['p99'])}"]]
+    if "goodput" in s:
+        extra.append([f"goodput (TTFT <= {args.ttft_target_ms:g} ms, over offered)", f"{s['goodput']:.4f}"])
+    if c0 is not None:
+        cpu = cpu_seconds(args.pid) - c0
+        extra.append(["router CPU s / per token event", f"{cpu:.2f} s / {cpu / max(1, s['tokens']) * 1e6:.0f} µs"])
+    print(markdown_table(["measure", "value"], extra))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in res], default=str))
+    return 0 if s["ok"] else 1
