@@ -156,7 +156,7 @@ def overhead(*, rate: float = 200.0, duration_s: float = 10.0, rounds: int = 2, 
                 data["runs"][f"{r.name}/h{http}"] = s
                 add50 = None if s["ttft"]["p50"] is None or d["ttft"]["p50"] is None else s["ttft"]["p50"] - d["ttft"]["p50"]
                 add99 = None if s["ttft"]["p99"] is None or d["ttft"]["p99"] is None else s["ttft"]["p99"] - d["ttft"]["p99"]
-                rows.append([f"{r.name} ({r.notes.split(',')[0]})", f"HTTP/{'1.1' if http == '1' else '2'}", f"{s['ok']}/{s['offered']}",
+                rows.append([r.name, f"HTTP/{'1.1' if http == '1' else '2'}", f"{s['ok']}/{s['offered']}",
                              fmt_ms(d["ttft"]["p50"]), fmt_ms(s["ttft"]["p50"]), fmt_ms(add50), fmt_ms(d["ttft"]["p99"]), fmt_ms(s["ttft"]["p99"]), fmt_ms(add99),
                              fmt_ms(s["e2e"]["p50"]), f"{s['cpu_us_per_token']:.0f}", f"{s['router_cpu_s'] / (rounds * duration_s):.2f}", fmt_ms(s["send_lag"]["p99"])])
     rep.data = data
@@ -230,7 +230,7 @@ def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, w
             per_cpu = win["events"] / win["cpu_s"] if win["cpu_s"] > 0 else math.inf
             data["runs"][name] = {**win, "events_per_s": eps, "events_per_cpu_s": per_cpu, "cpu_us_per_event": 1e6 / per_cpu, "tpot_p50": percentile(tp, 50), "tpot_p99": percentile(tp, 99), "profile": prof,
                                   "errors": sum(1 for x in res if x.error and x.error != "cut at end of run")}
-            rows.append([f"{name} ({r.notes.split(',')[0]})", f"{eps:,.0f}", f"{win['cpu_s'] / win['seconds']:.2f}", f"{per_cpu:,.0f}", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99))])
+            rows.append([name, f"{eps:,.0f}", f"{win['cpu_s'] / win['seconds']:.2f}", f"{per_cpu:,.0f}", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99))])
             if prof and prof.get("self"):
                 rep.data.setdefault("profiles", {})[name] = prof
     rep.data = {**data, **rep.data}

@@ -44,6 +44,11 @@ def _name(frame: str) -> str:
     return f"{tail}:{fn or frame}"
 
 
+def _ours(frame: str) -> bool:
+    path = frame.rpartition(" (")[2]
+    return (path.startswith("narwhal/") or "/narwhal/" in path) and "narwhal/bench/" not in path
+
+
 def reduce_raw(path: Path, top: int = 15) -> dict[str, Any]:
     """{samples, self, inclusive, inclusive_narwhal: [(name, share)]} from py-spy raw output
     (inclusive_narwhal: only frames of Narwhal's own modules)."""
@@ -64,7 +69,7 @@ def reduce_raw(path: Path, top: int = 15) -> dict[str, Any]:
         self_c[frames[-1]] += n
         for f in set(frames):
             incl[f] += n
-        for f in {_name(f) for f in raw if "/narwhal/" in f and "/narwhal/bench/" not in f}:
+        for f in {_name(f) for f in raw if _ours(f)}:
             incl_nw[f] += n
     def share(c: Counter[str]) -> list[tuple[str, float]]:
         return [(k, v / total) for k, v in c.most_common(top)] if total else []

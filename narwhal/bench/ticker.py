@@ -15,6 +15,8 @@ Rules
     carries `token_ids` (one ID) when the request asks for `return_token_ids`; the usage
     chunk comes when stream_options.include_usage is set. Non-streaming requests get one
     chat.completion / text_completion JSON after the same time.
+  * Tokens are due on a fixed schedule (first + i * interval), not interval after the
+    previous write, so the offered rate is exact; a late tick is not caught up in a burst.
   * A closed connection cancels its stream's timer at once.
     python -m narwhal.bench.ticker --port 9100 [--interval-ms 20] [--tokens 64]
 """
@@ -58,7 +60,7 @@ def _opts(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Stream:
-    __slots__ = ("conn", "left", "i", "interval", "handle", "chat", "ids", "usage", "head", "tail", "prompt", "total", "stream", "rid")
+    __slots__ = ("conn", "left", "i", "interval", "handle", "chat", "ids", "usage", "head", "tail", "prompt", "total", "stream", "rid", "due")
 
 
 class _Conn(asyncio.Protocol):
@@ -152,7 +154,8 @@ class _Conn(asyncio.Protocol):
             if s.chat:
                 role = b'{"id":"chat' + s.rid + b'","object":"chat.completion.chunk","created":0,"model":"' + m + b'","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
                 self._chunk(b"data: " + role + b"\n\n")
-            s.handle = loop.call_later(prefill, self._tick)
+            s.due = loop.time() + prefill
+            s.handle = loop.call_at(s.due, self._tick)
         else:
             s.handle = loop.call_later(prefill + s.interval * max(0, s.total - 1), self._respond)
 
@@ -170,7 +173,9 @@ class _Conn(asyncio.Protocol):
         ev = b"data: " + (s.head % tid) + (b'"length"' if last else b"null") + ((s.tail % tid) if s.ids else s.tail) + b"\n\n"
         if not last:
             self._chunk(ev)
-            s.handle = asyncio.get_running_loop().call_later(s.interval, self._tick)
+            loop = asyncio.get_running_loop()
+            s.due = max(s.due + s.interval, loop.time() - s.interval)  # on schedule; no burst after a stall
+            s.handle = loop.call_at(s.due, self._tick)
             return
         out = [ev]
         if s.usage:

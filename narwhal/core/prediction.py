@@ -419,7 +419,7 @@ class Margin:
     """m = max(1, q-quantile of actual/projected TTFT) per queue-depth bucket; `initial`
     until a bucket has `min_samples` samples."""
 
-    __slots__ = ("initial", "quantile", "min_samples", "adaptive", "window", "_w", "_m", "covered", "samples")
+    __slots__ = ("initial", "quantile", "min_samples", "adaptive", "window", "_w", "_m", "covered", "samples", "_abs_err", "_recent")
 
     def __init__(self, initial: float = 1.2, quantile: float = 0.9, min_samples: int = 50, adaptive: bool = True, window: int = 500) -> None:
         self.initial, self.quantile, self.min_samples = initial, quantile, min_samples
@@ -428,6 +428,8 @@ class Margin:
         self._m = [self.initial] * len(_DEPTH_BUCKETS)
         self.covered = 0
         self.samples = 0
+        self._abs_err = 0.0
+        self._recent: deque[float] = deque(maxlen=1000)  # actual / projected
 
     def m(self, depth: int) -> float:
         return self._m[depth_bucket(depth)]
@@ -437,6 +439,9 @@ class Margin:
             return
         b = depth_bucket(depth)
         self.samples += 1
+        ratio = actual_ms / projected_ms
+        self._abs_err += abs(ratio - 1.0)
+        self._recent.append(ratio)
         if actual_ms <= projected_ms * self._m[b]:
             self.covered += 1
         if not self.adaptive:
@@ -447,8 +452,14 @@ class Margin:
             self._m[b] = max(1.0, w.quantile(self.quantile))
 
     def snapshot(self) -> dict[str, Any]:
+        recent = sorted(self._recent)
         return {
             "by_depth_bucket": [round(x, 4) for x in self._m],
             "samples": self.samples,
+            # how often the actual TTFT stayed within projection x margin
             "coverage": None if not self.samples else round(self.covered / self.samples, 4),
+            # accuracy of the TTFT projection itself: mean |actual/projected - 1|
+            "projection_mape": None if not self.samples else round(self._abs_err / self.samples, 4),
+            "actual_over_projected_p50": None if not recent else round(_quantile(recent, 0.5), 4),
+            "actual_over_projected_p90": None if not recent else round(_quantile(recent, 0.9), 4),
         }
