@@ -261,6 +261,23 @@ R13 = ErrorRow(
     quote='Original request deadline expires before response headers\t504\tTerminal expiry',
 )
 
+# R14: Narwhal's decode-side check (predictive mode, only when admission.prediction.tpot_budget_ms is set; PREDICTION.md section 6). The batch the request will join on the best decode engine: sequences decoding there + its share of those waiting for decode, in prefill or queued for prefill + 1; projected TPOT = the engine's load-conditioned decode profile with decode correction at that batch. Retry-After = max(1, round-half-up(the time for the excess sequences to finish)). Appended after R13 so the contract's order 1-13 is unchanged; it is evaluated at arrival, after R11.
+R14 = ErrorRow(
+    id='R14',
+    order=14,
+    when='projected_tpot_over_budget',
+    status=429,
+    type='rate_limit_error',
+    code='tpot_budget_exceeded',
+    param=None,
+    retry_after='overrun',
+    counter='refused',
+    unsized=False,
+    retryable=False,
+    message='Projected time per output token {projected_ms} ms on the best decode engine exceeds admission.prediction.tpot_budget_ms ({budget_ms} ms); retry after {retry_after} s.',
+    quote='A TTFT-only check is not enough. The decode check must be predictive (reference/PREDICTION.md section 1.1, Mooncake).',
+)
+
 # E01: Non-streaming only (streaming relays unknown fields in the engine's shape). Row A12 of the assembly table names the fields.
 E01 = ErrorRow(
     id='E01',
@@ -478,7 +495,7 @@ H06 = ErrorRow(
     quote='Bad input gets a clear error from the refusal table and loses nothing: every offered request ends in exactly one terminal class.',
 )
 
-REFUSALS: tuple[ErrorRow, ...] = (R01, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13,)
+REFUSALS: tuple[ErrorRow, ...] = (R01, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13, R14,)
 FAILURES: tuple[ErrorRow, ...] = (E01, E02, E03, E04, E05, E06, E07,)
 HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06,)
 ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}

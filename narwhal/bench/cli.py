@@ -79,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rl.add_argument("--profile", type=float, default=0.0, help="then profile the router with py-spy for this many seconds")
     rl.add_argument("--servers", default="hypercorn")
     rl.add_argument("--http", default="1", choices=["1", "2"])
+    rl.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode (default open: measure the relay alone)")
 
     mm = sub.add_parser("memory", help="router memory per open stream")
     mm.add_argument("--streams", type=int, default=5000)
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                        output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, stream=not args.no_stream, out=out)
         elif cmd == "relay":
             X.relay(streams=args.streams, interval_ms=args.interval_ms, tokens=args.tokens, warm_s=args.warm, window_s=args.window, servers=_names(args.servers),
-                    http=args.http, profile_s=args.profile, out=out)
+                    http=args.http, profile_s=args.profile, mode=args.mode, out=out)
         elif cmd == "memory":
             X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=_names(args.servers), out=out)
         elif cmd == "peers":

@@ -202,12 +202,12 @@ async def _relay_run(url: str, http: str, streams: int, tokens: int, proc: Any, 
 
 
 def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, warm_s: float = 4.0, window_s: float = 15.0, servers: Sequence[str] = ("hypercorn",),
-          http: str = "1", profile_s: float = 0.0, out: Path | None = None) -> Report:
+          http: str = "1", profile_s: float = 0.0, mode: str = "open", out: Path | None = None) -> Report:
     rcpu, lcpu = layout()
     pin_self(lcpu)
     rep = Report("relay: relayed token events per router CPU-second")
     rows = []
-    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "tokens_per_stream": tokens, "pinning": _pinning_note(rcpu, lcpu), "runs": {}}
+    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "tokens_per_stream": tokens, "mode": mode, "pinning": _pinning_note(rcpu, lcpu), "runs": {}}
     ideal = streams * 1000.0 / interval_ms
     with _cleanup() as things:
         tk = H.ticker_engine("t0", interval_ms=interval_ms, cpus=lcpu)
@@ -218,7 +218,7 @@ def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, w
         rows.append(["direct (ticker, no router)", f"{win['events'] / win['seconds']:,.0f}", "—", "—", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99))])
         for srv in servers:
             name = "narwhal" if srv == "hypercorn" else f"narwhal-{srv}"
-            cfg = H.narwhal_config([tk], admission={"mode": "predictive"})
+            cfg = H.narwhal_config([tk], admission={"mode": mode})
             r = H.start_narwhal(cfg, server=srv, cpus=rcpu, name=name)
             things.append(r)
             pout = (out or Path("out/bench")) / f"relay-profile-{name}.txt"
@@ -229,15 +229,19 @@ def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, w
             eps = win["events"] / win["seconds"]
             per_cpu = win["events"] / win["cpu_s"] if win["cpu_s"] > 0 else math.inf
             data["runs"][name] = {**win, "events_per_s": eps, "events_per_cpu_s": per_cpu, "cpu_us_per_event": 1e6 / per_cpu, "tpot_p50": percentile(tp, 50), "tpot_p99": percentile(tp, 99), "profile": prof,
-                                  "errors": sum(1 for x in res if x.error and x.error != "cut at end of run")}
-            rows.append([name, f"{eps:,.0f}", f"{win['cpu_s'] / win['seconds']:.2f}", f"{per_cpu:,.0f}", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99))])
+                                  "errors": sum(1 for x in res if x.error and x.error != "cut at end of run"),
+                                  "statuses": summarize(res)["statuses"], "refusal_codes": summarize(res)["refusal_codes"]}
+            st = data["runs"][name]
+            rows.append([name, f"{eps:,.0f}", f"{win['cpu_s'] / win['seconds']:.2f}", f"{per_cpu:,.0f}", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99)),
+                         f"{st['statuses']}".replace("'", "")])
             if prof and prof.get("self"):
                 rep.data.setdefault("profiles", {})[name] = prof
     rep.data = {**data, **rep.data}
     rep.add(f"{streams} concurrent streams (closed loop, {tokens} tokens each, restarted when done), one token per event every {interval_ms:g} ms = "
-            f"{ideal:,.0f} events/s offered; vLLM dialect with token_ids on every event (Narwhal validates them); HTTP/{'1.1' if http == '1' else '2'} client side. "
+            f"{ideal:,.0f} events/s offered; vLLM dialect with token_ids on every event (Narwhal validates them); admission mode {mode}; HTTP/{'1.1' if http == '1' else '2'} client side. "
             f"Measured over {window_s:g} s after {warm_s:g} s of ramp. {data['pinning']}")
-    rep.add(markdown_table(["run", "token events/s at the client", "router cores busy", "relayed events per router CPU-s", "client TPOT p50 ms", "client TPOT p99 ms"], rows))
+    rows[0].append("—")
+    rep.add(markdown_table(["run", "token events/s at the client", "router cores busy", "relayed events per router CPU-s", "client TPOT p50 ms", "client TPOT p99 ms", "statuses"], rows))
     for name, prof in rep.data.get("profiles", {}).items():
         rep.add(f"py-spy profile of {name} ({prof['samples']} samples over {profile_s:g} s, on-CPU Python stacks). Top self time:")
         rep.add(markdown_table(["function (self)", "share"], [(k, f"{v:.1%}") for k, v in prof["self"][:12]]))
@@ -297,7 +301,8 @@ def memory(*, streams: int = 5000, interval_ms: float = 2000.0, ramp_s: float = 
         things.append(tk)
         for srv in servers:
             name = "narwhal" if srv == "hypercorn" else f"narwhal-{srv}"
-            r = H.start_narwhal(H.narwhal_config([tk]), server=srv, cpus=rcpu, name=name)
+            # no start-up profiling: at one token per {interval_ms} ms it would take minutes
+            r = H.start_narwhal(H.narwhal_config([tk], admission={"mode": "open"}, prediction={"profile_on_start": False}), server=srv, cpus=rcpu, name=name)
             things.append(r)
             # warm-up: every code path once (lazy imports, caches) before the idle reading
             phase(r.url, {}, "1", fixed_rate(50, 2, output_tokens=2, seed=5), RequestShape(stream=True, mock={"tpot_ms": 1}))

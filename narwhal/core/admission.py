@@ -26,6 +26,8 @@ engine e:
     engine: the KV transfer and the decode engine's first token]
 R08 if min_e (prefill_e(n) [+ start_d(n)]) * m(0) > budget; R10 if
 min_e TTFT(e) * m(depth_e) > budget, with Retry-After max(1, round(overrun s)).
+R14 (decode side, when admission.prediction.tpot_budget_ms is set): the projected TPOT
+of the batch the request will join on its decode engine exceeds that budget.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Scheduler:
         maintenance_waves: set[str] | None = None,
         margin: Margin | None = None,
         output_lengths: OutputLengthLearner | None = None,
+        tpot_budget_ms: float | None = None,
     ) -> None:
         self.engines: dict[str, EngineState] = {e.name: e for e in engines}
         self.mode = mode
@@ -126,6 +129,7 @@ class Scheduler:
         self.maintenance_waves = maintenance_waves if maintenance_waves is not None else set()
         self.margin = margin or Margin()
         self.output_lengths = output_lengths or OutputLengthLearner()
+        self.tpot_budget_ms = tpot_budget_ms  # R14: the decode-side check, off when None
         self.decode_queue: deque[Ticket] = deque()
         self.queued = 0  # phase-1 waiters over all engines
         self._next_id = 0
@@ -198,6 +202,10 @@ class Scheduler:
             )
         if not (engine.phase1_free() and not engine.queue) and self.queued >= self.queue_limit:
             return Refuse(E.R11, fields={"limit": self.queue_limit})  # R11
+        if predictive and self.tpot_budget_ms is not None:
+            r14 = self._decode_check(engine, work)
+            if r14 is not None:
+                return r14
         t = Ticket(self._next_id, work)
         self._next_id += 1
         t.projected_ttft_ms = proj
@@ -212,6 +220,43 @@ class Scheduler:
         engine.queued_work_ms += t.pred_prefill_ms
         self.queued += 1
         return Enqueued(t, engine.name)
+
+    def project_tpot(self, engine: EngineState) -> tuple[float, float, EngineState] | None:
+        """(projected TPOT ms, batch it assumes, decode engine) for a request placed with
+        `engine` as its first phase: the batch it will join when it reaches decode
+        (PREDICTION.md section 6), on the best eligible decode engine."""
+        if engine.role == "unified":
+            b = engine.decode_in_use + len(engine.queue) + 1
+            return engine.decode.predict_ms(b), float(b), engine
+        decoders = self._decode_candidates(set())
+        if not decoders:
+            return None
+        coming = len(self.decode_queue) + self.queued + sum(len(e.inflight_prefill) for e in self._phase1 if e.role == "prefill")
+        share = coming / len(decoders)
+        best: tuple[float, float, EngineState] | None = None
+        for d in decoders:
+            b = d.decode_in_use + share + 1
+            tp = d.decode.predict_ms(b)
+            if best is None or tp < best[0]:
+                best = (tp, b, d)
+        return best
+
+    def _decode_check(self, engine: EngineState, work: Work) -> Refuse | None:
+        """R14: the projected TPOT where the request will decode exceeds the TPOT budget."""
+        budget = self.tpot_budget_ms
+        proj = self.project_tpot(engine)
+        if budget is None or proj is None or proj[0] <= budget:
+            return None
+        tp, b, d = proj
+        a, slope = d.decode.lin.theta
+        corr = d.decode.drift.correction
+        b_ok = (budget / corr - a) / slope if slope > 0 else 0.0
+        excess = max(1.0, b - max(0.0, b_ok))
+        out = self.output_lengths.predict(work.route, work.prompt_tokens, work.max_tokens)
+        # sequences finish at about b / (output length x TPOT): the excess drains in
+        over_s = excess * out * tp / max(b, 1.0) / 1000.0
+        ra = E.retry_after_seconds(E.R14, over_s)
+        return Refuse(E.R14, overrun_s=over_s, fields={"projected_ms": round(tp, 1), "budget_ms": budget, "retry_after": ra})
 
     def _dispatch1(self, t: Ticket, e: EngineState, now: float) -> Dispatch:
         if t.enqueued_at is not None:

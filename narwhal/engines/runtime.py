@@ -61,6 +61,7 @@ class Router:
             maintenance_waves=self.state.maintenance_waves,
             margin=Margin(p.initial_margin, p.margin_quantile, p.margin_min_samples, p.adaptive_margin),
             output_lengths=OutputLengthLearner(),
+            tpot_budget_ms=p.tpot_budget_ms,
         )
         self.sizer = PromptSizer(count_tokens=count_tokens)
         self.client = EngineClient(

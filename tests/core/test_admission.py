@@ -369,5 +369,40 @@ def test_table_order_is_the_contract_order() -> None:
         "router_not_ready", "http_retention_full", "request_too_large", "invalid_request", "model_not_found",
         "invalid_sampling_width", "unsupported_option", "prompt_exceeds_ttft_budget", "backend_unavailable",
         "ttft_budget_exceeded", "admission_queue_full", "admission_wait_expired", "deadline_expired",
+        "tpot_budget_exceeded",
     ]
-    assert [r.status for r in REFUSALS] == [503, 429, 413, 400, 404, 400, 400, 429, 503, 429, 429, 504, 504]
+    assert [r.status for r in REFUSALS] == [503, 429, 413, 400, 404, 400, 400, 429, 503, 429, 429, 504, 504, 429]
+
+
+# -- R14 (decode side) -----------------------------------------------------------------
+
+
+def test_R14_projected_tpot_over_budget() -> None:
+    clk = ManualClock()
+    p, d = engine("p0", "prefill", prefill=8, b0=10, b1=0.01), engine("d0", "decode", decode=64)
+    d.decode.lin.theta = [10.0, 1.0]  # TPOT = 10 + 1 ms per sequence in the batch
+    s = Scheduler([p, d], mode="predictive", queue_limit=8, margin=Margin(initial=1.0, adaptive=False), tpot_budget_ms=20.0)
+    admitted = 0
+    for _ in range(12):
+        r = s.admit(work(clk), clk.now())
+        if isinstance(r, Refuse):
+            assert r.row is E.R14
+            break
+        admitted += 1
+    # request k joins a batch of k + 1 (the k ahead of it, all bound for d0): the 11th
+    # (k = 10) would decode at 10 + 11 = 21 ms > 20 ms
+    assert admitted == 10
+    assert E.retry_after_seconds(r.row, r.overrun_s) >= 1
+    # without a TPOT budget the check is off
+    s.tpot_budget_ms = None
+    assert not isinstance(s.admit(work(clk), clk.now()), Refuse)
+
+
+def test_R14_unified_counts_the_engine_queue() -> None:
+    clk = ManualClock()
+    u = engine("u0", prefill=1, decode=64, b0=1, b1=0.0)
+    u.decode.lin.theta = [5.0, 5.0]
+    s = Scheduler([u], mode="predictive", queue_limit=16, margin=Margin(initial=1.0, adaptive=False), tpot_budget_ms=26.0)
+    results = [s.admit(work(clk), clk.now()) for _ in range(6)]
+    kinds = [type(x).__name__ for x in results]
+    assert kinds[:4] == ["Dispatch", "Enqueued", "Enqueued", "Enqueued"] and isinstance(results[4], Refuse) and results[4].row is E.R14

@@ -8,7 +8,6 @@ non-streaming answer on every field the table covers.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +15,7 @@ import pytest
 from narwhal.core.assembly import Assembler, Failure
 from narwhal.core.dialects import ToolCallNormaliser
 from narwhal_generated import assembly as T
-
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "engine-streams"
+from tests.shared import FIXTURES  # noqa: E402
 
 
 def c(delta: dict[str, Any] | None = None, **choice: Any) -> dict[str, Any]:

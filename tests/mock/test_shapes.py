@@ -8,7 +8,6 @@ stream into the mock's own non-streaming answer.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,10 +16,10 @@ from narwhal.core.assembly import Assembler, Failure
 from narwhal.core.dialects import ToolCallNormaliser
 from narwhal.core.tokens import check_token_ids
 from narwhal.mock import EOS_ID, expected_content, expected_token_ids
+from tests.shared import FIXTURES  # noqa: E402
 
 from .support import chat_body, classify, completion_body, get, post, sse
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "engine-streams"
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
 SCENARIOS = ["content", "reasoning", "tool_calls", "function_call", "refusal", "empty"]
 
