@@ -297,7 +297,11 @@ def _serve(
             start_new_session=True,  # own process group: stop it whole
         )
     engine = RealEngine(
-        url=f"http://{host}:{port}", model=model, proc=proc, kind=kind, log_path=log_path,
+        url=f"http://{host}:{port}",
+        model=model,
+        proc=proc,
+        kind=kind,
+        log_path=log_path,
         argv=argv,
     )
     ok = False
@@ -332,22 +336,39 @@ def llamacpp_server(
     """
     _require_module("llama_cpp", LLAMACPP_SCRIPT)
     if importlib.util.find_spec("llama_cpp.server") is None:  # pragma: no cover
-        raise EngineNotInstalled(f"llama_cpp.server missing (the [server] extra); run {LLAMACPP_SCRIPT}")
+        raise EngineNotInstalled(
+            f"llama_cpp.server missing (the [server] extra); run {LLAMACPP_SCRIPT}"
+        )
     model_path = Path(gguf) if gguf is not None else smollm2_gguf_path()
     port = port or free_port(host)
     argv = [
-        sys.executable, "-m", "llama_cpp.server",
-        "--model", str(model_path),
-        "--model_alias", model_alias,
-        "--n_ctx", str(n_ctx),
-        "--interrupt_requests", "False",
-        "--host", host,
-        "--port", str(port),
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model_path),
+        "--model_alias",
+        model_alias,
+        "--n_ctx",
+        str(n_ctx),
+        "--interrupt_requests",
+        "False",
+        "--host",
+        host,
+        "--port",
+        str(port),
         *extra_args,
     ]
     return _serve(
-        "llamacpp", argv, host=host, port=port, model=model_alias, env=env,
-        start_timeout=_timeout(start_timeout, "NARWHAL_LLAMACPP_START_TIMEOUT", LLAMACPP_START_TIMEOUT),
+        "llamacpp",
+        argv,
+        host=host,
+        port=port,
+        model=model_alias,
+        env=env,
+        start_timeout=_timeout(
+            start_timeout, "NARWHAL_LLAMACPP_START_TIMEOUT", LLAMACPP_START_TIMEOUT
+        ),
         ready_paths=("/v1/models",),
     )
 
@@ -371,19 +392,31 @@ def vllm_server(
     model_path = Path(model_dir) if model_dir is not None else smollm2_hf_dir()
     port = port or free_port(host)
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_path),
-        "--served-model-name", served_model_name,
-        "--max-model-len", str(max_model_len),
-        "--host", host,
-        "--port", str(port),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        served_model_name,
+        "--max-model-len",
+        str(max_model_len),
+        "--host",
+        host,
+        "--port",
+        str(port),
         *extra_args,
     ]
     full_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     if env:
         full_env.update(env)
     return _serve(
-        "vllm", argv, host=host, port=port, model=served_model_name, env=full_env,
+        "vllm",
+        argv,
+        host=host,
+        port=port,
+        model=served_model_name,
+        env=full_env,
         start_timeout=_timeout(start_timeout, "NARWHAL_VLLM_START_TIMEOUT", VLLM_START_TIMEOUT),
         ready_paths=("/health", "/v1/models"),
     )

@@ -107,10 +107,12 @@ def _write(name: str, suffix: str, data: Any) -> Path:
     return p
 
 
-def _wait_narwhal(url: str, proc: Proc, timeout_s: float) -> None:
+def _wait_narwhal(url: str, proc: Proc, timeout_s: float, profiled: bool = True) -> None:
     import httpx
 
     wait_http(url + "/ready", proc=proc, timeout_s=timeout_s)
+    if not profiled:
+        return
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:  # profiling on start: wait for it to end
         r = httpx.get(url + "/v1/engines", timeout=5, trust_env=False)
@@ -146,7 +148,7 @@ def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: se
     p.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_narwhal(url, p, timeout_s)
+        _wait_narwhal(url, p, timeout_s, config.get("admission", {}).get("prediction", {}).get("profile_on_start", True))
     except BaseException:
         p.stop()
         raise

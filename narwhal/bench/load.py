@@ -8,7 +8,8 @@ Rules
     1/rate apart.
   * Trace replay (`../shared/data/traces/*.csv`: arrived_at, num_prefill_tokens,
     num_decode_tokens): a window of the trace starting at `start_s`, time-compressed by a
-    factor chosen so the replayed rate is `rate` req/s (or by `speedup` directly), token
+    factor chosen so the window's first rate*duration requests fill the duration (offered
+    rate = `rate` exactly), or by `speedup` directly; token
     counts multiplied by `prompt_scale` / `output_scale` (min 1) and capped.
   * Every run is bounded: arrivals stop at `duration_s`; requests still open
     `drain_s` later are cancelled and recorded as errors ("cut at end of run").
@@ -97,15 +98,24 @@ def trace_arrivals(
     max_prompt: int | None = None,
     max_output: int | None = None,
 ) -> tuple[list[Arrival], float]:
-    """(arrivals, the speed-up used). `rate` picks the speed-up from the trace's mean rate
-    over the whole file, so different loads replay the same requests, only closer."""
+    """(arrivals, the speed-up used). `rate` picks the speed-up from the window itself (the
+    first rate*duration_s requests after start_s fill duration_s), so every load replays
+    the same requests in the same order, only closer together."""
     if not rows:
         return [], 1.0
-    t_first, t_last = rows[0][0], rows[-1][0]
-    mean_rate = (len(rows) - 1) / max(t_last - t_first, 1e-9)
+    base = rows[0][0] + start_s
     if speedup is None:
-        speedup = (rate / mean_rate) if rate else 1.0
-    base = t_first + start_s
+        if rate:
+            # the window's own pace: the first rate*duration requests from `base` span
+            # duration_s once compressed, so the offered rate is exactly `rate`
+            window = [t for t, _, _ in rows if t >= base]
+            n = max(1, round(rate * duration_s))
+            if not window:
+                return [], 1.0
+            span = window[min(n, len(window) - 1)] - base
+            speedup = max(span, 1e-9) / duration_s
+        else:
+            speedup = 1.0
     out = []
     for t, p, o in rows:
         if t < base:

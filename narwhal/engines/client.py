@@ -64,8 +64,9 @@ class Upstream:
         except H1Error as e:
             raise _map(e) from None
 
-    async def aclose(self) -> None:
-        self._resp.close()
+    async def aclose(self, *, complete: bool = False) -> None:
+        """complete: the response ended logically (data: [DONE] seen): keep the connection."""
+        self._resp.close(complete=complete)
 
 
 class EngineClient:

@@ -53,7 +53,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "key", "loop", "transport", "closed", "_buf", "_state", "_remaining", "_chunked",
         "_chunks", "_chunks_len", "_waiter", "_eof", "_error", "status", "headers", "keep_alive",
-        "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter",
+        "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter", "_release_to",
     )
 
     def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, idle_timeout: float) -> None:
@@ -64,6 +64,7 @@ class _Conn(asyncio.Protocol):
         self.idle_timeout = idle_timeout
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
+        self._release_to: H1Pool | None = None  # release to this pool when the body ends
         self._reset()
 
     def _reset(self) -> None:
@@ -116,6 +117,14 @@ class _Conn(asyncio.Protocol):
         except H1Error as e:
             self._error = e
             self._abort()
+        if self._release_to is not None and self._state == "done":
+            pool, self._release_to = self._release_to, None
+            self._cancel_timer()
+            if self.reusable:
+                pool._release(self)
+            else:
+                self._abort()
+            return
         self._wake()
 
     def eof_received(self) -> bool | None:
@@ -251,6 +260,10 @@ class _Conn(asyncio.Protocol):
 
     def _check_idle(self) -> None:
         self._timer = None
+        if self._release_to is not None:  # the rest of a finished body never came
+            self._release_to = None
+            self._abort()
+            return
         if self._state not in ("head", "body"):
             return
         due = self.last_rx + self.idle_timeout
@@ -346,12 +359,22 @@ class H1Response:
             if len(out) > limit:
                 raise ConnectionFailed(f"response body over {limit} bytes")
 
-    def close(self) -> None:
-        """Release the connection: back to the pool when the body was read whole, else aborted."""
+    def close(self, *, complete: bool = False) -> None:
+        """Release the connection: back to the pool when the body was read whole, else
+        aborted (an engine sees an abandoned request end at once).
+
+        complete: the caller saw the logical end of the response (an SSE stream's
+        `data: [DONE]`); the framing's own end (the last chunk) may still be on its way,
+        and the connection goes back to the pool when it arrives (within a short bound)."""
         conn = self._conn
         conn._cancel_timer()
-        if self._done and conn.reusable:
+        if conn._state == "done" and conn.reusable and (self._done or complete):
+            conn._chunks = []
             self._pool._release(conn)
+        elif complete and conn._state == "body" and not conn.closed:
+            conn._release_to = self._pool
+            conn._chunks = []
+            conn._timer = conn.loop.call_later(1.0, conn._check_idle)
         else:
             conn._abort()
 

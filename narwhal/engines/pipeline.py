@@ -151,6 +151,7 @@ class _Run:
             raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
         sink = self.sink
         buffered: list[bytes] = []
+        complete = False
         try:
             if up.status >= 400:
                 raw = await up.read(1 << 20)
@@ -179,11 +180,12 @@ class _Run:
                         if relay.started or step.done:
                             await self._start(buffered)
                 if step.done:
+                    complete = True
                     break
         except UpstreamError as x:
             raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
         finally:
-            await up.aclose()
+            await up.aclose(complete=complete)
         now = r.clock.now()
         if relay.engine_error is not None:
             # a streaming client got the engine's own error event (E04 shape of the engine)

@@ -62,6 +62,7 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
         "POST", e.url + "/v1/chat/completions", body=orjson.dumps(body), headers={"x-request-id": rid, "x-narwhal-profiling": "1"}
     )
     first: float | None = None
+    done = False
     try:
         if up.status >= 400:
             raise ProfileError(f"engine answered HTTP {up.status}: {(await up.read(4096))[:200]!r}")
@@ -77,9 +78,10 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
             if step.first_token and first is None:
                 first = now
             if step.done:
+                done = True
                 break
     finally:
-        await up.aclose()
+        await up.aclose(complete=done)
     if relay.engine_error is not None:
         raise ProfileError(f"engine error event: {relay.engine_error}")
     if first is None:

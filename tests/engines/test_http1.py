@@ -160,3 +160,33 @@ def test_connection_refused() -> None:
             await H1Pool().request("GET", url + "/")
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_connection_reused_after_a_complete_stream_whose_last_chunk_comes_later() -> None:
+    async def main() -> None:
+        async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    await read_request(r)
+                    w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\ne\r\ndata: [DONE]\n\n\r\n")
+                    await w.drain()
+                    await asyncio.sleep(0.05)
+                    w.write(b"0\r\n\r\n")
+                    await w.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                w.close()
+
+        srv, url = await serve(h)
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            for _ in range(3):
+                r = await pool.request("POST", url + "/")
+                assert await r.next_chunk() == b"data: [DONE]\n\n"
+                r.close(complete=True)
+                await asyncio.sleep(0.1)
+            assert pool.connects == 1
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
