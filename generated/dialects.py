@@ -19,6 +19,7 @@ class Dialect:
     reasoning_fields: tuple[str, ...]
     content_null_when_empty: bool
     health_path: str
+    propagate_request_id: bool
     quirks: tuple[str, ...]
     quote: str
 
@@ -32,6 +33,7 @@ V01 = Dialect(
     reasoning_fields=('reasoning', 'reasoning_content'),
     content_null_when_empty=True,
     health_path='/health',
+    propagate_request_id=True,
     quirks=(),
     quote='For the vLLM dialect Narwhal asks the decode stream for {"return_token_ids": true, "stream_interval": 1}',
 )
@@ -46,11 +48,12 @@ V02 = Dialect(
     reasoning_fields=('reasoning_content',),
     content_null_when_empty=False,
     health_path='/health',
+    propagate_request_id=True,
     quirks=(),
     quote='Other dialects (sglang, openai) are never sent those fields and report token_accounting: unavailable.',
 )
 
-# V03: Any OpenAI-compatible server (OpenAI, TGI, llama.cpp, TRT-LLM through a proxy); role unified only.
+# V03: Any OpenAI-compatible server (OpenAI, TGI, llama.cpp, TRT-LLM through a proxy); role unified only. x-request-id is not sent to these engines: llama-cpp-python's server answers 400 to one that is not a UUID (seen with 0.3.36); the router still echoes it to the client.
 V03 = Dialect(
     id='V03',
     dialect='openai',
@@ -60,6 +63,7 @@ V03 = Dialect(
     reasoning_fields=('reasoning_content', 'reasoning'),
     content_null_when_empty=True,
     health_path='/v1/models',
+    propagate_request_id=False,
     quirks=('repeated_tool_call_fields',),
     quote='Other dialects (sglang, openai) are never sent those fields and report token_accounting: unavailable.',
 )

@@ -108,13 +108,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     for sp in (oh, rl, mm, pr, ov):
         sp.add_argument("--out", default="out/bench", help="save Markdown + JSON here (default out/bench; '' to skip)")
-    ov.add_argument("--img", default="docs/img", help="write the PNG plot here ('' to skip)")
+    for sp in (pr, ov):
+        sp.add_argument("--img", default="docs/img", help="write the PNG plot here ('' to skip)")
 
 
 _ARM_KEYS = {"none": "narwhal: no limits", "queue": "narwhal: queue limit", "predictive": "narwhal: predictive"}
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwind: every experiment stops the processes it started
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     cmd = args.bench_command
     out = Path(args.out) if getattr(args, "out", "") else None
     try:
@@ -131,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         elif cmd == "memory":
             X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=_names(args.servers), out=out)
         elif cmd == "peers":
-            X.peers(names=_names(args.peers), rates=_floats(args.rates), duration_s=args.duration, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, out=out)
+            X.peers(names=_names(args.peers), rates=_floats(args.rates), duration_s=args.duration, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, out=out,
+                    img=Path(args.img) if args.img else None)
         elif cmd == "overload":
             arms = [_ARM_KEYS[a] for a in _names(args.arms)]
             X.overload(scenario=args.scenario, loads=_floats(args.loads), arms=arms, peer_names=_names(args.peers), engines=args.engines, duration_s=args.duration,
@@ -146,9 +155,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from .experiments import _run
-    from .load import RequestShape, default_trace, fixed_rate, load_trace, run_open_loop, trace_arrivals
     from .client import make_client
+    from .experiments import _run
+    from .load import (
+        RequestShape,
+        default_trace,
+        fixed_rate,
+        load_trace,
+        run_open_loop,
+        trace_arrivals,
+    )
     from .procs import cpu_seconds
     from .stats import LATENCY_HEADER, fmt_ms, latency_rows, markdown_table, summarize
 

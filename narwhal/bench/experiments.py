@@ -324,7 +324,7 @@ def memory(*, streams: int = 5000, interval_ms: float = 2000.0, ramp_s: float = 
 
 
 def peers(*, names: Sequence[str] = H.PEERS, rates: Sequence[float] = (20.0, 200.0), duration_s: float = 10.0, prompt_tokens: int = 64, output_tokens: int = 16,
-          tpot_ms: float = 10.0, out: Path | None = None) -> Report:
+          tpot_ms: float = 10.0, out: Path | None = None, img: Path | None = None) -> Report:
     rcpu, lcpu = layout()
     pin_self(lcpu)
     rep = Report("peers: the same load through each router")
@@ -368,6 +368,10 @@ def peers(*, names: Sequence[str] = H.PEERS, rates: Sequence[float] = (20.0, 200
     rep.add(markdown_table(["router", "HTTP", "req/s", "server", "ok/offered", "direct TTFT p50", "routed TTFT p50", "added p50", "added p99", "router CPU µs / token event", "router cores busy"], rows))
     for name, why in data["unavailable"].items():
         rep.add(f"- **{name}** did not run: {why}")
+    if img is not None and data["runs"]:
+        from .plots import peers_plot
+
+        rep.add(f"![peers]({peers_plot(data, img / 'peers.png').name})")
     rep.save(out)
     return rep
 
@@ -435,15 +439,19 @@ async def _burst(urls: Sequence[str], arrivals: Sequence[Arrival]) -> float:
     return len(firsts) / (max(firsts) - t0) if firsts else 0.0
 
 
-def _wait_idle(engines: Sequence[H.Engine], timeout_s: float = 30.0) -> None:
+def _wait_idle(engines: Sequence[H.Engine], timeout_s: float = 20.0) -> bool:
     import httpx
 
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        st = [httpx.get(e.url + "/mock/stats", timeout=5, trust_env=False).json() for e in engines]
+        try:
+            st = [httpx.get(e.url + "/mock/stats", timeout=5, trust_env=False).json() for e in engines]
+        except httpx.HTTPError:
+            return False
         if all(s["in_flight"] == 0 for s in st):
-            return
+            return True
         time.sleep(0.25)
+    return False
 
 
 ARMS = {
@@ -492,6 +500,14 @@ def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1
             for name, adm in contenders:
                 if name in data["unavailable"]:
                     continue
+                if not _wait_idle(fleet):  # a router that does not pass aborts upstream left work behind
+                    print(f"  engines still busy before {name} at {load:g}x: restarting them", flush=True)
+                    data.setdefault("engine_restarts", []).append(f"{load:g}x before {name}")
+                    for e in fleet:
+                        e.proc.stop()
+                        things.remove(e)
+                    fleet = [H.mock_engine(f"u{i}", cpus=lcpu, timing={**sc["timing"], "seed": i + 1}) for i in range(engines)]
+                    things.extend(fleet)
                 try:
                     if adm is not None:
                         ov = {"admission": {**adm, "ttft_budget_ms": int(sc["ttft_ms"])}}
@@ -502,7 +518,6 @@ def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1
                     data["unavailable"][name] = str(e)
                     continue
                 try:
-                    _wait_idle(fleet)
                     c0 = r.proc.cpu()
                     res = phase(r.url, r.headers, "1", arrivals, RequestShape(stream=True), timeout_s=duration_s + drain_s + 5, drain_s=drain_s)
                     cpu = r.proc.cpu() - c0

@@ -139,7 +139,7 @@ def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: se
         if not exe.exists():
             raise PeerUnavailable(f"granian is not installed ({exe} missing): run scripts/peers/install.sh granian")
         argv = [str(exe), "--interface", "asgi", "--factory", "narwhal.bench.granian_app:app", "--host", "127.0.0.1", "--port", str(port),
-                "--http", "auto", "--loop", "uvloop", "--workers", "1", "--no-access-log", "--log-level", "warning", "--backlog", "4096",
+                "--http", "auto", "--loop", "uvloop", "--workers", "1", "--no-access-log", "--log-level", "warning", "--backlog", "4096", "--backpressure", "16384",
                 "--http2-max-concurrent-streams", "1024"]
         p = Proc(name, argv, cpus=cpus, env={"NARWHAL_CONFIG": str(cfg_path)})
         notes = "granian ASGI (Rust HTTP, uvloop), one worker"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from .client import H1Pool, H2Client, SSERecorder
+from .client import H1Pool, H2Client, H2Pool, SSERecorder
 from .stats import Result
 
 __all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "run_closed_loop", "default_trace"]
@@ -49,12 +50,14 @@ class Arrival:
 def fixed_rate(rate: float, duration_s: float, *, prompt_tokens: int = 64, output_tokens: int = 16, uniform: bool = False, seed: int = 1) -> list[Arrival]:
     if rate <= 0:
         raise ValueError("rate must be > 0")
+    if uniform:
+        return [Arrival(k / rate, prompt_tokens, output_tokens) for k in range(math.ceil(duration_s * rate - 1e-9))]
     rng = random.Random(seed)
     out: list[Arrival] = []
-    t = 0.0 if uniform else rng.expovariate(rate)
+    t = rng.expovariate(rate)
     while t < duration_s:
         out.append(Arrival(t, prompt_tokens, output_tokens))
-        t += (1.0 / rate) if uniform else rng.expovariate(rate)
+        t += rng.expovariate(rate)
     return out
 
 
@@ -170,7 +173,7 @@ class RequestShape:
         return orjson.dumps(b)
 
 
-async def _one(client: H1Pool | H2Client, shape: RequestShape, a: Arrival, scheduled: float, timeout_s: float, out: list[Result]) -> None:
+async def _one(client: H1Pool | H2Pool | H2Client, shape: RequestShape, a: Arrival, scheduled: float, timeout_s: float, out: list[Result]) -> None:
     r = Result(scheduled=scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
     out.append(r)
     rec = SSERecorder(r)
@@ -184,7 +187,7 @@ async def _one(client: H1Pool | H2Client, shape: RequestShape, a: Arrival, sched
 
 
 async def run_open_loop(
-    client: H1Pool | H2Client,
+    client: H1Pool | H2Pool | H2Client,
     arrivals: Sequence[Arrival],
     shape: RequestShape,
     *,
@@ -214,7 +217,7 @@ async def run_open_loop(
 
 
 async def run_closed_loop(
-    client: H1Pool | H2Client,
+    client: H1Pool | H2Pool | H2Client,
     shape: RequestShape,
     *,
     concurrency: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["overload_plot", "rate_sweep_plot"]
+__all__ = ["overload_plot", "rate_sweep_plot", "peers_plot"]
 
 
 def _plt() -> Any:
@@ -65,6 +65,38 @@ def rate_sweep_plot(series: dict[str, list[tuple[float, float]]], path: Path, *,
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def peers_plot(data: dict[str, Any], path: Path) -> Path:
+    """Router-added TTFT p50/p99 and router CPU per token event, per router and rate."""
+    plt = _plt()
+    runs = data["runs"]
+    keys = list(runs)
+    labels = [k.replace("/h1/", " h1 @").replace("/h2/", " h2 @") + "/s" for k in keys]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(keys) + 1.8))
+    y = range(len(keys))
+    p50 = [max(0.0, (runs[k]["peer"].get("added_p50") or 0.0) * 1000.0) for k in keys]
+    p99 = [max(0.0, (runs[k]["peer"].get("added_p99") or 0.0) * 1000.0) for k in keys]
+    axes[0].barh([i + 0.2 for i in y], p99, height=0.4, label="added TTFT p99", color="#f4a261")
+    axes[0].barh([i - 0.2 for i in y], p50, height=0.4, label="added TTFT p50", color="#2a9d8f")
+    axes[0].set_xscale("symlog", linthresh=1.0)
+    axes[0].set_xlabel("ms (routed minus direct)")
+    axes[0].legend(fontsize=8)
+    axes[1].barh(list(y), [runs[k]["peer"]["cpu_us_per_token"] for k in keys], color="#264653")
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("router CPU µs per relayed token event")
+    for ax in axes:
+        ax.set_yticks(list(y))
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    axes[1].set_yticklabels([])
+    fig.suptitle("Routers in front of the same mock engine, same arrivals", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

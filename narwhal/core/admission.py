@@ -226,8 +226,8 @@ class Scheduler:
         `engine` as its first phase: the batch it will join when it reaches decode
         (PREDICTION.md section 6), on the best eligible decode engine."""
         if engine.role == "unified":
-            b = engine.decode_in_use + len(engine.queue) + 1
-            return engine.decode.predict_ms(b), float(b), engine
+            nb = float(engine.decode_in_use + len(engine.queue) + 1)
+            return engine.decode.predict_ms(nb), nb, engine
         decoders = self._decode_candidates(set())
         if not decoders:
             return None

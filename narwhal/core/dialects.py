@@ -9,7 +9,8 @@ Rules
     client did not ask for is stripped on the way back (see narwhal/core/relay.py).
   * The vLLM two-phase protocol (ENGINES.md section 11): the prefill leg is
     non-streaming with max_tokens 1 and kv_transfer_params {"do_remote_decode": true};
-    the decode leg carries the kv_transfer_params the prefill answer returned, unchanged.
+    the decode leg carries the kv_transfer_params the prefill answer returned, unchanged
+    (an object, or null: connectors that locate the KV themselves return null).
   * D01 (openai dialect): a tool-call delta repeating the id, type or function name
     already seen for its index has the repeat removed before assembly (TGI sends id "0"
     on every chunk).
@@ -55,6 +56,7 @@ def decode_body(
     dialect: str,
     model: str | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
+    disaggregated: bool = False,
 ) -> dict[str, Any]:
     """The streaming request for a unified or decode engine, from the client's body."""
     body = dict(client)
@@ -71,7 +73,9 @@ def decode_body(
             body.pop(k, None)
     if model is not None:
         body["model"] = model
-    if kv_transfer_params is not None:
+    if disaggregated:
+        # forwarded as the prefill answer had it, null included (vLLM's ExampleConnector
+        # returns null and finds the KV by prompt on the decode side)
         body["kv_transfer_params"] = kv_transfer_params
     return body
 

@@ -101,7 +101,7 @@ class _Run:
 
     # -- legs --------------------------------------------------------------------------
 
-    async def prefill(self, t: Ticket, e: EngineState) -> dict[str, Any]:
+    async def prefill(self, t: Ticket, e: EngineState) -> dict[str, Any] | None:
         """The prefill leg of the vLLM two-phase protocol; returns kv_transfer_params."""
         body = prefill_body(self.req.body, route=self.req.route, model=e.model)
         ok = False
@@ -117,9 +117,11 @@ class _Run:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 raise _Failed("E02", f"prefill engine {e.name} answered with non-JSON", engine=e) from None
-            kv = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
-            if not isinstance(kv, dict):
+            if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
                 raise _Failed("E02", f"prefill engine {e.name} returned no kv_transfer_params", engine=e)
+            kv = obj["kv_transfer_params"]
+            if kv is not None and not isinstance(kv, dict):
+                raise _Failed("E02", f"prefill engine {e.name} returned kv_transfer_params that is not an object", engine=e)
             usage = obj.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                 self.prefill_prompt_tokens = usage["prompt_tokens"]
@@ -133,7 +135,7 @@ class _Run:
         r, req = self.r, self.req
         dialect = DIALECTS[e.dialect]
         checks_ids = dialect.token_accounting == "token_ids"
-        body = decode_body(req.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv)
+        body = decode_body(req.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
         assembler = None
         if not req.stream:
             assembler = Assembler(req.route, content_null_when_empty=dialect.content_null_when_empty, include_token_ids=req.return_token_ids and checks_ids)
@@ -146,7 +148,8 @@ class _Run:
             prompt_tokens_override=self.prefill_prompt_tokens,
         )
         try:
-            up = await r.client.open("POST", e.url + _ROUTE_PATH[req.route], body=orjson.dumps(body), headers=self.headers)
+            headers = self.headers if dialect.propagate_request_id else None
+            up = await r.client.open("POST", e.url + _ROUTE_PATH[req.route], body=orjson.dumps(body), headers=headers)
         except UpstreamError as x:
             raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
         sink = self.sink

@@ -58,9 +58,10 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
     relay = StreamRelay(checks_ids=checks, client_ids=False, client_usage=True)
     clock = router.clock
     t0 = clock.now()
-    up = await router.client.open(
-        "POST", e.url + "/v1/chat/completions", body=orjson.dumps(body), headers={"x-request-id": rid, "x-narwhal-profiling": "1"}
-    )
+    headers = {"x-narwhal-profiling": "1"}
+    if d.propagate_request_id:
+        headers["x-request-id"] = rid
+    up = await router.client.open("POST", e.url + "/v1/chat/completions", body=orjson.dumps(body), headers=headers)
     first: float | None = None
     done = False
     try:
@@ -92,7 +93,7 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
     return first - t0, tp, pt, relay.token_count
 
 
-async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: str) -> tuple[float, dict[str, Any], int | None]:
+async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: str) -> tuple[float, dict[str, Any] | None, int | None]:
     clock = router.clock
     t0 = clock.now()
     status, raw = await router.client.post_json(
@@ -102,9 +103,9 @@ async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: s
     if status >= 400:
         raise ProfileError(f"prefill engine answered HTTP {status}: {raw[:200]!r}")
     obj = orjson.loads(raw)
-    kv = obj.get("kv_transfer_params")
-    if not isinstance(kv, dict):
+    if "kv_transfer_params" not in obj or not isinstance(obj["kv_transfer_params"], (dict, type(None))):
         raise ProfileError("prefill answer carries no kv_transfer_params")
+    kv = obj["kv_transfer_params"]
     u = obj.get("usage") or {}
     return dt, kv, u.get("prompt_tokens") if isinstance(u.get("prompt_tokens"), int) else None
 
@@ -159,7 +160,7 @@ async def profile_engine(router: Any, e: EngineState) -> None:
                         raise ProfileError("no healthy prefill engine to profile a decode engine with")
                     base = _body(router, e, n, out_tokens)
                     _, kv, pt = await _prefill_leg(router, p, base, rid + "-p")
-                    body = decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv)
+                    body = decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=True)
                     start, tp, pt2, _ = await _stream(router, e, body, rid)
                     if keep:
                         starts.append((pt or pt2 or n, start * 1000.0))
@@ -175,7 +176,7 @@ async def profile_engine(router: Any, e: EngineState) -> None:
                 if e.role == "decode":
                     p = next(x for x in router.engines.values() if x.role == "prefill" and x.healthy)
                     _, kv, _ = await _prefill_leg(router, p, base, f"narwhal-profile-{e.name}-b{i}-p")
-                bodies.append(decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv))
+                bodies.append(decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode"))
             res = await asyncio.gather(*(_stream(router, e, b, f"narwhal-profile-{e.name}-b{i}") for i, b in enumerate(bodies)))
             for _, tp, _, _ in res:
                 if tp is not None:

@@ -28,7 +28,7 @@ from narwhal_generated import errors as E
 from ..engines.runtime import Router
 from .admin import admin_routes
 from .completions import CompletionEndpoint
-from .errors import row_response
+from .errors import drain_request, row_response
 
 __all__ = ["create_app"]
 
@@ -137,9 +137,21 @@ class _Front:
         if rid is None or not _RID_OK.match(rid):
             rid = uuid.uuid4().hex.encode()
 
+        ended = False
+
+        async def recv() -> Message:
+            nonlocal ended
+            msg = await receive()
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                ended = True
+            return msg
+
         async def send_with_id(msg: Message) -> None:
             if msg["type"] == "http.response.start":
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False) and not ended:
+                # HTTP/2: answer only once the request body is in (see drain_request)
+                await drain_request(scope, recv, limit=8 * self.state.router.config.serving.max_request_bytes)
             await send(msg)
 
-        await self.app(scope, receive, send_with_id)
+        await self.app(scope, recv, send_with_id)

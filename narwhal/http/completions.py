@@ -27,7 +27,7 @@ from ..core.admission import Work
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
 from ..engines.pipeline import error_event, run_request
 from ..engines.runtime import Router
-from .errors import send_row
+from .errors import drain_request, send_row
 
 __all__ = ["CompletionEndpoint"]
 
@@ -45,7 +45,9 @@ class _Gone(Exception):
 
 
 class _TooLarge(Exception):
-    pass
+    def __init__(self, ended: bool = False) -> None:
+        super().__init__()
+        self.ended = ended  # the client had sent its whole body
 
 
 class AsgiSink:
@@ -98,7 +100,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         if body:
             size += len(body)
             if size > limit:
-                raise _TooLarge
+                raise _TooLarge(ended=not msg.get("more_body", False))
             chunks.append(body)
         if not msg.get("more_body", False):
             break
@@ -163,12 +165,15 @@ class CompletionEndpoint:
         held = False
         try:
             reason = r.state.reason(arrival)
+            drain = 8 * r.config.serving.max_request_bytes
             if reason is not None:  # R01
+                await drain_request(scope, receive, limit=drain)
                 await send_row(send, E.R01, rid=rid, reason=reason)
                 cls = E.R01.counter
                 return
             adm = r.config.admission
             if r.held >= adm.http_retention_limit:  # R02
+                await drain_request(scope, receive, limit=drain)
                 await send_row(send, E.R02, rid=rid, limit=adm.http_retention_limit)
                 cls = E.R02.counter
                 return
@@ -177,7 +182,9 @@ class CompletionEndpoint:
             limit = r.config.serving.max_request_bytes
             try:
                 body = await _read_body(scope, receive, limit)
-            except _TooLarge:  # R03
+            except _TooLarge as e:  # R03
+                if not e.ended:
+                    await drain_request(scope, receive, limit=drain)
                 await send_row(send, E.R03, rid=rid, limit=limit)
                 cls = E.R03.counter
                 return

