@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -62,28 +63,12 @@ def _spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mock(args: argparse.Namespace) -> int:
-    from .mock.cli import run
-
-    return run(args)
-
-
-def _conformance(args: argparse.Namespace) -> int:
-    from narwhal_conformance.cli import run
-
-    return run(args)
-
-
-def _probe(args: argparse.Namespace) -> int:
-    from narwhal_conformance.probe import run
-
-    return run(args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from .bench.cli import run
-
-    return run(args)
+_SUBCOMMANDS = {
+    "mock-engine": ("narwhal.mock.cli", "a simulated engine (vllm, sglang, openai dialects)"),
+    "conformance": ("narwhal_conformance.cli", "run the router conformance suite against a router URL"),
+    "probe-engine": ("narwhal_conformance.probe", "check an engine's compatibility with Narwhal"),
+    "bench": ("narwhal.bench.cli", "load generator and experiments"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,41 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--root", help="repository root (default: found from the current directory)")
     g.set_defaults(func=_spec)
 
-    m = sub.add_parser("mock-engine", help="a simulated engine (vllm, sglang, openai dialects)")
-    try:
-        from .mock.cli import add_arguments as mock_args
-
-        mock_args(m)
-    except ImportError:  # pragma: no cover - the mock package is part of the distribution
-        pass
-    m.set_defaults(func=_mock)
-
-    c = sub.add_parser("conformance", help="run the router conformance suite against a router URL")
-    try:
-        from narwhal_conformance.cli import add_arguments as conf_args
-
-        conf_args(c)
-    except ImportError:
-        pass
-    c.set_defaults(func=_conformance)
-
-    pe = sub.add_parser("probe-engine", help="check an engine's compatibility with Narwhal")
-    try:
-        from narwhal_conformance.probe import add_arguments as probe_args
-
-        probe_args(pe)
-    except ImportError:
-        pass
-    pe.set_defaults(func=_probe)
-
-    b = sub.add_parser("bench", help="load generator and experiments")
-    try:
-        from .bench.cli import add_arguments as bench_args
-
-        bench_args(b)
-    except ImportError:
-        pass
-    b.set_defaults(func=_bench)
+    # The other subcommands live in their own modules, imported only when chosen (so
+    # `narwhal serve` does not pay for the conformance suite or the load generator).
+    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    for name, (module, help_) in _SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_)
+        if name == chosen:
+            mod = importlib.import_module(module)
+            mod.add_arguments(sp)
+            sp.set_defaults(func=mod.run)
 
     args = p.parse_args(argv)
     return int(args.func(args) or 0)
