@@ -41,13 +41,18 @@ class Step:
     engine_error: dict[str, Any] | None
 
 
-def _strip_ids(obj: dict[str, Any]) -> None:
-    # T10: the IDs the router asked for itself never reach a client that did not ask.
-    obj.pop("prompt_token_ids", None)
+def _strip_ids(obj: dict[str, Any]) -> bool:
+    """T10: the IDs the router asked for itself never reach a client that did not ask.
+    True when something was removed."""
+    hit = obj.pop("prompt_token_ids", _NONE) is not _NONE
     for c in obj.get("choices") or ():
         if type(c) is dict:
-            c.pop("token_ids", None)
-            c.pop("prompt_token_ids", None)
+            hit = c.pop("token_ids", _NONE) is not _NONE or hit
+            hit = c.pop("prompt_token_ids", _NONE) is not _NONE or hit
+    return hit
+
+
+_NONE = object()
 
 
 class StreamRelay:
@@ -151,8 +156,7 @@ class StreamRelay:
                 if type(ct) is int:
                     usage["total_tokens"] = self.prompt_tokens_override + ct
                 rewrite = True
-            if self.checks_ids and not self.client_ids:
-                _strip_ids(obj)
+            if self.checks_ids and not self.client_ids and _strip_ids(obj):
                 rewrite = True
             if rewrite:
                 out.append(_DATA + orjson.dumps(obj) + _END)
