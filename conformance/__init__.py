@@ -1,1 +1,13 @@
-"""."""
+"""The Narwhal router conformance suite (README.md): cases as data under cases/, a runner
+(`narwhal conformance`), the mock fleet on documented loopback ports, reports and the
+live fuzzing mode.
+
+Public surface: `SUITE_VERSION`; narwhal_conformance.cli (add_arguments, run);
+.cases (load_cases, check_cases); .profiles (PROFILES, router_config); .fleet
+(running_fleet); .runner (Runner).
+"""
+
+SUITE_VERSION = "1.0.0"
+SUITE_MAJOR = 1  # cases carry `since: N`; `--suite-version N` runs the cases of version N
+
+__all__ = ["SUITE_VERSION", "SUITE_MAJOR"]

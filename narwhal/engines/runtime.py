@@ -105,15 +105,20 @@ class Router:
 
     async def wait_grant(self, t: Ticket) -> Dispatch | Refuse | None:
         """Wait for a slot. None: R12/R13 expired first (the scheduler says which)."""
-        left = self.scheduler.time_left(t, self.clock.now())
         f: asyncio.Future[Dispatch | Refuse] = asyncio.get_running_loop().create_future()
         self.waiters[t.id] = f
         try:
-            return await asyncio.wait_for(asyncio.shield(f), timeout=left) if left > 0 else None
-        except TimeoutError:
-            if f.done():  # granted in the same instant the timer fired
-                return f.result()
-            return None
+            while True:
+                left = self.scheduler.time_left(t, self.clock.now())
+                if left <= 0:
+                    return None
+                try:
+                    return await asyncio.wait_for(asyncio.shield(f), timeout=left)
+                except TimeoutError:
+                    if f.done():  # granted in the same instant the timer fired
+                        return f.result()
+                    # an asyncio timer may fire a little early; wait until a row has
+                    # expired, so that the scheduler names the right one (R12 or R13)
         finally:
             self.waiters.pop(t.id, None)
 

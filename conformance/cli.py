@@ -1,0 +1,235 @@
+"""`narwhal conformance`: run the suite against a router, print the reference configuration,
+serve the mock fleet alone, or check the case data.
+
+    narwhal conformance --target URL [--case ID ...] [--profile NAME] [--http2] [--strict]
+                        [--junit FILE] [--expectations FILE] [--dryrun] [--fuzz N]
+    narwhal conformance print-config [--profile NAME] [--port-base N]
+    narwhal conformance fleet [--profile NAME ...] [--port-base N]
+    narwhal conformance check            (also: --check-coverage)
+Exit status: 0 all good; 1 a case failed (or passed against its expectation), or fuzzing
+found a problem; 2 a usage or set-up error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import yaml
+
+from . import SUITE_VERSION
+from .cases import check_cases, load_cases, select_cases
+from .fleet import FleetError, running_fleet, serve_fleet
+from .profiles import DEFAULT_PORT_BASE, PROFILES, Profile, get_profile, router_config
+from .report import (
+    apply_expectations,
+    exit_code,
+    load_expectations,
+    print_result,
+    print_summary,
+    write_junit,
+)
+from .runner import Result, Runner
+
+__all__ = ["add_arguments", "run", "run_suite"]
+
+ACTIONS = ("run", "print-config", "fleet", "check")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=ACTIONS, default="run", help="run (default), print-config, fleet (serve the mock fleet), check (the case data)")
+    p.add_argument("--target", help="base URL of the router under test, e.g. http://127.0.0.1:18200")
+    p.add_argument("--case", action="extend", nargs="+", default=[], metavar="ID", help="run only these cases (hierarchical: refusals, refusals/R11, refusals/R11/1)")
+    p.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile the target is set up with (default reference); fleet: repeatable")
+    p.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
+    p.add_argument("--http2", action="store_true", help="send the probes over HTTP/2 (h2c prior knowledge)")
+    p.add_argument("--strict", action="store_true", help="SHOULD-level cases fail instead of Non-Strict")
+    p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
+    p.add_argument("--expectations", metavar="FILE", help="vendor expectation file: {case-id: {status: FAIL, bug: URL}}")
+    p.add_argument("--dryrun", action="store_true", help="list the cases that would run; send nothing")
+    p.add_argument("--fuzz", type=int, default=0, metavar="N", help="after the cases, fuzz the target's /openapi.json with N examples per operation")
+    p.add_argument("--admin-token", default=os.environ.get("NARWHAL_CONFORMANCE_ADMIN_TOKEN"), help="the router's admin token (default $NARWHAL_CONFORMANCE_ADMIN_TOKEN); cases that need it are Missing without it")
+    p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the target to be ready and at rest (default 60)")
+    p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the reference config file, {listen} HOST:PORT of --target)")
+    p.add_argument("--suite-version", default="latest", help="run the cases of this suite version (an integer, or latest)")
+    p.add_argument("--check-coverage", action="store_true", help="same as the check action")
+    p.add_argument("--verbose", action="store_true", help="print the details of every case, not only failures")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.check_coverage or args.action == "check":
+        return _check()
+    profiles = [get_profile(n) for n in (args.profile or ["reference"])]
+    if args.action == "print-config":
+        sys.stdout.write(f"# narwhal conformance {SUITE_VERSION}: profile {profiles[0].name} ({profiles[0].description})\n")
+        sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base), sort_keys=False))
+        return 0
+    if args.action == "fleet":
+        return _fleet(profiles, args.port_base)
+    if not args.target and not args.dryrun:
+        print("narwhal conformance: --target URL is required", file=sys.stderr)
+        return 2
+    if len(profiles) > 1:
+        print("narwhal conformance: give one --profile for a run", file=sys.stderr)
+        return 2
+    return run_suite(args, profiles[0])
+
+
+def _check() -> int:
+    problems = check_cases()
+    for p in problems:
+        print(f"narwhal conformance check: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    cases = load_cases()
+    print(f"narwhal conformance check: {len(cases)} cases, every spec row covered, ids unique, titles fine")
+    return 0
+
+
+def _fleet(profiles: list[Profile], port_base: int) -> int:
+    async def main() -> None:
+        stop = asyncio.Event()
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await asyncio.gather(*(serve_fleet(p, port_base, stop) for p in profiles))
+
+    for p in profiles:
+        print(f"narwhal conformance fleet: profile {p.name}: " + ", ".join(f"{e.name} ({e.dialect} {e.role}) {e.url(port_base)}" for e in p.engines), flush=True)
+    try:
+        asyncio.run(main())
+    except FleetError as e:
+        print(f"narwhal conformance fleet: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _version(arg: str) -> int | None:
+    if arg == "latest":
+        return None
+    return int(arg)
+
+
+def _fleet_running(profile: Profile, port_base: int) -> bool:
+    try:
+        r = httpx.get(profile.engines[0].url(port_base) + "/conformance/fleet", timeout=2.0)
+        return r.status_code == 200 and r.json().get("profile") == profile.name
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _fleet_for(profile: Profile, port_base: int) -> Iterator[str]:
+    if _fleet_running(profile, port_base):
+        yield "running"
+        return
+    with running_fleet([profile], port_base):
+        yield "started"
+
+
+@contextlib.contextmanager
+def _served(cmd: str | None, profile: Profile, target: str, port_base: int) -> Iterator[None]:
+    if not cmd:
+        yield
+        return
+    listen = target.split("://", 1)[-1].rstrip("/")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(router_config(profile, port_base, listen=listen), f)
+    argv = [a.replace("{config}", f.name).replace("{listen}", listen) for a in shlex.split(cmd)]
+    proc = subprocess.Popen(argv)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        os.unlink(f.name)
+
+
+def _wait_ready(runner: Runner, timeout_s: float) -> list[str]:
+    end = time.monotonic() + timeout_s
+    problems = ["the target did not answer"]
+    while time.monotonic() < end:
+        problems = runner.check_target()
+        if not problems and runner.at_rest():
+            return []
+        time.sleep(0.1)
+    return problems or ["the target did not come to rest (ready, every engine eligible and profiled, books balanced)"]
+
+
+def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> int:
+    out = out or sys.stdout
+    try:
+        version = _version(args.suite_version)
+    except ValueError:
+        print(f"narwhal conformance: --suite-version: {args.suite_version!r} is neither an integer nor latest", file=sys.stderr)
+        return 2
+    try:
+        cases = select_cases(load_cases(), args.case, profile=profile.name, version=version)
+    except ValueError as e:
+        print(f"narwhal conformance: {e}", file=sys.stderr)
+        return 2
+    if args.case and not cases:
+        print(f"narwhal conformance: no case of profile {profile.name} matches {args.case}", file=sys.stderr)
+        return 2
+    label = f"{profile.name}, {'HTTP/2' if args.http2 else 'HTTP/1.1'}"
+    if args.dryrun:
+        for c in cases:
+            print(f"{c.id:<28} {c.level:<6} {', '.join(c.rows):<14} {c.title}", file=out)
+        print(f"narwhal conformance {SUITE_VERSION} [{label}]: {len(cases)} cases (dry run)", file=out)
+        return 0
+    expectations = load_expectations(args.expectations) if args.expectations else {}
+    try:
+        with _fleet_for(profile, args.port_base), _served(args.serve, profile, args.target, args.port_base):
+            results, code = _execute(args, profile, cases, out, label, expectations)
+    except FleetError as e:
+        print(f"narwhal conformance: {e}", file=sys.stderr)
+        return 2
+    if code:
+        return code
+    print_summary(results, out, version=SUITE_VERSION, label=label)
+    if args.junit:
+        write_junit(results, args.junit, version=SUITE_VERSION, label=label)
+    status = exit_code(results)
+    if args.fuzz:
+        from .fuzz import fuzz_target
+
+        report = fuzz_target(args.target, examples=args.fuzz, port_base=args.port_base)
+        print(report.summary(), file=out)
+        status = status or (1 if report.problems else 0)
+    return status
+
+
+def _execute(args: argparse.Namespace, profile: Profile, cases: list[Any], out: Any, label: str, expectations: dict[str, Any]) -> tuple[list[Result], int]:
+    runner = Runner(args.target, profile, port_base=args.port_base, http2=args.http2, admin_token=args.admin_token, strict=args.strict)
+    try:
+        problems = _wait_ready(runner, args.ready_timeout)
+        if problems:
+            for p in problems:
+                print(f"narwhal conformance: {p}", file=sys.stderr)
+            return [], 2
+        results = []
+        for c in cases:
+            r = runner.run_case(c)
+            apply_expectations([r], expectations)
+            print_result(r, out, verbose=args.verbose)
+            results.append(r)
+        return results, 0
+    finally:
+        runner.close()

@@ -1,0 +1,167 @@
+"""Router profiles: the mock fleet a profile runs and the router configuration that goes
+with it (`narwhal conformance print-config`).
+
+Rules
+  * A profile is the contract between the suite and the router under test: the engines
+    (names, roles, dialects, waves, loopback ports), the mock timing they run with, and
+    the limits the cases rely on. Each case names the profile it assumes.
+  * Ports are `port_base + offset`. The documented default base is 18200; `--port-base`
+    moves the whole layout (print-config and the runner must be given the same base).
+  * Limits are chosen so that the timing cases are decided by the mocks' scripted timing
+    with wide margins, never by a race: e.g. R12 waits `max_wait_ms` (300 ms) behind a
+    holder whose prefill is predicted and scripted to take 2 s; R10's holder leaves a
+    predicted backlog of about 2 s against a 300 ms budget (Retry-After 2-4 s whatever a
+    router's confidence margin between 1.0 and 1.5).
+WARNING: changing a number here changes what the cases mean; bump SUITE_VERSION.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from narwhal.mock import MockConfig, Timing
+
+__all__ = ["DEFAULT_PORT_BASE", "MODEL", "EngineDef", "Profile", "PROFILES", "get_profile", "router_config", "mock_configs"]
+
+DEFAULT_PORT_BASE = 18200
+MODEL = "narwhal-demo"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDef:
+    name: str
+    role: str
+    dialect: str
+    offset: int
+    wave: str | None = None
+    quirks: frozenset[str] = frozenset()
+
+    def port(self, base: int) -> int:
+        return base + self.offset
+
+    def url(self, base: int) -> str:
+        return f"http://127.0.0.1:{self.port(base)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    description: str
+    engines: tuple[EngineDef, ...]
+    timing: Timing
+    router: dict[str, Any]  # the router configuration without `engines`
+
+    def engine(self, name: str) -> EngineDef:
+        for e in self.engines:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+
+# Prefill T(n) = 5 + 0.1 n ms (linear: any predictor fits it exactly); decode steps
+# 4 + 3 B ms (B = sequences decoding), so a batch is visible to a TPOT predictor.
+_TIMING = Timing(
+    prefill_base_ms=5.0,
+    prefill_per_token_ms=0.1,
+    prefill_quadratic_ms=0.0,
+    tpot_base_ms=4.0,
+    tpot_per_seq_ms=3.0,
+    transfer_base_ms=1.0,
+    transfer_per_token_ms=0.0005,
+)
+
+_MONITORING = {
+    "poll_interval_ms": 100,
+    "stale_after_ms": 500,  # R01 monitoring_degraded half a second after health answers stop
+    "poll_timeout_ms": 30000,  # a hanging health answer stays stale (not a failed poll)
+    "breaker_failures": 3,
+    "breaker_cooldown_ms": 300,
+}
+
+_PREDICTION = {
+    "initial_margin": 1.2,
+    "adaptive_margin": False,
+    "profile_on_start": True,
+    "profile_prompt_tokens": [16, 512, 2048],
+    "profile_output_tokens": 8,
+    "profile_repeats": 1,
+}
+
+REFERENCE = Profile(
+    name="reference",
+    description="vLLM prefill/decode fleet: p0 (prefill), d0 and d1 (decode); predictive admission",
+    engines=(
+        EngineDef("p0", "prefill", "vllm", 1, wave="a"),
+        EngineDef("d0", "decode", "vllm", 2, wave="b"),
+        EngineDef("d1", "decode", "vllm", 3, wave="b"),
+    ),
+    timing=_TIMING,
+    router={
+        "serving": {"model": MODEL, "listen": "127.0.0.1:18200", "max_request_bytes": 262144, "wave": "r"},
+        "admission": {
+            "mode": "predictive",
+            "http_retention_limit": 6,
+            "queue_limit": 1,
+            "max_wait_ms": 300,
+            "ttft_budget_ms": 300,
+            "max_ttft_target_ms": 30000,
+            "phase_concurrency": {"prefill": 1, "decode": 4},
+            # R14: batch 3 on a decode engine projects 4 + 3*3 = 13 ms > 11.5 ms
+            "prediction": {**_PREDICTION, "tpot_budget_ms": 11.5},
+        },
+        "monitoring": _MONITORING,
+        "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
+        "upstream": {"idle_timeout_ms": 1000},
+    },
+)
+
+
+def _unified(name: str, dialect: str, offset: int, listen_offset: int) -> Profile:
+    return Profile(
+        name=dialect,
+        description=f"one unified {dialect} engine ({name}); open admission",
+        engines=(EngineDef(name, "unified", dialect, offset, wave="u"),),
+        timing=_TIMING,
+        router={
+            "serving": {"model": MODEL, "listen": f"127.0.0.1:{18200 + listen_offset}", "max_request_bytes": 262144},
+            "admission": {"mode": "open", "queue_limit": 4, "max_wait_ms": 2000, "prediction": {**_PREDICTION, "profile_on_start": False}},
+            "monitoring": _MONITORING,
+            "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
+            "upstream": {"idle_timeout_ms": 1000},
+        },
+    )
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p for p in (REFERENCE, _unified("s0", "sglang", 11, 10), _unified("o0", "openai", 21, 20))
+}
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown profile {name!r} (known: {', '.join(PROFILES)})") from None
+
+
+def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: str | None = None) -> dict[str, Any]:
+    """The Narwhal configuration a router under test must be set up with."""
+    cfg = copy.deepcopy(profile.router)
+    if listen is not None:
+        cfg["serving"]["listen"] = listen
+    elif port_base != DEFAULT_PORT_BASE:
+        host, _, port = cfg["serving"]["listen"].rpartition(":")
+        cfg["serving"]["listen"] = f"{host}:{int(port) - DEFAULT_PORT_BASE + port_base}"
+    cfg["engines"] = [
+        {"name": e.name, "url": e.url(port_base), "role": e.role, "dialect": e.dialect, "wave": e.wave} for e in profile.engines
+    ]
+    return cfg
+
+
+def mock_configs(profile: Profile, port_base: int = DEFAULT_PORT_BASE) -> list[MockConfig]:
+    return [
+        MockConfig(dialect=e.dialect, role=e.role, model=MODEL, name=e.name, port=e.port(port_base), timing=profile.timing, quirks=e.quirks)
+        for e in profile.engines
+    ]

@@ -1,0 +1,132 @@
+"""Test equipment for the conformance suite: the mock fleets of every profile on a free
+port base, and one `narwhal serve` subprocess per profile configured with
+`narwhal conformance print-config`'s output, exactly as a vendor sets a router up."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from narwhal_conformance.cli import add_arguments, run_suite
+from narwhal_conformance.fleet import running_fleet
+from narwhal_conformance.profiles import PROFILES, Profile, get_profile, router_config
+from narwhal_conformance.runner import Runner
+
+__all__ = ["Stack", "conformance_stack", "run", "free_port_base", "ADMIN_TOKEN"]
+
+ADMIN_TOKEN = "conformance-test-token"
+_LISTEN_OFFSET = {"reference": 0, "sglang": 10, "openai": 20}
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(profiles: list[Profile]) -> int:
+    """A base whose every port (fleet and routers) is free now."""
+    for _ in range(200):
+        base = random.randrange(30000, 60000, 50)
+        ports = [base + _LISTEN_OFFSET[p.name] for p in profiles] + [e.port(base) for p in profiles for e in p.engines]
+        if all(_free(p) for p in ports):
+            return base
+    raise RuntimeError("no free port base found")
+
+
+@dataclass
+class Stack:
+    port_base: int
+    targets: dict[str, str]
+    logs: dict[str, Path] = field(default_factory=dict)
+
+    def log(self, profile: str) -> str:
+        p = self.logs.get(profile)
+        return p.read_text()[-4000:] if p is not None and p.exists() else ""
+
+
+def _wait_ready(target: str, profile: Profile, port_base: int, timeout_s: float) -> list[str]:
+    r = Runner(target, profile, port_base=port_base)
+    try:
+        end = time.monotonic() + timeout_s
+        problems = ["not started"]
+        while time.monotonic() < end:
+            problems = r.check_target()
+            if not problems and r.at_rest():
+                return []
+            time.sleep(0.1)
+        return problems or ["not at rest"]
+    finally:
+        r.close()
+
+
+@contextlib.contextmanager
+def conformance_stack(names: tuple[str, ...] = tuple(PROFILES), *, timeout_s: float = 60.0) -> Iterator[Stack]:
+    profiles = [get_profile(n) for n in names]
+    base = free_port_base(profiles)
+    tmp = Path(tempfile.mkdtemp(prefix="narwhal-conformance-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN}
+    stack = Stack(base, {})
+    with running_fleet(profiles, base):
+        try:
+            for p in profiles:
+                listen = f"127.0.0.1:{base + _LISTEN_OFFSET[p.name]}"
+                cfg = tmp / f"{p.name}.yaml"
+                cfg.write_text(yaml.safe_dump(router_config(p, base, listen=listen), sort_keys=False))
+                log = tmp / f"{p.name}.log"
+                stack.logs[p.name] = log
+                with log.open("wb") as fh:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg), "--log-level", "warning"], stdout=fh, stderr=subprocess.STDOUT, env=env))
+                stack.targets[p.name] = f"http://{listen}"
+            for p in profiles:
+                problems = _wait_ready(stack.targets[p.name], p, base, timeout_s)
+                if problems:
+                    raise RuntimeError(f"router for profile {p.name} not ready: {problems}\n{stack.log(p.name)}")
+            yield stack
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+
+
+def run(target: str, profile: str, port_base: int, *extra: str) -> tuple[int, str]:
+    """`narwhal conformance --target ...` in-process; (exit status, its output)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--target", target, "--profile", profile, "--port-base", str(port_base), "--admin-token", ADMIN_TOKEN, "--ready-timeout", "30", *extra])
+    out = io.StringIO()
+    code = run_suite(args, get_profile(profile), out=out)
+    return code, out.getvalue()
+
+
+def parse_results(output: str) -> dict[str, str]:
+    """case id -> verdict label, from the runner's console lines."""
+    res: dict[str, Any] = {}
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in ("PASS", "FAIL", "NON-STRICT", "INFO", "MISSING", "EXPECTED-FAIL", "UNEXPECTED-PASS") and "/" in parts[1]:
+            res[parts[1]] = parts[0]
+    return res

@@ -1,0 +1,39 @@
+"""The suite passes against Narwhal itself: every case of every profile, over HTTP/1.1 and
+HTTP/2 (h2c), against `narwhal serve` set up with `narwhal conformance print-config`,
+with zero Fail; the JUnit report lists every case."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+
+from narwhal_conformance import SUITE_VERSION
+from narwhal_conformance.cases import load_cases, select_cases
+
+from .support import Stack, parse_results, run
+
+EXPECTATIONS = Path(str(resources.files("narwhal_conformance").joinpath("expectations", "narwhal.yaml")))  # empty: no known failure
+
+
+@pytest.mark.parametrize("protocol", ["http1", "http2"])
+@pytest.mark.parametrize("profile", ["reference", "sglang", "openai"])
+def test_the_suite_passes_against_narwhal(stack: Stack, tmp_path: Path, profile: str, protocol: str) -> None:
+    out_dir = Path(os.environ.get("NARWHAL_CONFORMANCE_JUNIT_DIR", str(tmp_path)))  # CI keeps the reports
+    out_dir.mkdir(parents=True, exist_ok=True)
+    junit = out_dir / f"conformance-{profile}-{protocol}.xml"
+    extra = ["--junit", str(junit), "--strict", "--expectations", str(EXPECTATIONS)] + (["--http2"] if protocol == "http2" else [])
+    code, out = run(stack.targets[profile], profile, stack.port_base, *extra)
+    results = parse_results(out)
+    bad = {k: v for k, v in results.items() if v not in ("PASS", "INFO")}
+    assert code == 0 and not bad, f"{bad}\n{out}\n--- router log ---\n{stack.log(profile)}"
+    want = {c.id for c in select_cases(load_cases(), None, profile=profile)}
+    assert set(results) == want
+    root = ET.parse(junit).getroot()
+    cases = root.findall(".//testcase")
+    assert {tc.get("name", "").split(" [")[0] for tc in cases} == want
+    assert all(s.get("failures") == "0" for s in root.findall("testsuite"))
+    assert SUITE_VERSION in (root.get("name") or "")
