@@ -195,9 +195,17 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
         print(f"narwhal conformance {SUITE_VERSION} [{label}]: {len(cases)} cases (dry run)", file=out)
         return 0
     expectations = load_expectations(args.expectations) if args.expectations else {}
+    fuzz_problems = False
     try:
         with _fleet_for(profile, args.port_base), _served(args.serve, profile, args.target, args.port_base):
             results, code = _execute(args, profile, cases, out, label, expectations)
+            if args.fuzz and not code:
+                # while the fleet (and a --serve router) still run
+                from .fuzz import fuzz_target
+
+                report = fuzz_target(args.target, examples=args.fuzz, port_base=args.port_base)
+                print(report.summary(), file=out)
+                fuzz_problems = bool(report.problems)
     except FleetError as e:
         print(f"narwhal conformance: {e}", file=sys.stderr)
         return 2
@@ -206,14 +214,7 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
     print_summary(results, out, version=SUITE_VERSION, label=label)
     if args.junit:
         write_junit(results, args.junit, version=SUITE_VERSION, label=label)
-    status = exit_code(results)
-    if args.fuzz:
-        from .fuzz import fuzz_target
-
-        report = fuzz_target(args.target, examples=args.fuzz, port_base=args.port_base)
-        print(report.summary(), file=out)
-        status = status or (1 if report.problems else 0)
-    return status
+    return exit_code(results) or (1 if fuzz_problems else 0)
 
 
 def _execute(args: argparse.Namespace, profile: Profile, cases: list[Any], out: Any, label: str, expectations: dict[str, Any]) -> tuple[list[Result], int]:

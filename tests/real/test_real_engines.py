@@ -12,6 +12,7 @@ two-phase prefill/decode run over two vLLM instances.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -137,7 +138,9 @@ def test_vllm_two_phase_prefill_decode_with_the_example_connector(vllm: Any) -> 
     from narwhal_conformance.real_engines import vllm_server
 
     with tempfile.TemporaryDirectory() as store:
-        kv = lambda role: '{"kv_connector":"ExampleConnector","kv_role":"%s","kv_connector_extra_config":{"shared_storage_path":"%s"}}' % (role, store)  # noqa: E731
+        def kv(role: str) -> str:
+            return json.dumps({"kv_connector": "ExampleConnector", "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": store}})
+
         with vllm_server(extra_args=("-O0", "--kv-transfer-config", kv("kv_producer"))) as p, vllm_server(extra_args=("-O0", "--kv-transfer-config", kv("kv_consumer"))) as d:
             specs = [EngineSpec("p0", p.url, "prefill", "vllm", None, p.model), EngineSpec("d0", d.url, "decode", "vllm", None, d.model)]
             with running_router(_router_cfg(), specs) as rr:
