@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
-import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,13 +39,12 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from narwhal.mock import create_mock_app
+from narwhal.mock import create_mock_app, serve_apps, serve_in_thread
 
 from .profiles import DEFAULT_PORT_BASE, Profile, mock_configs
 
 __all__ = ["FleetState", "ControlledEngine", "running_fleet", "serve_fleet", "FleetError"]
 
-_STOP_S = 10.0
 _RECORD_IDS = 2000
 _RESPONSE_LIMIT = 65536
 _COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
@@ -244,19 +241,6 @@ class ControlledEngine:
         await self.inner(scope, inner_receive, inner_send)
 
 
-def _hypercorn_config(fd: int) -> Any:
-    from hypercorn.config import Config
-
-    hc = Config()
-    hc.bind = [f"fd://{fd}"]
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("narwhal.conformance.fleet")
-    hc.graceful_timeout = 0.5
-    hc.keep_alive_max_requests = 1 << 30
-    hc.keep_alive_timeout = 30
-    return hc
-
-
 def _bind(port: int) -> socket.socket:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -281,16 +265,13 @@ def _apps(profile: Profile, port_base: int) -> tuple[FleetState, list[Controlled
 
 async def serve_fleet(profile: Profile, port_base: int = DEFAULT_PORT_BASE, stop: asyncio.Event | None = None) -> None:
     """Serve the profile's fleet on this event loop until `stop` is set."""
-    from hypercorn.asyncio import serve
-
     stop = stop or asyncio.Event()
     socks = [_bind(e.port(port_base)) for e in profile.engines]
     fleet, apps = _apps(profile, port_base)
     for ctl in fleet.engines.values():
         ctl.changed = asyncio.Event()
     try:
-        tasks = [asyncio.create_task(serve(app, _hypercorn_config(s.detach()), shutdown_trigger=stop.wait)) for app, s in zip(apps, socks, strict=True)]  # type: ignore[arg-type]
-        await asyncio.gather(*tasks)
+        await serve_apps(apps, socks, stop)
     finally:
         for s in socks:
             with contextlib.suppress(OSError):
@@ -300,57 +281,19 @@ async def serve_fleet(profile: Profile, port_base: int = DEFAULT_PORT_BASE, stop
 @contextlib.contextmanager
 def running_fleet(profiles: list[Profile], port_base: int = DEFAULT_PORT_BASE) -> Iterator[None]:
     """Run the fleets of several profiles in one background thread; stop on exit."""
-    loop = asyncio.new_event_loop()
-    stop: asyncio.Event | None = None
-    started = threading.Event()
-    failure: list[BaseException] = []
-    socks: list[list[socket.socket]] = [[_bind(e.port(port_base)) for e in p.engines] for p in profiles]
+    socks = [_bind(e.port(port_base)) for p in profiles for e in p.engines]
 
-    async def main() -> None:
-        nonlocal stop
-        from hypercorn.asyncio import serve
-
-        stop = asyncio.Event()
-        tasks = []
-        for p, ss in zip(profiles, socks, strict=True):
-            fleet, apps = _apps(p, port_base)
+    def make_apps() -> list[ControlledEngine]:
+        apps: list[ControlledEngine] = []
+        for p in profiles:
+            fleet, papps = _apps(p, port_base)
             for ctl in fleet.engines.values():
-                ctl.changed = asyncio.Event()
-            for app, s in zip(apps, ss, strict=True):
-                tasks.append(asyncio.create_task(serve(app, _hypercorn_config(s.detach()), shutdown_trigger=stop.wait)))  # type: ignore[arg-type]
-        started.set()
-        res = await asyncio.gather(*tasks, return_exceptions=True)
-        failure.extend(r for r in res if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError))
+                ctl.changed = asyncio.Event()  # bound to the serving loop
+            apps += papps
+        return apps
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(main())
-        except BaseException as e:  # pragma: no cover - reported to the caller
-            failure.append(e)
-        finally:
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                with contextlib.suppress(Exception):
-                    loop.run_until_complete(asyncio.wait(pending, timeout=2.0))
-            loop.close()
-            started.set()
-
-    th = threading.Thread(target=run, name="narwhal-conformance-fleet", daemon=True)
-    th.start()
-    started.wait(_STOP_S)
     try:
-        yield
-    finally:
-        if stop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-        th.join(_STOP_S)
-        for ss in socks:
-            for s in ss:
-                with contextlib.suppress(OSError):
-                    s.close()
-    if failure:
-        raise FleetError(f"mock fleet failed: {failure[0]!r}") from failure[0]
+        with serve_in_thread(make_apps, socks, name="narwhal-conformance-fleet"):
+            yield
+    except RuntimeError as e:
+        raise FleetError(str(e)) from e

@@ -52,6 +52,8 @@ __all__ = [
     "serve_mock",
     "running_mock",
     "running_fleet",
+    "serve_apps",
+    "serve_in_thread",
     "Behaviour",
     "DIALECTS",
     "ROLES",
@@ -153,17 +155,27 @@ def _listening_socket(host: str) -> socket.socket:
     return s
 
 
-@contextlib.contextmanager
-def running_fleet(configs: Sequence[MockConfig], host: str = "127.0.0.1") -> Iterator[list[RunningMock]]:
-    """Run several mock engines on free ports in one background event loop."""
+async def serve_apps(apps: Sequence[Any], socks: Sequence[socket.socket], stop: asyncio.Event, *, graceful_timeout: float = 0.5) -> None:
+    """Serve each ASGI app on its listening socket (hypercorn takes the fd) until `stop`."""
     from hypercorn.asyncio import serve
 
-    socks = [_listening_socket(host) for _ in configs]
-    mocks = []
-    for c, s in zip(configs, socks, strict=True):
-        port = s.getsockname()[1]
-        cfg = dataclasses.replace(c, port=port, host=c.host if c.host != "127.0.0.1" else host)
-        mocks.append(RunningMock(cfg, host, port, create_mock_app(cfg)))
+    tasks = []
+    for app, s in zip(apps, socks, strict=True):
+        hc = _hypercorn_config(f"fd://{s.detach()}", graceful_timeout=graceful_timeout)
+        tasks.append(asyncio.create_task(serve(app, hc, shutdown_trigger=stop.wait)))  # type: ignore[arg-type]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+    if errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def serve_in_thread(make_apps: Callable[[], Sequence[Any]], socks: Sequence[socket.socket], *, name: str = "narwhal-mock-fleet") -> Iterator[None]:
+    """Serve apps on listening sockets from one background thread with its own event loop.
+
+    make_apps runs inside that loop (for apps holding loop-bound objects). The sockets
+    listen already, so clients can connect as soon as this yields; on exit serving stops
+    within a bounded time (open streams are cut). A serving failure raises RuntimeError."""
     loop = asyncio.new_event_loop()
     stop: asyncio.Event | None = None
     started = threading.Event()
@@ -172,19 +184,15 @@ def running_fleet(configs: Sequence[MockConfig], host: str = "127.0.0.1") -> Ite
     async def main() -> None:
         nonlocal stop
         stop = asyncio.Event()
-        tasks = []
-        for m, s in zip(mocks, socks, strict=True):
-            hc = _hypercorn_config(f"fd://{s.detach()}", graceful_timeout=0.5)  # hypercorn owns the fd now
-            tasks.append(asyncio.create_task(serve(m.app, hc, shutdown_trigger=stop.wait)))  # type: ignore[arg-type]
+        apps = make_apps()
         started.set()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        failure.extend(r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError))
+        await serve_apps(apps, socks, stop)
 
     def run() -> None:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(main())
-        except BaseException as e:  # pragma: no cover - reported to the caller
+        except BaseException as e:  # reported to the caller
             failure.append(e)
         finally:
             with contextlib.suppress(Exception):
@@ -192,11 +200,11 @@ def running_fleet(configs: Sequence[MockConfig], host: str = "127.0.0.1") -> Ite
             loop.close()
             started.set()
 
-    t = threading.Thread(target=run, name="narwhal-mock-fleet", daemon=True)
+    t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
     started.wait(_STOP_TIMEOUT_S)
     try:
-        yield mocks
+        yield
     finally:
         if stop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
@@ -209,6 +217,19 @@ def running_fleet(configs: Sequence[MockConfig], host: str = "127.0.0.1") -> Ite
         raise RuntimeError("mock engines did not stop within the timeout")
     if failure:
         raise RuntimeError(f"mock engine failed: {failure[0]!r}") from failure[0]
+
+
+@contextlib.contextmanager
+def running_fleet(configs: Sequence[MockConfig], host: str = "127.0.0.1") -> Iterator[list[RunningMock]]:
+    """Run several mock engines on free ports in one background event loop."""
+    socks = [_listening_socket(host) for _ in configs]
+    mocks = []
+    for c, s in zip(configs, socks, strict=True):
+        port = s.getsockname()[1]
+        cfg = dataclasses.replace(c, port=port, host=c.host if c.host != "127.0.0.1" else host)
+        mocks.append(RunningMock(cfg, host, port, create_mock_app(cfg)))
+    with serve_in_thread(lambda: [m.app for m in mocks], socks):
+        yield mocks
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
