@@ -380,6 +380,7 @@ class _H2Conn(asyncio.Protocol):
         self.streams: dict[int, tuple[SSERecorder, asyncio.Future[bool]]] = {}
         self.closed = False
         self.max_streams = 100
+        self.pending: dict[int, bytes] = {}  # request body bytes waiting for send window
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         from h2.settings import SettingCodes
@@ -430,6 +431,9 @@ class _H2Conn(asyncio.Protocol):
                 st = self.streams.pop(e.stream_id, None)
                 if st is not None and not st[1].done():
                     st[1].set_exception(ConnectionError(f"stream reset by the server (error code {e.error_code})"))
+            elif isinstance(e, ev.WindowUpdated):
+                for sid in list(self.pending) if e.stream_id == 0 else [e.stream_id]:
+                    self._flush(sid)
             elif isinstance(e, ev.RemoteSettingsChanged):
                 self.max_streams = self.h2.remote_settings.max_concurrent_streams or self.max_streams
             elif isinstance(e, ev.ConnectionTerminated):
@@ -446,16 +450,32 @@ class _H2Conn(asyncio.Protocol):
         if body is not None:
             hd.append((b"content-length", str(len(body)).encode()))
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when nobody awaits
         self.streams[sid] = (rec, fut)
         rec.r.sent = _clock()
         self.h2.send_headers(sid, hd, end_stream=body is None)
         if body is not None:
-            self.h2.send_data(sid, body, end_stream=True)
+            self.pending[sid] = body
+            self._flush(sid)
         self.transport.write(self.h2.data_to_send())
         return sid, fut
 
+    def _flush(self, sid: int) -> None:
+        """Send what the flow-control windows allow of a request body; the rest waits for
+        the server's WINDOW_UPDATE."""
+        body = self.pending.get(sid)
+        while body is not None:
+            n = min(len(body), self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size)
+            if n <= 0:
+                self.pending[sid] = body
+                return
+            self.h2.send_data(sid, body[:n], end_stream=n == len(body))
+            body = body[n:] if n < len(body) else None
+        self.pending.pop(sid, None)
+
     def reset(self, sid: int) -> None:
         self.streams.pop(sid, None)
+        self.pending.pop(sid, None)
         if self.closed or self.transport is None:
             return
         import h2.errors
@@ -508,7 +528,12 @@ class H2Pool:
             rec.r.error = f"connect: {type(e).__name__}: {e}"
             return
         h = {**self._headers, **(headers or {})}
-        sid, fut = c.send(method, self.prefix + path, body, h, rec)
+        try:
+            sid, fut = c.send(method, self.prefix + path, body, h, rec)
+        except Exception as e:  # an h2 protocol error on this connection
+            rec.r.sent = rec.r.sent or _clock()
+            rec.r.error = f"HTTP/2: {type(e).__name__}: {e}"
+            return
         try:
             await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:

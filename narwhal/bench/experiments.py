@@ -340,7 +340,7 @@ def peers(*, names: Sequence[str] = H.PEERS, rates: Sequence[float] = (20.0, 200
                 p = H.start_peer(name, [eng], cpus=rcpu)
             except H.PeerUnavailable as e:
                 data["unavailable"][name] = str(e)
-                rows.append([name, "—", "—", "not run: " + str(e).splitlines()[0][:160]] + ["—"] * 7)
+                rows.append([name, "—", "—", "not run: " + str(e).splitlines()[0][:160]] + ["—"] * 8)
                 continue
             things.append(p)
             try:
@@ -349,23 +349,23 @@ def peers(*, names: Sequence[str] = H.PEERS, rates: Sequence[float] = (20.0, 200
                     for rate in rates:
                         arr = fixed_rate(rate, duration_s, prompt_tokens=prompt_tokens, output_tokens=output_tokens, seed=int(rate) + 1)
                         d = summarize(phase(eng.url, {}, http, arr, shape))
-                        c0 = p.proc.cpu()
+                        c0, w0 = p.proc.cpu(), time.perf_counter()
                         s = summarize(phase(p.url, p.headers, http, arr, shape, drain_s=20.0))
-                        cpu = p.proc.cpu() - c0
-                        s["router_cpu_s"] = cpu
+                        cpu, wall = p.proc.cpu() - c0, time.perf_counter() - w0
+                        s["router_cpu_s"], s["wall_s"] = cpu, wall
                         s["cpu_us_per_token"] = cpu / max(1, s["tokens"]) * 1e6
                         add50 = None if s["ttft"]["p50"] is None else s["ttft"]["p50"] - d["ttft"]["p50"]
                         add99 = None if s["ttft"]["p99"] is None else s["ttft"]["p99"] - d["ttft"]["p99"]
                         s["added_p50"], s["added_p99"] = add50, add99
                         data["runs"][f"{name}/h{http}/{rate:g}"] = {"peer": s, "direct": d, "notes": p.notes}
-                        rows.append([name, f"HTTP/{'1.1' if http == '1' else '2'}", f"{rate:g}", p.notes, f"{s['ok']}/{s['offered']}", fmt_ms(d["ttft"]["p50"]), fmt_ms(s["ttft"]["p50"]),
-                                     fmt_ms(add50), fmt_ms(add99), f"{s['cpu_us_per_token']:.0f}", f"{cpu / duration_s:.2f}"])
+                        rows.append([name, f"HTTP/{'1.1' if http == '1' else '2'}", f"{rate:g}", p.notes, f"{s['ok']}/{s['offered']}", f"{s['refused']}/{s['errors']}", fmt_ms(d["ttft"]["p50"]), fmt_ms(s["ttft"]["p50"]),
+                                     fmt_ms(add50), fmt_ms(add99), f"{s['cpu_us_per_token']:.0f}", f"{cpu / wall:.2f}"])
             finally:
                 p.stop()
     rep.data = data
     rep.add(f"Open-loop Poisson load, {duration_s:g} s per point, streaming chat, prompt {prompt_tokens} tokens, {output_tokens} output tokens {tpot_ms:g} ms apart, "
             f"one mock engine (vllm dialect); a direct phase against the engine precedes every routed phase with the same arrivals. {data['pinning']}")
-    rep.add(markdown_table(["router", "HTTP", "req/s", "server", "ok/offered", "direct TTFT p50", "routed TTFT p50", "added p50", "added p99", "router CPU µs / token event", "router cores busy"], rows))
+    rep.add(markdown_table(["router", "HTTP", "req/s", "server", "ok/offered", "refused/errors", "direct TTFT p50", "routed TTFT p50", "added p50", "added p99", "router CPU µs / token event", "router cores busy"], rows))
     for name, why in data["unavailable"].items():
         rep.add(f"- **{name}** did not run: {why}")
     if img is not None and data["runs"]:
@@ -497,6 +497,8 @@ def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1
         for load in loads:
             rate = load * cap["capacity_req_s"]
             arrivals, speedup = trace_arrivals(rows_trace, duration_s=duration_s, rate=rate, **shape_kw)
+            # the prefill utilisation these very requests offer: sum T(n) / (engines x duration)
+            rho = sum(_prefill_ms(a.prompt_tokens, sc["timing"]) for a in arrivals) / 1000.0 / (engines * duration_s)
             for name, adm in contenders:
                 if name in data["unavailable"]:
                     continue
@@ -525,7 +527,7 @@ def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1
                     r.stop()
                 s = summarize(res, duration_s=duration_s, ttft_target_s=ttft_s, tpot_target_s=tpot_s)
                 tp_ok = [x.tpot for x in res if x.ok and x.tpot is not None]
-                pt = {"arm": name, "load": load, "offered_rate": len(arrivals) / duration_s, "target_rate": rate, "speedup": speedup, "offered": s["offered"],
+                pt = {"arm": name, "load": load, "prefill_utilisation": rho, "offered_rate": len(arrivals) / duration_s, "target_rate": rate, "speedup": speedup, "offered": s["offered"],
                       "goodput": s["goodput"], "refusal_rate": s["refusal_rate"], "error_rate": s["error_rate"], "ttft_p99_admitted": s["ttft"]["p99"],
                       "ttft_p50_admitted": s["ttft"]["p50"], "tpot_p99": percentile(tp_ok, 99), "tpot_p50": percentile(tp_ok, 50), "refusal_latency_p99": s["refusal_latency"]["p99"],
                       "refusal_latency_p50": s["refusal_latency"]["p50"], "refusal_codes": s["refusal_codes"], "statuses": s["statuses"], "error_samples": s["error_samples"],
@@ -557,13 +559,14 @@ def _overload_tables(rep: Report, data: dict[str, Any]) -> None:
     tgt = f"TTFT ≤ {data['ttft_target_ms']:g} ms" + (f" and TPOT ≤ {data['tpot_target_ms']:g} ms" if data["tpot_target_ms"] else "")
     rep.add(f"Azure 2023 conversation trace from t = 60 s, time-compressed to each offered load; token counts: prompts as in the trace (capped at 8192), outputs x "
             f"{SCENARIOS[sc]['output_scale']} (cap {SCENARIOS[sc]['max_output']}). {data['duration_s']:g} s of arrivals per point, then at most {data['drain_s']:g} s to finish "
-            f"(requests still open then are cut and count as misses). Goodput = share of OFFERED requests that completed with {tgt}; a refusal is a miss. "
+            f"(requests still open then are cut and count as misses); ρ = the prefill work those very requests bring / (engines x duration). Goodput = share of OFFERED requests that completed with {tgt}; a refusal is a miss. "
             f"Router restarted for every point; engines shared and idle at each start. {data['pinning']}")
     pts = data["points"]
     arms = list(dict.fromkeys(p["arm"] for p in pts))
     rows = []
     for p in pts:
-        rows.append([f"{p['load']:g}x ({p['offered_rate']:.1f}/s)", p["arm"], p["offered"], f"{p['goodput']:.3f}", f"{p['refusal_rate']:.3f}", f"{p['error_rate']:.3f}",
+        rho = f", ρ {p['prefill_utilisation']:.2f}" if "prefill_utilisation" in p else ""
+        rows.append([f"{p['load']:g}x ({p['offered_rate']:.1f}/s{rho})", p["arm"], p["offered"], f"{p['goodput']:.3f}", f"{p['refusal_rate']:.3f}", f"{p['error_rate']:.3f}",
                      "—" if p["ttft_met_admitted"] is None else f"{p['ttft_met_admitted']:.3f}", fmt_ms(p["ttft_p99_admitted"], 0), fmt_ms(p["tpot_p99"], 0), fmt_ms(p["refusal_latency_p99"])])
     rows.sort(key=lambda r: (float(r[0].split("x")[0]), arms.index(r[1])))
     rep.add(markdown_table(["load", "router / arm", "offered", "goodput", "refused", "errors/cut", "SLO met (completed)", "TTFT p99 ms (completed)", "TPOT p99 ms", "refusal latency p99 ms"], rows))

@@ -162,7 +162,7 @@ async def serve_apps(apps: Sequence[Any], socks: Sequence[socket.socket], stop: 
     tasks = []
     for app, s in zip(apps, socks, strict=True):
         hc = _hypercorn_config(f"fd://{s.detach()}", graceful_timeout=graceful_timeout)
-        tasks.append(asyncio.create_task(serve(app, hc, shutdown_trigger=stop.wait)))  # type: ignore[arg-type]
+        tasks.append(asyncio.create_task(serve(app, hc, shutdown_trigger=stop.wait)))
     results = await asyncio.gather(*tasks, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
     if errors:
