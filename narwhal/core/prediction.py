@@ -32,6 +32,7 @@ __all__ = [
     "Margin",
     "tpot_from_arrivals",
     "depth_bucket",
+    "DEPTH_BUCKET_OF",
 ]
 
 _SCALE = 1000.0  # prompt tokens per feature unit
@@ -408,6 +409,10 @@ class OutputLengthLearner:
 _DEPTH_BUCKETS = ((0, 0), (1, 2), (3, 5), (6, 10), (11, 1 << 30))
 
 
+# the bucket of each small depth, precomputed for the admission hot path
+DEPTH_BUCKET_OF: tuple[int, ...] = tuple(next(i for i, (lo, hi) in enumerate(_DEPTH_BUCKETS) if lo <= d <= hi) for d in range(_DEPTH_BUCKETS[-1][0]))
+
+
 def depth_bucket(depth: int) -> int:
     for i, (lo, hi) in enumerate(_DEPTH_BUCKETS):
         if lo <= depth <= hi:
@@ -433,6 +438,11 @@ class Margin:
 
     def m(self, depth: int) -> float:
         return self._m[depth_bucket(depth)]
+
+    @property
+    def factors(self) -> list[float]:
+        """m per depth bucket (index with DEPTH_BUCKET_OF; depths past it: the last)."""
+        return self._m
 
     def observe(self, depth: int, actual_ms: float, projected_ms: float) -> None:
         if projected_ms <= 0:
