@@ -15,8 +15,7 @@ engine error event (streaming: already forwarded in the engine's shape).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -32,8 +31,9 @@ _END = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(NamedTuple):
+    """One feed's outcome (a named tuple: made once per engine read, so it stays cheap)."""
+
     out: bytes
     first_token: bool
     done: bool

@@ -18,7 +18,7 @@ import orjson
 
 from .http1 import ConnectTimeout, H1Error, H1Pool, H1Response, ReadTimeout
 
-__all__ = ["EngineClient", "UpstreamError", "Upstream"]
+__all__ = ["EngineClient", "UpstreamError", "Upstream", "H1Error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +41,14 @@ def _map(exc: H1Error) -> UpstreamError:
 class Upstream:
     """An open engine response: status and headers read, body not yet."""
 
-    __slots__ = ("_resp", "status")
+    __slots__ = ("_resp", "status", "next_raw")
 
     def __init__(self, resp: H1Response) -> None:
         self._resp = resp
         self.status = resp.status
+        # the relay loop's fast path: the connection's own reader, raising H1Error
+        # (map it with `mapped`); b"" at the end of the body
+        self.next_raw = resp.next_chunk
 
     @property
     def content_type(self) -> str:
@@ -57,6 +60,10 @@ class Upstream:
             return await self._resp.next_chunk()
         except H1Error as e:
             raise _map(e) from None
+
+    @staticmethod
+    def mapped(e: H1Error) -> UpstreamError:
+        return _map(e)
 
     async def read(self, limit: int = 16 << 20) -> bytes:
         try:

@@ -31,7 +31,7 @@ from ..core.fleet import EngineState
 from ..core.prediction import tpot_from_arrivals
 from ..core.relay import StreamRelay
 from ..core.requests import ParsedRequest
-from .client import UpstreamError
+from .client import H1Error, UpstreamError
 from .runtime import Router
 
 __all__ = ["Sink", "run_request", "error_event"]
@@ -160,12 +160,16 @@ class _Run:
                 raw = await up.read(1 << 20)
                 msg, param = _engine_error_detail(up.status, raw)
                 raise _Failed("E05" if up.status < 500 else "E04", f"engine {e.name}: {msg}", param=param, engine=e)
+            next_raw, now_fn, feed = up.next_raw, r.clock.now, relay.feed
             while True:
-                chunk = await up.next_chunk()
+                try:
+                    chunk = await next_raw()
+                except H1Error as x:
+                    raise up.mapped(x) from None
                 if not chunk:
                     raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
-                now = r.clock.now()
-                step = relay.feed(chunk, now)
+                now = now_fn()
+                step = feed(chunk, now)
                 if step.failure is not None:
                     row, detail = step.failure
                     if sink.headers_sent and step.out:
