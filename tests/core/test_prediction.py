@@ -73,7 +73,7 @@ def test_drift_alarms_both_ways() -> None:
     assert dr.correction < 1.0
 
 
-def test_tpot_from_arrivals_counts_ids_not_events() -> None:
+def test_T11_tpot_from_arrivals_counts_ids_not_events() -> None:
     assert tpot_from_arrivals([(0.0, 1), (0.02, 1), (0.04, 1)]) == pytest.approx(0.02)
     # 5 tokens, two of them in the last event: (0.06 - 0) / 4
     assert tpot_from_arrivals([(0.0, 1), (0.02, 1), (0.04, 1), (0.06, 2)]) == pytest.approx(0.015)

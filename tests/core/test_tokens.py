@@ -60,11 +60,11 @@ BAD = [
 
 
 @pytest.mark.parametrize(("name", "event", "count"), OK, ids=[c[0] for c in OK])
-def test_valid(name: str, event: dict[str, Any], count: int) -> None:
+def test_T02_T04_valid_lists_count(name: str, event: dict[str, Any], count: int) -> None:
     assert check_token_ids(event) == (count, None)
 
 
 @pytest.mark.parametrize(("name", "event"), BAD, ids=[c[0] for c in BAD])
-def test_invalid(name: str, event: dict[str, Any]) -> None:
+def test_T02_T03_missing_or_malformed_lists_fail(name: str, event: dict[str, Any]) -> None:
     _, err = check_token_ids(event)
     assert err is not None

@@ -91,7 +91,7 @@ def test_models_health_openapi(rr: RunningRouter) -> None:
     assert doc["openapi"].startswith("3.1") and "/v1/chat/completions" in doc["paths"]
 
 
-def test_engines_report_token_accounting_and_learned_state(rr: RunningRouter) -> None:
+def test_T12_engines_report_token_accounting_and_learned_state(rr: RunningRouter) -> None:
     data = rr.get("/v1/engines").json()
     assert data["object"] == "list"
     for e in data["data"]:

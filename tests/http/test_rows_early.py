@@ -168,3 +168,17 @@ def test_R02_retention_limit_full() -> None:
         r.call(lambda: setattr(r.router, "held", 0))
         b = r.balanced()
         assert b["terminal"]["rejected"] == 1 and b["unsized_offered"] == 1
+
+
+def test_H06_a_router_bug_is_a_500_envelope_and_counted_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import narwhal.http.completions as comp
+
+    async def boom(*_: Any) -> str:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(comp, "run_request", boom)
+    with running_router(config()) as r:
+        err = envelope(r.post("/v1/chat/completions", json=CHAT), E.H06)
+        assert "bug" in err["message"]
+        b = r.balanced()
+        assert b["terminal"]["failed"] == 1
