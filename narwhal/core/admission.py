@@ -221,7 +221,9 @@ class Scheduler:
             else:
                 m_e = 1.0
                 free = e.prefill_in_use < e.prefill_slots and (e.role != "unified" or e.decode_in_use < e.decode_slots)
-                key = (not (free and not e.queue), len(e.queue), e.prefill_in_use / e.prefill_slots)
+                # open mode: an engine with a free slot, then the shortest queue, then the
+                # least loaded (prefill, and decode for a unified engine)
+                key = (not (free and not e.queue), len(e.queue), e.prefill_in_use / e.prefill_slots + (e.decode_in_use / e.decode_slots if e.role == "unified" else 0.0))
             if best_key is None or key < best_key:
                 best_key, engine, proj, m = key, e, p_e, m_e
         if predictive and engine is not None:

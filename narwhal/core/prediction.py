@@ -152,6 +152,9 @@ class Drift:
 
     __slots__ = ("alpha", "sigma0", "k", "h", "mu", "s_pos", "s_neg", "correction", "alarms", "samples", "_sq")
 
+    MIN_SHIFT = 0.05  # a mean log residual below ~5 % moves nothing
+    CAP = 10.0  # the correction stays within [1/CAP, CAP]
+
     def __init__(self, *, alpha: float = 0.05, sigma0: float = 0.1, k: float = 0.5, h: float = 5.0) -> None:
         self.alpha, self.sigma0, self.k, self.h = alpha, sigma0, k, h
         self.mu = 0.0
@@ -159,7 +162,7 @@ class Drift:
         self.correction = 1.0  # the factor applied to predictions ("decode correction")
         self.alarms = 0
         self.samples = 0
-        self._sq = 0.0
+        self._sq = sigma0 * sigma0
 
     @property
     def score(self) -> float:
@@ -167,23 +170,33 @@ class Drift:
         return self.mu / self.sigma0
 
     def observe(self, measured: float, predicted: float) -> bool:
-        """Feed one residual; True when the CUSUM alarms (the correction is then reset to exp(mu))."""
+        """Feed one residual; True when the CUSUM alarms and the correction moved.
+
+        Residuals are standardised by sigma = max(sigma0, the in-operation deviation)
+        (an EWMA of squared residuals), so a noisier engine or machine than the profile
+        saw does not alarm on noise; an alarm moves the correction only for a shift of at
+        least MIN_SHIFT in the mean log residual, and the correction stays within
+        [1/CAP, CAP]."""
         if measured <= 0 or predicted <= 0:
             return False
         # residual against the *corrected* prediction: after an alarm the score re-centres
         r = math.log(measured / (predicted * self.correction))
-        # winsorised at 3 sigma0: one stalled measurement cannot raise an alarm alone
-        lim = 3.0 * self.sigma0
+        sigma = max(self.sigma0, math.sqrt(self._sq))
+        # winsorised at 3 sigma: one stalled measurement cannot raise an alarm alone
+        lim = 3.0 * sigma
         r = max(-lim, min(lim, r))
         self.samples += 1
         self.mu += self.alpha * (r - self.mu)
-        z = r / self.sigma0
+        self._sq += self.alpha * ((r - self.mu) ** 2 - self._sq)
+        z = r / sigma
         self.s_pos = max(0.0, self.s_pos + z - self.k)
         self.s_neg = max(0.0, self.s_neg - z - self.k)
         if self.s_pos > self.h or self.s_neg > self.h:
-            self.correction *= math.exp(self.mu)
-            self.mu = 0.0
             self.s_pos = self.s_neg = 0.0
+            if abs(self.mu) < self.MIN_SHIFT:
+                return False
+            self.correction = min(self.CAP, max(1.0 / self.CAP, self.correction * math.exp(self.mu)))
+            self.mu = 0.0
             self.alarms += 1
             return True
         return False
@@ -198,6 +211,7 @@ class Drift:
             "alarms": self.alarms,
             "samples": self.samples,
             "sigma0": round(self.sigma0, 4),
+            "sigma": round(max(self.sigma0, math.sqrt(self._sq)), 4),
         }
 
 
@@ -444,22 +458,29 @@ class Margin:
         """m per depth bucket (index with DEPTH_BUCKET_OF; depths past it: the last)."""
         return self._m
 
+    # Projections below FLOOR_MS are compared as FLOOR_MS: a near-zero projection (an idle
+    # engine, a tiny prompt) against a TTFT that includes the HTTP round trip would teach
+    # a margin of 30x, which then refuses real work. A margin never exceeds CAP: past
+    # that the model itself is wrong, and the drift correction is the fix.
+    FLOOR_MS = 25.0
+    CAP = 4.0
+
     def observe(self, depth: int, actual_ms: float, projected_ms: float) -> None:
         if projected_ms <= 0:
             return
         b = depth_bucket(depth)
         self.samples += 1
-        ratio = actual_ms / projected_ms
+        ratio = actual_ms / max(projected_ms, self.FLOOR_MS)
         self._abs_err += abs(ratio - 1.0)
         self._recent.append(ratio)
-        if actual_ms <= projected_ms * self._m[b]:
+        if ratio <= self._m[b]:
             self.covered += 1
         if not self.adaptive:
             return
         w = self._w[b]
-        w.add(actual_ms / projected_ms)
+        w.add(ratio)
         if len(w) >= self.min_samples:
-            self._m[b] = max(1.0, w.quantile(self.quantile))
+            self._m[b] = min(self.CAP, max(1.0, w.quantile(self.quantile)))
 
     def snapshot(self) -> dict[str, Any]:
         recent = sorted(self._recent)

@@ -406,3 +406,12 @@ def test_R14_unified_counts_the_engine_queue() -> None:
     results = [s.admit(work(clk), clk.now()) for _ in range(6)]
     kinds = [type(x).__name__ for x in results]
     assert kinds[:4] == ["Dispatch", "Enqueued", "Enqueued", "Enqueued"] and isinstance(results[4], Refuse) and results[4].row is E.R14
+
+
+def test_open_mode_breaks_ties_on_decode_load() -> None:
+    clk = ManualClock()
+    a, b = engine("a", prefill=4, decode=8), engine("b", prefill=4, decode=8)
+    s = sched(a, b, mode="open")
+    a.decode_in_use = 5  # a is busier decoding; both have free prefill slots
+    r = s.admit(work(clk), clk.now())
+    assert isinstance(r, Dispatch) and r.engine == "b"

@@ -99,3 +99,30 @@ def test_margin_learns_the_quantile_per_depth_bucket() -> None:
         m.observe(0, 100.0 * (1.0 + (i % 10) / 20), 100.0)  # ratios 1.0 .. 1.45
     assert 1.35 <= m.m(0) <= 1.45
     assert m.m(4) == 1.2  # another bucket keeps the initial margin
+
+
+def test_drift_does_not_random_walk_on_noise_wider_than_the_profile() -> None:
+    # the profile saw sigma0 = 0.05; in operation the residuals are unbiased but 6x wider
+    # (a busy machine, tiny prefills): the correction must stay put (no "R10 storms")
+    rnd = random.Random(11)
+    dr = Drift(sigma0=0.05)
+    for _ in range(2000):
+        dr.observe(10 * rnd.lognormvariate(0, 0.3), 10)
+    assert 0.8 < dr.correction < 1.25 and dr.alarms <= 40  # < 2 % of samples
+
+
+def test_drift_correction_is_capped() -> None:
+    dr = Drift(sigma0=0.1)
+    for _ in range(5000):
+        dr.observe(1e6, 1.0)
+    assert dr.correction <= Drift.CAP
+
+
+def test_margin_ignores_tiny_projections_and_is_capped() -> None:
+    m = Margin(initial=1.2, quantile=0.9, min_samples=10)
+    for _ in range(50):
+        m.observe(0, actual_ms=1.5, projected_ms=0.03)  # HTTP round trip vs a ~0 projection
+    assert m.m(0) == 1.0
+    for _ in range(50):
+        m.observe(2, actual_ms=1000.0, projected_ms=100.0)
+    assert m.m(2) == Margin.CAP
