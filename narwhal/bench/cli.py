@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ov = sub.add_parser("overload", help="trace replay at multiples of capacity: admission arms and peers, goodput over offered")
     ov.add_argument("--scenario", default="prefill", choices=["prefill", "decode"])
     ov.add_argument("--loads", default="0.5,1,1.5,2,3,4")
-    ov.add_argument("--arms", default="none,queue,predictive", help="Narwhal arms: none (open, no limits), queue (open, queue limit), predictive")
+    ov.add_argument("--arms", default="none,queue,predictive", help="Narwhal arms: none (open, no limits), queue (open, queue limit), predictive, tpot (predictive + the R14 TPOT check)")
     ov.add_argument("--queue-limit", type=int, default=None, help="queue limit of the 'queue' arm (default 8: 4 per engine)")
     ov.add_argument("--peers", default="vllm-router,litellm,xpyd-proxy", help="peer routers through the same replay ('' for none)")
     ov.add_argument("--engines", type=int, default=2)
@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         sp.add_argument("--img", default="docs/img", help="write the PNG plot here ('' to skip)")
 
 
-_ARM_KEYS = {"none": "narwhal: no limits", "queue": "narwhal: queue limit", "predictive": "narwhal: predictive"}
+_ARM_KEYS = {"none": "narwhal: no limits", "queue": "narwhal: queue limit", "predictive": "narwhal: predictive", "tpot": "narwhal: predictive + TPOT check"}
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

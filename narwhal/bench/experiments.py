@@ -458,10 +458,12 @@ ARMS = {
     "narwhal: no limits": {"mode": "open", "queue_limit": 1_000_000, "http_retention_limit": 1_000_000, "max_wait_ms": 600_000},
     "narwhal: queue limit": {"mode": "open", "queue_limit": 8},
     "narwhal: predictive": {"mode": "predictive"},
+    # + R14, the decode-side check: prediction.tpot_budget_ms = the scenario's TPOT target
+    "narwhal: predictive + TPOT check": {"mode": "predictive", "prediction": {"tpot_budget_ms": None}},
 }
 
 
-def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0), arms: Sequence[str] = tuple(ARMS), peer_names: Sequence[str] = ("vllm-router", "litellm", "xpyd-proxy"),
+def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0), arms: Sequence[str] = tuple(ARMS)[:3], peer_names: Sequence[str] = ("vllm-router", "litellm", "xpyd-proxy"),
              engines: int = 2, duration_s: float = 20.0, drain_s: float = 8.0, start_s: float = 60.0, trace: str = "conv", queue_limit: int | None = None,
              out: Path | None = None, img: Path | None = None) -> Report:
     sc = SCENARIOS[scenario]
@@ -512,6 +514,9 @@ def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1
                     things.extend(fleet)
                 try:
                     if adm is not None:
+                        adm = dict(adm)
+                        if "prediction" in adm:  # the TPOT check's budget is the scenario's TPOT target
+                            adm["prediction"] = {**adm["prediction"], "tpot_budget_ms": sc["tpot_ms"] or 100.0}
                         ov = {"admission": {**adm, "ttft_budget_ms": int(sc["ttft_ms"])}}
                         r = H.start_narwhal(H.narwhal_config(fleet, **ov), cpus=rcpu, name="narwhal-overload")
                     else:

@@ -20,33 +20,40 @@ def _plt() -> Any:
 
 
 def overload_plot(data: dict[str, Any], path: Path) -> Path:
-    """Goodput, refusal rate and TTFT p99 (completed requests) against offered load."""
+    """Goodput, refused-or-cut share and TTFT p99 (completed requests) against offered load;
+    with a TPOT target, a fourth panel for TPOT p99."""
     plt = _plt()
     pts = data["points"]
     arms = list(dict.fromkeys(p["arm"] for p in pts))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    tpot = bool(data.get("tpot_target_ms"))
+    fig, axes = plt.subplots(1, 4 if tpot else 3, figsize=(19 if tpot else 15, 4.4))
     for arm in arms:
         ps = sorted((p for p in pts if p["arm"] == arm), key=lambda p: p["load"])
         x = [p["load"] for p in ps]
         style = "-o" if arm.startswith("narwhal") else "--s"
         axes[0].plot(x, [p["goodput"] for p in ps], style, label=arm)
-        axes[1].plot(x, [p["refusal_rate"] + p["error_rate"] if not arm.startswith("narwhal") else p["refusal_rate"] for p in ps], style, label=arm)
+        axes[1].plot(x, [p["refusal_rate"] + p["error_rate"] for p in ps], style, label=arm)
         axes[2].plot(x, [(p["ttft_p99_admitted"] or float("nan")) * 1000.0 for p in ps], style, label=arm)
+        if tpot:
+            axes[3].plot(x, [(p["tpot_p99"] or float("nan")) * 1000.0 for p in ps], style, label=arm)
     tgt = data["ttft_target_ms"]
-    axes[0].set_title("goodput (share of offered requests meeting the SLO)")
+    axes[0].set_title("goodput (share of offered requests meeting the SLO)", fontsize=10)
     axes[0].set_ylim(-0.02, 1.02)
-    axes[1].set_title("refused (peers: errors + cut)")
+    axes[1].set_title("refused + cut/failed (share of offered)", fontsize=10)
     axes[1].set_ylim(-0.02, 1.02)
-    axes[2].set_title("TTFT p99 of completed requests (ms)")
+    axes[2].set_title("TTFT p99 of completed requests (ms)", fontsize=10)
     axes[2].set_yscale("log")
     axes[2].axhline(tgt, color="grey", lw=0.8, ls=":")
+    if tpot:
+        axes[3].set_title("TPOT p99 of completed requests (ms)", fontsize=10)
+        axes[3].axhline(data["tpot_target_ms"], color="grey", lw=0.8, ls=":")
     for ax in axes:
         ax.set_xlabel("offered load (x capacity)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     cap = data["capacity"]["capacity_req_s"]
     fig.suptitle(f"Overload, {data['scenario']}-bound fleet ({data['capacity']['engines']} unified mock engines, capacity {cap:.1f} req/s, TTFT target {tgt:g} ms"
-                 + (f", TPOT target {data['tpot_target_ms']:g} ms" if data.get("tpot_target_ms") else "") + ")", fontsize=10)
+                 + (f", TPOT target {data['tpot_target_ms']:g} ms" if tpot else "") + "; dotted: targets)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -1,0 +1,179 @@
+"""The per-event and per-request work of the router, one benchmark each (issue #5 item 1):
+assembly throughput, token-ID validation, SSE parsing, request validation, the relay step,
+and one predictive admission decision with 1,000 queued requests over 64 engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from benchmarks.conftest import sse, vllm_chunk
+from narwhal.core.admission import Dispatch, Enqueued, Refuse, Scheduler, Ticket, Work
+from narwhal.core.assembly import Assembler
+from narwhal.core.fleet import EngineState
+from narwhal.core.prediction import Margin
+from narwhal.core.relay import StreamRelay
+from narwhal.core.requests import parse_request
+from narwhal.core.sse import SSEParser
+from narwhal.core.tokens import check_token_ids
+
+# -- assembly --------------------------------------------------------------------------
+
+
+def test_assembly_1000_deltas_into_one_response(benchmark: Any, chunks: list[dict[str, Any]]) -> None:
+    def assemble() -> dict[str, Any]:
+        a = Assembler("chat")
+        for c in chunks:
+            a.feed(c)
+        res = a.finish(prompt_tokens=12, completion_tokens=1001)
+        assert isinstance(res, dict)
+        return res
+
+    res = benchmark(assemble)
+    assert res["choices"][0]["message"]["content"].startswith("tok tok")
+    benchmark.extra_info["events_per_round"] = len(chunks)
+
+
+# -- token IDs -------------------------------------------------------------------------
+
+
+def test_token_id_check_per_event(benchmark: Any) -> None:
+    ev = vllm_chunk(7)
+    n, bad = benchmark(check_token_ids, ev)
+    assert (n, bad) == (1, None)
+    benchmark.extra_info["events_per_round"] = 1
+
+
+# -- SSE -------------------------------------------------------------------------------
+
+
+def test_sse_parse_one_event_per_read(benchmark: Any) -> None:
+    """The realistic case: each engine event arrives in its own read."""
+    raw = sse(vllm_chunk(3))
+    p = SSEParser()
+    out = benchmark(p.feed, raw)
+    assert len(out) == 1
+    benchmark.extra_info["events_per_round"] = 1
+
+
+def test_sse_parse_64_events_in_one_read(benchmark: Any) -> None:
+    raw = b"".join(sse(vllm_chunk(i)) for i in range(64))
+    p = SSEParser()
+    out = benchmark(p.feed, raw)
+    assert len(out) == 64
+    benchmark.extra_info["events_per_round"] = 64
+
+
+# -- the relay step (parse + token-ID check + forward), per event ----------------------
+
+
+def test_relay_step_per_event_streaming_client(benchmark: Any) -> None:
+    """One engine event through StreamRelay.feed for a streaming client that did not ask
+    for token IDs (the router validates and strips them)."""
+    relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
+    raw = sse(vllm_chunk(5))
+    step = benchmark(relay.feed, raw, 0.0)
+    assert step.failure is None and step.out.startswith(b"data: ")
+    benchmark.extra_info["events_per_round"] = 1
+
+
+def test_relay_step_per_event_ids_kept(benchmark: Any) -> None:
+    """The same when the client asked for return_token_ids: the payload goes out unchanged."""
+    relay = StreamRelay(checks_ids=True, client_ids=True, client_usage=True)
+    raw = sse(vllm_chunk(5))
+    step = benchmark(relay.feed, raw, 0.0)
+    assert step.out == raw
+    benchmark.extra_info["events_per_round"] = 1
+
+
+# -- request validation ----------------------------------------------------------------
+
+
+_BODY = orjson.dumps({
+    "model": "narwhal-demo",
+    "messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Summarise the following text. " * 40}],
+    "max_tokens": 256, "temperature": 0.7, "top_p": 0.95, "stream": True, "stream_options": {"include_usage": True},
+})
+
+
+def test_request_validation_per_request(benchmark: Any) -> None:
+    req = benchmark(parse_request, "chat", _BODY, model="narwhal-demo")
+    assert req.stream and req.max_tokens == 256
+    benchmark.extra_info["requests_per_round"] = 1
+
+
+# -- admission -------------------------------------------------------------------------
+
+
+def _fleet(engines: int = 64, queued: int = 1000) -> Scheduler:
+    es = []
+    for i in range(engines):
+        e = EngineState(f"u{i}", f"http://u{i}", role="unified", dialect="vllm", prefill_slots=4, decode_slots=64)
+        e.prefill.lin.theta = [20.0, 30.0 + i % 7, 2.0]  # ms, per 1k tokens, per 1k^2 (scaled features)
+        es.append(e)
+    s = Scheduler(es, mode="predictive", queue_limit=100_000, margin=Margin(initial=1.2, adaptive=True))
+    k = 0
+    while s.queued < queued:  # fill every slot, then queues, spread by the scheduler itself
+        w = Work(route="chat", prompt_tokens=200 + (k * 37) % 1800, max_tokens=128, budget_ms=1e9, arrival=0.0, max_wait_s=1e9, deadline_s=None)
+        r = s.admit(w, 0.0)
+        assert isinstance(r, (Dispatch, Enqueued))
+        k += 1
+    return s
+
+
+def test_admission_decision_predictive_1000_queued_64_engines(benchmark: Any) -> None:
+    """Scheduler.admit in predictive mode with 1,000 tickets queued over 64 engines (all
+    their slots busy): an admitted request is enqueued; the next setup removes it again so
+    every round sees the same 1,000 queued."""
+    s = _fleet()
+    assert s.queued == 1000 and sum(len(e.queue) for e in s.engines.values()) == 1000
+    work = Work(route="chat", prompt_tokens=1024, max_tokens=128, budget_ms=1e9, arrival=0.0, max_wait_s=1e9, deadline_s=None)
+    last: list[Ticket] = []
+
+    def setup() -> tuple[tuple[Work, float], dict[str, Any]]:
+        while last:
+            s.finish(last.pop(), 0.0)
+        return (work, 0.0), {}
+
+    def admit(w: Work, now: float) -> Dispatch | Enqueued | Refuse:
+        r = s.admit(w, now)
+        if isinstance(r, (Dispatch, Enqueued)):
+            last.append(r.ticket)
+        return r
+
+    r = benchmark.pedantic(admit, setup=setup, rounds=3000, iterations=1, warmup_rounds=50)
+    assert isinstance(r, Enqueued)
+    benchmark.extra_info.update(queued=1000, engines=64, decisions_per_round=1)
+
+
+def test_admission_refusal_R10_1000_queued_64_engines(benchmark: Any) -> None:
+    """The same decision when it refuses (projected TTFT over budget): nothing to undo."""
+    s = _fleet()
+    work = Work(route="chat", prompt_tokens=1024, max_tokens=128, budget_ms=200.0, arrival=0.0, max_wait_s=10.0, deadline_s=None)
+    r = benchmark(s.admit, work, 0.0)
+    assert isinstance(r, Refuse) and r.row.id == "R10"
+    benchmark.extra_info.update(queued=1000, engines=64, decisions_per_round=1)
+
+
+@pytest.mark.parametrize("engines", [2, 16])
+def test_admission_decision_predictive_1000_queued_by_engine_count(benchmark: Any, engines: int) -> None:
+    """The same decision over fewer engines: its cost grows with the engines, not the queue."""
+    s = _fleet(engines=engines)
+    work = Work(route="chat", prompt_tokens=1024, max_tokens=128, budget_ms=1e9, arrival=0.0, max_wait_s=1e9, deadline_s=None)
+    last: list[Ticket] = []
+
+    def setup() -> tuple[tuple[Work, float], dict[str, Any]]:
+        while last:
+            s.finish(last.pop(), 0.0)
+        return (work, 0.0), {}
+
+    def admit(w: Work, now: float) -> Dispatch | Enqueued | Refuse:
+        r = s.admit(w, now)
+        if isinstance(r, (Dispatch, Enqueued)):
+            last.append(r.ticket)
+        return r
+
+    benchmark.pedantic(admit, setup=setup, rounds=3000, iterations=1, warmup_rounds=50)
+    benchmark.extra_info.update(queued=1000, engines=engines, decisions_per_round=1)
