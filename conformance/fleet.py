@@ -40,6 +40,7 @@ from urllib.parse import parse_qs
 import orjson
 
 from narwhal.mock import create_mock_app, serve_apps, serve_in_thread
+from narwhal.mock.app import read_body as _read
 
 from .profiles import DEFAULT_PORT_BASE, Profile, mock_configs
 
@@ -93,17 +94,6 @@ async def _send_json(send: Any, status: int, obj: Any) -> None:
     body = orjson.dumps(obj)
     await send({"type": "http.response.start", "status": status, "headers": [_JSON, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-async def _read(receive: Any) -> bytes | None:
-    parts = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        parts.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(parts)
 
 
 class ControlledEngine:

@@ -49,7 +49,7 @@ from .scenarios import (
 )
 from .timing import EngineLoad, Timing, prompt_size
 
-__all__ = ["MockConfig", "MockEngine", "create_mock_app", "DIALECTS", "ROLES"]
+__all__ = ["MockConfig", "MockEngine", "create_mock_app", "read_body", "DIALECTS", "ROLES"]
 
 DIALECTS = ("vllm", "sglang", "openai")
 ROLES = ("unified", "prefill", "decode")
@@ -117,7 +117,8 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
     return None
 
 
-async def _read_body(receive: Any) -> bytes | None:
+async def read_body(receive: Any) -> bytes | None:
+    """The whole request body, or None when the client went away first."""
     parts = []
     while True:
         msg = await receive()
@@ -253,7 +254,7 @@ class MockEngine:
         if path == b"/mock/stats":
             return await _send_json(send, 200, orjson.dumps(self.stats()))
         if path == b"/mock/health" and method == "POST":
-            raw = await _read_body(receive)
+            raw = await read_body(receive)
             try:
                 self.healthy = bool(orjson.loads(raw or b"{}").get("healthy", True))
             except (orjson.JSONDecodeError, AttributeError):
@@ -276,7 +277,7 @@ class MockEngine:
         cfg = self.config
         xrid = _header(scope, b"x-request-id")
         hdrs = [(b"x-request-id", xrid.encode())] if xrid else []
-        raw = await _read_body(receive)
+        raw = await read_body(receive)
         if raw is None:
             return
         self.requests += 1

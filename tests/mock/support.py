@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import orjson
 
+from tests.helpers import wait_until
+
 __all__ = ["Streamed", "sse", "post", "get", "chat_body", "completion_body", "wait_until", "classify", "request", "MODEL"]
 
 MODEL = "narwhal-demo"
@@ -78,17 +80,6 @@ def chat_body(text: str = "Hello there", **kw: Any) -> dict[str, Any]:
 
 def completion_body(prompt: Any = "Once upon a time", **kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": prompt, **kw}
-
-
-def wait_until(pred: Any, *, timeout: float = 5.0, interval: float = 0.01, what: str = "condition") -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def classify(chunk: dict[str, Any]) -> str:
