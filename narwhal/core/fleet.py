@@ -98,6 +98,7 @@ class EngineState:
         # transfer + the decode engine's first token, by prompt length (P/D only)
         self.start_model = LinearModel([10.0, 1.0])
         self.profile_status = "pending"
+        self.profile_attempted: float | None = None  # when profiling last started
         self.profile_error: str | None = None
         self.profile_samples: dict[str, Any] = {}
         self.completed = 0

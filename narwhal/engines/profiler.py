@@ -131,6 +131,7 @@ async def profile_engine(router: Any, e: EngineState) -> None:
     out_tokens = cfg.profile_output_tokens
     e.profile_status = "running"
     e.profile_error = None
+    e.profile_attempted = router.clock.now()
     try:
         prefill: list[tuple[float, float]] = []
         decode: list[tuple[float, float]] = []

@@ -74,6 +74,7 @@ class Router:
         self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._profiling: dict[str, asyncio.Task[Any]] = {}
+        self._first_poll = asyncio.Event()
         self._started_at = self.clock.now()
         self._refresh_health_state()
 
@@ -81,9 +82,16 @@ class Router:
 
     async def start(self) -> None:
         self._started_at = self.clock.now()
+        self._first_poll = asyncio.Event()
         self._tasks.append(asyncio.create_task(self._monitor(), name="narwhal-health"))
         if self.config.admission.prediction.profile_on_start:
-            self.profile_all()
+            # profile once the first health poll says which engines answer; an engine that
+            # is down now is profiled when a later poll finds it up (see _maybe_reprofile)
+            async def after_first_poll() -> None:
+                await self._first_poll.wait()
+                await self.profile_all(only_healthy=True)
+
+            self._profiling["*start"] = asyncio.create_task(after_first_poll(), name="narwhal-profile-start")
 
     async def stop(self) -> None:
         for t in [*self._tasks, *self._profiling.values()]:
@@ -158,6 +166,7 @@ class Router:
         e.last_observed = now
         if ok:
             e.breaker.success(now, probe=True)
+            self._maybe_reprofile(e, now)
         else:
             e.breaker.failure(now)
         if was != e.eligible(self.state.maintenance_waves):
@@ -173,6 +182,7 @@ class Router:
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(e) for e in self.engines.values()))
         self._refresh_health_state()
+        self._first_poll.set()
 
     async def _monitor(self) -> None:
         interval = self.config.monitoring.poll_interval_ms / 1000.0
@@ -185,22 +195,34 @@ class Router:
 
     # -- profiling -------------------------------------------------------------------
 
-    def profile_all(self) -> None:
+    async def profile_all(self, *, only_healthy: bool = False) -> None:
         """Profile the fleet: prefill and unified engines together, then decode engines one
         at a time (their measurements send prefill legs, which must not queue behind one
         another's or behind a prefill engine's own profiling)."""
         from .profiler import profile_engine
 
-        async def fleet() -> None:
-            first = [e for e in self.engines.values() if e.role != "decode"]
-            for e in self.engines.values():
-                e.profile_status = "running"
-            await asyncio.gather(*(profile_engine(self, e) for e in first))
-            for e in self.engines.values():
-                if e.role == "decode":
-                    await profile_engine(self, e)
+        todo = [e for e in self.engines.values() if e.healthy or not only_healthy]
+        for e in todo:
+            e.profile_status = "running"
+        await asyncio.gather(*(profile_engine(self, e) for e in todo if e.role != "decode"))
+        for e in todo:
+            if e.role == "decode":
+                await profile_engine(self, e)
 
-        self._profiling["*fleet"] = asyncio.create_task(fleet(), name="narwhal-profile-fleet")
+    PROFILE_RETRY_S = 30.0
+
+    def _maybe_reprofile(self, e: EngineState, now: float) -> None:
+        """A healthy engine without a profile (down at start, or its profiling failed)
+        is profiled again, at most every PROFILE_RETRY_S."""
+        if not self.config.admission.prediction.profile_on_start or e.profile_status not in ("pending", "failed"):
+            return
+        if any(not t.done() for t in self._profiling.values()):
+            return
+        if e.profile_attempted is not None and now - e.profile_attempted < self.PROFILE_RETRY_S:
+            return
+        if e.role == "decode" and not any(p.role == "prefill" and p.healthy for p in self.engines.values()):
+            return
+        self.profile(e.name)
 
     def profile(self, name: str) -> None:
         from .profiler import profile_engine

@@ -84,3 +84,22 @@ def test_T07_profiling_with_bad_token_ids_fails(bad_ids_engine: str) -> None:
         prof = rr.get("/v1/engines").json()["data"][0]["profile"]
         assert prof["status"] == "failed" and prof["error"].startswith("E03"), prof
         assert prof["prefill"]["fitted"] is False  # the models keep their previous values
+
+
+def test_an_engine_down_at_start_is_profiled_when_it_comes_up() -> None:
+    port = free_port()
+    cfg = {"monitoring": {"poll_interval_ms": 100, "stale_after_ms": 60000}, "admission": {"prediction": {"profile_prompt_tokens": [16, 64, 128], "profile_repeats": 1}}}
+    with running_router(cfg, [EngineSpec("u0", f"http://127.0.0.1:{port}", "unified", "vllm", None, None)]) as rr:
+        eng = lambda: rr.get("/v1/engines").json()["data"][0]  # noqa: E731
+        assert eng()["profile"]["status"] == "pending" and not eng()["healthy"]
+        import socket as _s
+
+        from narwhal.mock import create_mock_app, serve_in_thread
+
+        sock = _s.socket()
+        sock.setsockopt(_s.SOL_SOCKET, _s.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(64)
+        with serve_in_thread(lambda: [create_mock_app(MockConfig(name="u0", port=port, timing=Timing(time_scale=0.2)))], [sock]):
+            wait_until(lambda: eng()["profile"]["status"] == "ok", timeout=20, what="the late engine to be profiled")
+            assert eng()["profile"]["prefill"]["fitted"]
