@@ -8,7 +8,7 @@ from narwhal.core.accounting import TERMINAL_CLASSES, Books
 from narwhal.core.state import RouterState
 
 
-def test_books_balance_and_unsized() -> None:
+def test_C01_C02_K01_to_K08_books_balance_over_every_class_and_count_unsized() -> None:
     b = Books()
     es = [b.offer() for _ in range(len(TERMINAL_CLASSES))]
     for e, cls in zip(es, TERMINAL_CLASSES, strict=True):
@@ -20,7 +20,7 @@ def test_books_balance_and_unsized() -> None:
     assert b.offered == len(TERMINAL_CLASSES)
 
 
-def test_books_never_count_twice() -> None:
+def test_K01_K07_a_request_ends_in_exactly_one_class() -> None:
     b = Books()
     e = b.offer()
     b.end(e, "completed")
@@ -39,7 +39,7 @@ def test_S01_active_by_default() -> None:
     assert s.reason(0.0) is None
 
 
-def test_states_and_their_precedence() -> None:
+def test_S02_S03_S04_S05_states_and_their_precedence() -> None:
     s = RouterState(wave="a", stale_after_s=3.0)
     s.health_observed(0.0)
     assert s.reason(5.0) == "monitoring_degraded"  # S05
@@ -52,7 +52,7 @@ def test_states_and_their_precedence() -> None:
     assert s.reasons(5.0) == ["fenced", "standby", "maintenance", "monitoring_degraded"]
 
 
-def test_other_waves_do_not_stop_the_router() -> None:
+def test_S04_other_waves_do_not_stop_the_router() -> None:
     s = RouterState(wave="a", stale_after_s=3.0)
     s.set_wave_maintenance("b", True)
     assert s.reason(0.0) is None

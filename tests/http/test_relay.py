@@ -145,7 +145,7 @@ def test_chat_logprobs_join(vllm: Fleet) -> None:
 # -- token identity ------------------------------------------------------------------
 
 
-def test_T01_vllm_decode_is_asked_for_token_ids(vllm: Fleet) -> None:
+def test_T01_V01_vllm_decode_is_asked_for_token_ids(vllm: Fleet) -> None:
     vllm.clear()
     post(vllm, chat())
     body = next(m for m in vllm.mocks if m.requests()).requests()[-1]["body"]
@@ -154,7 +154,7 @@ def test_T01_vllm_decode_is_asked_for_token_ids(vllm: Fleet) -> None:
 
 
 @pytest.mark.parametrize("dialect", ["sglang", "openai"])
-def test_T08_other_dialects_are_never_sent_those_fields(fleets: dict[str, Fleet], dialect: str) -> None:
+def test_T08_V02_V03_other_dialects_are_never_sent_those_fields(fleets: dict[str, Fleet], dialect: str) -> None:
     f = fleets[dialect]
     f.clear()
     r = post(f, chat(return_token_ids=True, stream_interval=4))
