@@ -123,12 +123,9 @@ def _fleet(engines: int = 64, queued: int = 1000) -> Scheduler:
     return s
 
 
-def test_admission_decision_predictive_1000_queued_64_engines(benchmark: Any) -> None:
-    """Scheduler.admit in predictive mode with 1,000 tickets queued over 64 engines (all
-    their slots busy): an admitted request is enqueued; the next setup removes it again so
-    every round sees the same 1,000 queued."""
-    s = _fleet()
-    assert s.queued == 1000 and sum(len(e.queue) for e in s.engines.values()) == 1000
+def _admit_and_undo(benchmark: Any, s: Scheduler) -> Dispatch | Enqueued | Refuse:
+    """Benchmark one admission of a 1,024-token prompt; each round's setup finishes the
+    previous round's ticket, so every round sees the same queue."""
     work = Work(route="chat", prompt_tokens=1024, max_tokens=128, budget_ms=1e9, arrival=0.0, max_wait_s=1e9, deadline_s=None)
     last: list[Ticket] = []
 
@@ -143,7 +140,16 @@ def test_admission_decision_predictive_1000_queued_64_engines(benchmark: Any) ->
             last.append(r.ticket)
         return r
 
-    r = benchmark.pedantic(admit, setup=setup, rounds=3000, iterations=1, warmup_rounds=50)
+    return benchmark.pedantic(admit, setup=setup, rounds=3000, iterations=1, warmup_rounds=50)
+
+
+def test_admission_decision_predictive_1000_queued_64_engines(benchmark: Any) -> None:
+    """Scheduler.admit in predictive mode with 1,000 tickets queued over 64 engines (all
+    their slots busy): an admitted request is enqueued; the next setup removes it again so
+    every round sees the same 1,000 queued."""
+    s = _fleet()
+    assert s.queued == 1000 and sum(len(e.queue) for e in s.engines.values()) == 1000
+    r = _admit_and_undo(benchmark, s)
     assert isinstance(r, Enqueued)
     benchmark.extra_info.update(queued=1000, engines=64, decisions_per_round=1)
 
@@ -161,19 +167,5 @@ def test_admission_refusal_R10_1000_queued_64_engines(benchmark: Any) -> None:
 def test_admission_decision_predictive_1000_queued_by_engine_count(benchmark: Any, engines: int) -> None:
     """The same decision over fewer engines: its cost grows with the engines, not the queue."""
     s = _fleet(engines=engines)
-    work = Work(route="chat", prompt_tokens=1024, max_tokens=128, budget_ms=1e9, arrival=0.0, max_wait_s=1e9, deadline_s=None)
-    last: list[Ticket] = []
-
-    def setup() -> tuple[tuple[Work, float], dict[str, Any]]:
-        while last:
-            s.finish(last.pop(), 0.0)
-        return (work, 0.0), {}
-
-    def admit(w: Work, now: float) -> Dispatch | Enqueued | Refuse:
-        r = s.admit(w, now)
-        if isinstance(r, (Dispatch, Enqueued)):
-            last.append(r.ticket)
-        return r
-
-    benchmark.pedantic(admit, setup=setup, rounds=3000, iterations=1, warmup_rounds=50)
+    _admit_and_undo(benchmark, s)
     benchmark.extra_info.update(queued=1000, engines=engines, decisions_per_round=1)

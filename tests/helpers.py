@@ -140,7 +140,8 @@ class Streamed:
         self.events: list[Any] = []
         self.done = False
         self.body = b""
-        self.error: Exception | None = None
+        self.error: Exception | None = None  # transport error while reading the body
+        self.arrivals: list[float] = []  # seconds since the request, per event
 
     @property
     def chunks(self) -> list[dict[str, Any]]:
@@ -156,12 +157,17 @@ class Streamed:
         return orjson.loads(self.body)
 
 
-def sse(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, client: httpx.Client | None = None, timeout: float = 30.0) -> Streamed:
+def sse(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, client: httpx.Client | None = None, timeout: Any = 30.0) -> Streamed:
+    """POST and read an SSE answer to its end (or to a transport error); a non-SSE answer
+    is kept whole in `body`."""
+    import time
+
     import orjson
 
+    t0 = time.monotonic()
     c = client or httpx.Client(timeout=timeout)
     try:
-        with c.stream("POST", url + path, json=body, headers=headers) as r:
+        with c.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
             out = Streamed(r.status_code, r.headers)
             if not r.headers.get("content-type", "").startswith("text/event-stream"):
                 out.body = r.read()
@@ -172,6 +178,7 @@ def sse(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", h
                         continue
                     assert line.startswith("data: "), line
                     data = line[6:]
+                    out.arrivals.append(time.monotonic() - t0)
                     if data == "[DONE]":
                         out.done = True
                         continue

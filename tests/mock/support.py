@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
 
-from tests.helpers import wait_until
+from tests.helpers import Streamed, wait_until
+from tests.helpers import sse as _sse
 
 __all__ = ["Streamed", "sse", "post", "get", "chat_body", "completion_body", "wait_until", "classify", "request", "MODEL"]
 
@@ -19,47 +18,10 @@ TIMEOUT = httpx.Timeout(5.0)
 _CLIENT = httpx.Client(timeout=TIMEOUT, limits=httpx.Limits(max_connections=64))
 
 
-@dataclass
-class Streamed:
-    status: int
-    headers: dict[str, str]
-    events: list[Any] = field(default_factory=list)  # parsed JSON, or the raw str when not JSON
-    done: bool = False  # saw data: [DONE]
-    error: Exception | None = None  # transport error while reading the body
-    arrivals: list[float] = field(default_factory=list)  # seconds since the request, per event
-    body: bytes = b""
-
-    @property
-    def chunks(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if isinstance(e, dict)]
-
-
 def sse(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, timeout: Any = TIMEOUT, client: httpx.Client | None = None) -> Streamed:
-    """POST and read an SSE answer to the end (or to a transport error)."""
-    t0 = time.monotonic()
-    c = client or _CLIENT
-    with c.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
-        out = Streamed(r.status_code, dict(r.headers))
-        if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/event-stream"):
-            out.body = r.read()
-            return out
-        try:
-            for line in r.iter_lines():
-                if not line:
-                    continue
-                assert line.startswith("data: "), line
-                data = line[6:]
-                out.arrivals.append(time.monotonic() - t0)
-                if data == "[DONE]":
-                    out.done = True
-                    continue
-                try:
-                    out.events.append(orjson.loads(data))
-                except orjson.JSONDecodeError:
-                    out.events.append(data)
-        except httpx.HTTPError as e:
-            out.error = e
-        return out
+    """tests.helpers.sse on the run's pooled client. `Streamed.events` holds every event,
+    the engine's error events included; `chunks` leaves those out."""
+    return _sse(url, body, path=path, headers=headers, timeout=timeout, client=client or _CLIENT)
 
 
 def post(url: str, body: Any, *, path: str = "/v1/chat/completions", headers: dict[str, str] | None = None, timeout: Any = TIMEOUT) -> httpx.Response:

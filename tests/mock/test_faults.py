@@ -112,8 +112,8 @@ def test_malformed_json_event(fleet: Any) -> None:
 def test_error_event_midstream(fleet: Any, dialect: str) -> None:
     s = sse(fleet[dialect].url, chat_body(stream=True, stream_options={"include_usage": True}, mock={"fault": "error_event", "fault_after": 3}))
     assert s.done  # error event, then [DONE]
-    err = s.chunks[-1]
-    assert set(err) == {"error"} and {"message", "type", "param", "code"} <= set(err["error"])
+    err = s.events[-1]
+    assert s.errors == [err["error"]] and set(err) == {"error"} and {"message", "type", "param", "code"} <= set(err["error"])
     assert not any(c.get("choices") == [] for c in s.chunks)  # no usage chunk after an error
     assert not any(c.get("choices") and c["choices"][0].get("finish_reason") for c in s.chunks)
     r = post(fleet[dialect].url, chat_body(mock={"fault": "error_event"}))

@@ -63,7 +63,7 @@ def test_stream_key_sets_match_fixture(fleet: Any, name: str) -> None:
     got: dict[str, Any] = {}
     for ch in fx:
         want.setdefault(kind(ch), _sig(ch))
-    for ch in s.chunks:
+    for ch in s.events:
         got.setdefault(kind(ch), _sig(ch))
     assert set(want) <= set(got), f"chunk kinds missing: {set(want) - set(got)}"
     for k, w in want.items():
