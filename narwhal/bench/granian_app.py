@@ -21,7 +21,7 @@ __all__ = ["app"]
 def app() -> Any:
     from ..config import load_config
     from ..http.app import create_app
-    from ..http.server import build_router, config_engines
+    from ..http.server import build_router, config_engines, settle_heap
 
     path = os.environ.get("NARWHAL_CONFIG")
     if not path:
@@ -29,4 +29,6 @@ def app() -> Any:
     cfg = load_config(path)
     if cfg.engines is None:
         raise SystemExit("narwhal.bench.granian_app: the config must list its engines")
-    return create_app(build_router(cfg, config_engines(cfg)))
+    app = create_app(build_router(cfg, config_engines(cfg)))
+    settle_heap()
+    return app
