@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import orjson
 
 from tests.helpers import Streamed, wait_until
 from tests.helpers import sse as _sse
