@@ -190,6 +190,14 @@ class Scheduler:
         decoders = self._decode_candidates(set()) if self._decoders else []
         start = self._decode_start_ms(n, decoders) if decoders else 0.0
         predictive = self.mode == "predictive"
+        # With R14 on, "the best projection" has two sides: among the engines whose
+        # projected TTFT fits the budget, the one with the lowest projected TPOT (for a
+        # unified engine, the batch it would join: PREDICTION.md section 6), then the lower
+        # TTFT; when none fits, the lowest TTFT (R10 then refuses on it). A TTFT-only
+        # ranking ties on engines whose prefill is idle and piles the decode batches onto
+        # one of them (docs/performance.md, decode-bound overload).
+        tpot_rank = predictive and self.tpot_budget_ms is not None
+        budget = work.budget_ms
         factors = self.margin.factors
         now_ms = now * 1000.0
         engine: EngineState | None = None
@@ -218,6 +226,12 @@ class Scheduler:
                 d = len(e.inflight_prefill) + len(e.queue)
                 m_e = factors[_BUCKET[d] if d < _NB else -1]
                 key: Any = p_e * m_e
+                if tpot_rank:
+                    if key <= budget:
+                        tp = e.decode.predict_ms(e.decode_in_use + len(e.queue) + 1) if e.role == "unified" else 0.0
+                        key = (0, tp, key)
+                    else:
+                        key = (1, key, 0.0)
             else:
                 m_e = 1.0
                 free = e.prefill_in_use < e.prefill_slots and (e.role != "unified" or e.decode_in_use < e.decode_slots)

@@ -415,3 +415,24 @@ def test_open_mode_breaks_ties_on_decode_load() -> None:
     a.decode_in_use = 5  # a is busier decoding; both have free prefill slots
     r = s.admit(work(clk), clk.now())
     assert isinstance(r, Dispatch) and r.engine == "b"
+
+
+def test_R14_places_on_the_lowest_projected_tpot_among_engines_that_fit() -> None:
+    clk = ManualClock()
+    a, b = engine("a", prefill=4, decode=64, b0=10, b1=0.0), engine("b", prefill=4, decode=64, b0=12, b1=0.0)
+    for e in (a, b):
+        e.decode.lin.theta = [5.0, 1.0]
+    a.decode_in_use = 20  # a projects the lower TTFT (10 vs 12 ms) but decodes a batch of 20
+    s = Scheduler([a, b], mode="predictive", queue_limit=8, margin=Margin(initial=1.0, adaptive=False), tpot_budget_ms=100.0)
+    r = s.admit(work(clk), clk.now())
+    assert isinstance(r, Dispatch) and r.engine == "b"
+    # when only a fits the TTFT budget it wins whatever its batch; TTFT-only ranking keeps a
+    s.finish(r.ticket, clk.now())
+    b.busy_until = clk.now() + 10.0
+    r = s.admit(work(clk), clk.now())
+    assert isinstance(r, Dispatch) and r.engine == "a"
+    s.finish(r.ticket, clk.now())
+    b.busy_until = 0.0
+    s.tpot_budget_ms = None
+    r = s.admit(work(clk), clk.now())
+    assert isinstance(r, Dispatch) and r.engine == "a"
