@@ -228,7 +228,7 @@ class Scheduler:
                 key: Any = p_e * m_e
                 if tpot_rank:
                     if key <= budget:
-                        tp = e.decode.predict_ms(e.decode_in_use + len(e.queue) + 1) if e.role == "unified" else 0.0
+                        tp = e.decode.predict_ms(e.joining_batch()) if e.role == "unified" else 0.0
                         key = (0, tp, key)
                     else:
                         key = (1, key, 0.0)
@@ -278,7 +278,7 @@ class Scheduler:
         `engine` as its first phase: the batch it will join when it reaches decode
         (PREDICTION.md section 6), on the best eligible decode engine."""
         if engine.role == "unified":
-            nb = float(engine.decode_in_use + len(engine.queue) + 1)
+            nb = float(engine.joining_batch())
             return engine.decode.predict_ms(nb), nb, engine
         decoders = self._decode_candidates(set())
         if not decoders:

@@ -144,6 +144,11 @@ class EngineState:
     def depth(self) -> int:
         return len(self.inflight_prefill) + len(self.queue)
 
+    def joining_batch(self) -> int:
+        """Unified engine: the decode batch a request placed here now would join (the
+        running sequences, those queued ahead of it, and itself; PREDICTION.md section 6)."""
+        return self.decode_in_use + len(self.queue) + 1
+
     def decode_start_ms(self, n: float) -> float:
         return self.start_model.predict([1.0, n / 1000.0])
 

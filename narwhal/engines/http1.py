@@ -344,10 +344,7 @@ class H1Response:
         self._done = False
 
     async def next_chunk(self) -> bytes:
-        conn = self._conn
-        if conn._chunks:  # the common case: bytes are waiting, no suspension
-            return await conn.next_chunk()
-        data = await conn.next_chunk()
+        data = await self._conn.next_chunk()
         if not data:
             self._done = True
         return data
