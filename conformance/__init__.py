@@ -4,10 +4,10 @@ live fuzzing mode.
 
 Public surface: `SUITE_VERSION`; narwhal_conformance.cli (add_arguments, run);
 .cases (load_cases, check_cases); .profiles (PROFILES, router_config); .fleet
-(running_fleet); .runner (Runner).
+(running_fleet); .runner (Runner); .capabilities (CAPABILITIES).
 """
 
-SUITE_VERSION = "1.0.0"
-SUITE_MAJOR = 1  # cases carry `since: N`; `--suite-version N` runs the cases of version N
+SUITE_VERSION = "2.0.0"
+SUITE_MAJOR = 2  # cases carry `since: N`; `--suite-version N` runs the cases of version N
 
 __all__ = ["SUITE_VERSION", "SUITE_MAJOR"]

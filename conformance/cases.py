@@ -9,6 +9,10 @@ Rules
   * Rows come from the generated tables (narwhal_generated), so a row added to spec/
     without a case, or a case naming a retired or unknown row, fails the check.
   * cases/untestable.yaml lists rows no black-box case can reach, each with the reason.
+  * A case is classed `interoperability` (what any OpenAI-compatible router owes its
+    clients) or `narwhal` (Narwhal's own policy and API); it runs on one profile or a
+    list of them; its needs are the capabilities it names plus those its steps imply
+    (capabilities.implied_needs), so a case cannot forget one.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from narwhal_generated import errors as _err
 from narwhal_generated import router_states as _st
 from narwhal_generated import token_identity as _tok
 
+from .capabilities import implied_needs
 from .profiles import PROFILES
 
 __all__ = ["Case", "Row", "spec_rows", "load_cases", "select_cases", "check_cases", "CASES_DIR", "untestable"]
@@ -67,12 +72,19 @@ class Case:
         return str(self.data["level"])
 
     @property
-    def profile(self) -> str:
-        return str(self.data["profile"])
+    def profiles(self) -> list[str]:
+        p = self.data["profile"]
+        return [p] if isinstance(p, str) else list(p)
+
+    @property
+    def cls(self) -> str:
+        """interoperability | narwhal"""
+        return str(self.data["class"])
 
     @property
     def needs(self) -> list[str]:
-        return list(self.data.get("needs", ()))
+        """The capabilities it names and those its steps imply, sorted."""
+        return sorted(set(self.data.get("needs", ())) | implied_needs(self.data))
 
     @property
     def title(self) -> str:
@@ -154,7 +166,7 @@ def select_cases(cases: list[Case], patterns: list[str] | None, *, profile: str 
     only the given profile's; only cases of suite version <= version."""
     out = []
     for c in cases:
-        if profile is not None and c.profile != profile:
+        if profile is not None and profile not in c.profiles:
             continue
         if version is not None and int(c.data["since"]) > version:
             continue
@@ -191,8 +203,9 @@ def check_cases(root: Path | None = None) -> list[str]:
         if key in titles:
             problems.append(f"{c.id}: the title is the same as {titles[key]}'s")
         titles[key] = c.id
-        if c.profile not in PROFILES:
-            problems.append(f"{c.id}: unknown profile {c.profile!r}")
+        for prof in c.profiles:
+            if prof not in PROFILES:
+                problems.append(f"{c.id}: unknown profile {prof!r}")
         for r in c.rows:
             if r not in rows:
                 problems.append(f"{c.id}: names {r}, which is no spec row")
@@ -242,7 +255,13 @@ def _step_problems(c: Case) -> list[str]:
                         out.append(f"step {i}: {key} {n!r} names no earlier background request")
         if "fleet" in s:
             eng = s["fleet"]["engine"]
-            prof = PROFILES.get(c.profile)
-            if prof is not None and eng != "all" and eng not in {e.name for e in prof.engines}:
-                out.append(f"step {i}: fleet engine {eng!r} is not in profile {c.profile}")
+            for name in c.profiles:
+                prof = PROFILES.get(name)
+                if prof is not None and eng != "all" and eng not in {e.name for e in prof.engines}:
+                    out.append(f"step {i}: fleet engine {eng!r} is not in profile {name}")
+        for named in re.findall(r'"fault_engines": \[([^\]]*)\]', json.dumps(s)):
+            for eng in re.findall(r'"([^"]+)"', named):
+                for name in c.profiles:
+                    if name in PROFILES and eng not in {e.name for e in PROFILES[name].engines}:
+                        out.append(f"step {i}: fault_engines names {eng!r}, no engine of profile {name}")
     return out

@@ -1,13 +1,15 @@
-"""`narwhal conformance`: run the suite against a router, print the reference configuration,
-serve the mock fleet alone, or check the case data.
+"""`narwhal conformance`: run the suite against any router, print a profile's reference
+configuration, serve the mock fleet alone, or check the case data.
 
-    narwhal conformance --target URL [--case ID ...] [--profile NAME] [--http2] [--strict]
-                        [--junit FILE] [--expectations FILE] [--dryrun] [--fuzz N]
+    narwhal conformance [run] --target URL [--profile NAME] [--case ID ...] [--http2]
+                        [--header 'Name: value' ...] [--ready-url URL]
+                        [--capability CAP ...] [--no-capability CAP ...]
+                        [--strict] [--junit FILE] [--expectations FILE] [--dryrun] [--fuzz N]
     narwhal conformance print-config [--profile NAME] [--port-base N]
     narwhal conformance fleet [--profile NAME ...] [--port-base N]
-    narwhal conformance check            (also: --check-coverage)
-Exit status: 0 all good; 1 a case failed (or passed against its expectation), or fuzzing
-found a problem; 2 a usage or set-up error.
+    narwhal conformance check
+Exit status: 0 no case failed; 1 a case (or its books) failed, a case passed against its
+expectation, or fuzzing found a problem; 2 a usage or set-up error.
 """
 
 from __future__ import annotations
@@ -28,53 +30,74 @@ import httpx
 import yaml
 
 from . import SUITE_VERSION
+from .capabilities import CAPABILITIES, PASSIVE, SetupError, detect
 from .cases import check_cases, load_cases, select_cases
+from .expectations import ExpectationError, expectation_for, load_expectations
 from .fleet import FleetError, running_fleet, serve_fleet
 from .profiles import DEFAULT_PORT_BASE, PROFILES, Profile, get_profile, router_config
-from .report import (
-    apply_expectations,
-    exit_code,
-    load_expectations,
-    print_result,
-    print_summary,
-    write_junit,
-)
+from .report import apply_expectations, exit_code, print_result, print_summary, write_junit
 from .runner import Result, Runner
 
 __all__ = ["add_arguments", "run", "run_suite"]
 
 ACTIONS = ("run", "print-config", "fleet", "check")
+_CAPS = sorted(CAPABILITIES)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=ACTIONS, default="run", help="run (default), print-config, fleet (serve the mock fleet), check (the case data)")
+def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="base URL of the router under test, e.g. http://127.0.0.1:18200")
-    p.add_argument("--case", action="extend", nargs="+", default=[], metavar="ID", help="run only these cases (hierarchical: refusals, refusals/R11, refusals/R11/1)")
-    p.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile the target is set up with (default reference); fleet: repeatable")
+    p.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile the target is set up with (default reference)")
     p.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
+    p.add_argument("--case", action="extend", nargs="+", default=[], metavar="ID", help="run only these cases (hierarchical: refusals, refusals/R11, refusals/R11/1)")
     p.add_argument("--http2", action="store_true", help="send the probes over HTTP/2 (h2c prior knowledge)")
+    p.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'", help="a header sent on every request to the target (repeatable), e.g. 'Authorization: Bearer KEY'")
+    p.add_argument("--ready-url", metavar="URL", help="a URL that answers 200 when the target is ready (default: the target's /ready, else /health, else /v1/models)")
+    p.add_argument("--capability", action="append", default=[], choices=_CAPS, metavar="CAP", help=f"the target has CAP: do not probe for it (repeatable; one of {', '.join(_CAPS)})")
+    p.add_argument("--no-capability", action="append", default=[], choices=_CAPS, metavar="CAP", help="the target lacks CAP: cases that need it are N/A (repeatable)")
     p.add_argument("--strict", action="store_true", help="SHOULD-level cases fail instead of Non-Strict")
     p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
-    p.add_argument("--expectations", metavar="FILE", help="vendor expectation file: {case-id: {status: FAIL, bug: URL}}")
+    p.add_argument("--expectations", metavar="FILE", help="vendor expectation file: {case-id: {status: FAIL, bug: URL} | {status: NA, reason: TEXT}}")
     p.add_argument("--dryrun", action="store_true", help="list the cases that would run; send nothing")
     p.add_argument("--fuzz", type=int, default=0, metavar="N", help="after the cases, fuzz the target's /openapi.json with N examples per operation")
-    p.add_argument("--admin-token", default=os.environ.get("NARWHAL_CONFORMANCE_ADMIN_TOKEN"), help="the router's admin token (default $NARWHAL_CONFORMANCE_ADMIN_TOKEN); cases that need it are Missing without it")
+    p.add_argument("--admin-token", default=os.environ.get("NARWHAL_CONFORMANCE_ADMIN_TOKEN"), help="the router's admin token (default $NARWHAL_CONFORMANCE_ADMIN_TOKEN); without it cases that need the admin API are N/A")
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the target to be ready and at rest (default 60)")
     p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the reference config file, {listen} HOST:PORT of --target)")
     p.add_argument("--suite-version", default="latest", help="run the cases of this suite version (an integer, or latest)")
-    p.add_argument("--check-coverage", action="store_true", help="same as the check action")
     p.add_argument("--verbose", action="store_true", help="print the details of every case, not only failures")
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Run the router conformance suite against any router (run, the default), print a profile's configuration, serve its mock fleet, or check the case data."
+    _run_options(p)
+    p.add_argument("--check-coverage", action="store_true", help="same as the check action")
+    sub = p.add_subparsers(dest="action", metavar="{run,print-config,fleet,check}")
+    r = sub.add_parser("run", help="run the suite against --target (the default action)", description="Run the suite against a router under test.")
+    _run_options(r)
+    pc = sub.add_parser("print-config", help="print the Narwhal configuration of a profile (translate it for another router)",
+                        description="Print the router configuration a profile's cases assume: engine URLs, roles and dialects, and the limits.")
+    pc.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile (default reference)")
+    pc.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
+    fl = sub.add_parser("fleet", help="serve the mock fleet of one or more profiles in the foreground",
+                        description="Serve the scripted mock engines of the given profiles on their documented ports until interrupted.")
+    fl.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="a profile (repeatable; default reference)")
+    fl.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
+    sub.add_parser("check", help="check the case data (schema, ids, titles, every spec row covered)", description="Check the case data.")
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.check_coverage or args.action == "check":
+    action = args.action or "run"
+    if getattr(args, "check_coverage", False) or action == "check":
         return _check()
-    profiles = [get_profile(n) for n in (args.profile or ["reference"])]
-    if args.action == "print-config":
+    try:
+        profiles = [get_profile(n) for n in (args.profile or ["reference"])]
+    except KeyError as e:
+        print(f"narwhal conformance: {e.args[0]}", file=sys.stderr)
+        return 2
+    if action == "print-config":
         sys.stdout.write(f"# narwhal conformance {SUITE_VERSION}: profile {profiles[0].name} ({profiles[0].description})\n")
         sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base), sort_keys=False))
         return 0
-    if args.action == "fleet":
+    if action == "fleet":
         return _fleet(profiles, args.port_base)
     if not args.target and not args.dryrun:
         print("narwhal conformance: --target URL is required", file=sys.stderr)
@@ -162,15 +185,44 @@ def _served(cmd: str | None, profile: Profile, target: str, port_base: int) -> I
         os.unlink(f.name)
 
 
-def _wait_ready(runner: Runner, timeout_s: float) -> list[str]:
+def _headers(items: list[str]) -> dict[str, str]:
+    out = {}
+    for h in items:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"--header {h!r}: expected 'Name: value'")
+        out[name.strip().lower()] = value.strip()
+    return out
+
+
+def _wait(runner: Runner, timeout_s: float, what: str) -> list[str]:
     end = time.monotonic() + timeout_s
-    problems = ["the target did not answer"]
+    problems: dict[str, str] = {"target": "the target did not answer"}
     while time.monotonic() < end:
-        problems = runner.check_target()
-        if not problems and runner.at_rest():
-            return []
+        if runner.resolve_ready_url() is not None:
+            problems = runner.rest_problems()
+            if not problems:
+                return []
         time.sleep(0.1)
-    return problems or ["the target did not come to rest (ready, every engine eligible and profiled, books balanced)"]
+    return [f"the target did not come to rest ({what}): " + "; ".join(problems.values())]
+
+
+def _prepare(runner: Runner, args: argparse.Namespace, out: Any) -> list[str]:
+    """Ready, then the capabilities (GET-only probes, rest, request probes, rest)."""
+    problems = _wait(runner, args.ready_timeout, "ready URL 200, no engine request in flight")
+    if problems:
+        return problems
+    try:
+        detect(runner, runner.profile, runner.caps, PASSIVE, declared=args.capability, denied=args.no_capability)
+    except SetupError as e:
+        return [str(e)]
+    problems = _wait(runner, args.ready_timeout, "books balanced, every engine eligible and profiled")
+    if problems:
+        return problems
+    detect(runner, runner.profile, runner.caps, [c for c in CAPABILITIES if c not in PASSIVE], declared=args.capability, denied=args.no_capability)
+    problems = _wait(runner, args.ready_timeout, "after the capability probes")
+    print(f"narwhal conformance: ready URL {runner.ready_url}; {runner.caps.summary()}", file=out)
+    return problems
 
 
 def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> int:
@@ -182,7 +234,9 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
         return 2
     try:
         cases = select_cases(load_cases(), args.case, profile=profile.name, version=version)
-    except ValueError as e:
+        headers = _headers(args.header)
+        expectations = load_expectations(args.expectations) if args.expectations else {}
+    except (ValueError, ExpectationError) as e:
         print(f"narwhal conformance: {e}", file=sys.stderr)
         return 2
     if args.case and not cases:
@@ -191,19 +245,18 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
     label = f"{profile.name}, {'HTTP/2' if args.http2 else 'HTTP/1.1'}"
     if args.dryrun:
         for c in cases:
-            print(f"{c.id:<28} {c.level:<6} {', '.join(c.rows):<14} {c.title}", file=out)
+            print(f"{c.id:<28} {c.level:<6} {c.cls:<16} {', '.join(c.rows):<14} {c.title}" + (f"  [needs {', '.join(c.needs)}]" if c.needs else ""), file=out)
         print(f"narwhal conformance {SUITE_VERSION} [{label}]: {len(cases)} cases (dry run)", file=out)
         return 0
-    expectations = load_expectations(args.expectations) if args.expectations else {}
     fuzz_problems = False
     try:
         with _fleet_for(profile, args.port_base), _served(args.serve, profile, args.target, args.port_base):
-            results, code = _execute(args, profile, cases, out, label, expectations)
+            results, code, caps = _execute(args, profile, cases, out, label, expectations, headers)
             if args.fuzz and not code:
                 # while the fleet (and a --serve router) still run
                 from .fuzz import fuzz_target
 
-                report = fuzz_target(args.target, examples=args.fuzz, port_base=args.port_base)
+                report = fuzz_target(args.target, examples=args.fuzz, port_base=args.port_base, headers=headers)
                 print(report.summary(), file=out)
                 fuzz_problems = bool(report.problems)
     except FleetError as e:
@@ -213,24 +266,30 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
         return code
     print_summary(results, out, version=SUITE_VERSION, label=label)
     if args.junit:
-        write_junit(results, args.junit, version=SUITE_VERSION, label=label)
+        write_junit(results, args.junit, version=SUITE_VERSION, label=label, run_props={"profile": profile.name, "protocol": "h2c" if args.http2 else "http/1.1", "target": args.target, "capabilities": ",".join(sorted(caps))})
     return exit_code(results) or (1 if fuzz_problems else 0)
 
 
-def _execute(args: argparse.Namespace, profile: Profile, cases: list[Any], out: Any, label: str, expectations: dict[str, Any]) -> tuple[list[Result], int]:
-    runner = Runner(args.target, profile, port_base=args.port_base, http2=args.http2, admin_token=args.admin_token, strict=args.strict)
+def _execute(args: argparse.Namespace, profile: Profile, cases: list[Any], out: Any, label: str, expectations: dict[str, Any],
+             headers: dict[str, str]) -> tuple[list[Result], int, set[str]]:
+    runner = Runner(args.target, profile, port_base=args.port_base, http2=args.http2, admin_token=args.admin_token or None, strict=args.strict,
+                    headers=headers, ready_url=args.ready_url)
     try:
-        problems = _wait_ready(runner, args.ready_timeout)
+        problems = _prepare(runner, args, out)
         if problems:
             for p in problems:
                 print(f"narwhal conformance: {p}", file=sys.stderr)
-            return [], 2
+            return [], 2, set()
         results = []
         for c in cases:
-            r = runner.run_case(c)
-            apply_expectations([r], expectations)
+            e = expectation_for(c.id, expectations)
+            if e is not None and e["status"] == "NA":
+                r = Result(c, "N/A", note=f"the vendor's expectation file: {e['reason']}")
+            else:
+                r = runner.run_case(c)
+                apply_expectations([r], expectations)
             print_result(r, out, verbose=args.verbose)
             results.append(r)
-        return results, 0
+        return results, 0, set(runner.caps.present)
     finally:
         runner.close()

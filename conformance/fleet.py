@@ -5,10 +5,11 @@ HTTP.
 Control API (on every fleet port; the state is fleet-wide):
   GET  /conformance/fleet                     {"profile", "engines": [{name, role, dialect, port, health}]}
   POST /conformance/control                   {"engine": NAME|"all", "health": "ok"|"fail"|"hang",
-                                               "defaults": {mock options}|null}
-  GET  /conformance/records?rid=ID            what every engine received for that x-request-id
-                                              (or, without the header, for body field mock.rid):
-                                              [{engine, role, dialect, path, attempt, body, status, response}]
+                                               "defaults": {mock options}|null, "abort": true}
+  GET  /conformance/records?rid=ID            what every engine received for that request id (the
+                                              body field mock.rid, else the x-request-id header):
+                                              [{engine, role, dialect, path, attempt, body, status,
+                                                response, stream}]
 Everything else reaches the mock engine (narwhal/mock) unchanged, except:
   * health "fail": GET /health (and GET /v1/models, the openai dialect's health path)
     answer 503; "hang": they answer only once the health is set back (or the poller
@@ -18,11 +19,18 @@ Everything else reaches the mock engine (narwhal/mock) unchanged, except:
   * `mock.fault_attempts: N` keeps the fault on the first N attempts of a request id at
     decode or unified engines only, so "the first decode attempt fails" is data, whatever
     engine a router picks first. Prefill engines never see such a fault.
+  * `mock.fault_roles: [ROLE...]` keeps the fault only on engines of these roles
+    (`output` = decode and unified: the engine that generates the client's output), so
+    one script fires on whichever engine a P/D or a unified router picks.
+  * `abort: true` ends every engine request in flight (the runner's last resort after a
+    case whose router left engine requests running; the case has failed by then).
 
 Rules
-  * Records are keyed by x-request-id and bounded (oldest ids dropped first).
+  * Records are keyed by the body's mock.rid first (a router may rewrite x-request-id;
+    the body field passes through), else x-request-id, and bounded (oldest ids first).
   * Non-streaming JSON answers up to 64 KiB are recorded with the request (the prefill
-    leg's kv_transfer_params, for the decode-leg check).
+    leg's kv_transfer_params, for the decode-leg check); `meta` holds the answer's id,
+    created and model (of its first chunk when it streamed).
   * `running_fleet` binds every port before it yields and stops in bounded time.
 """
 
@@ -73,6 +81,8 @@ class FleetState:
     engines: dict[str, EngineControl] = field(default_factory=dict)
     records: OrderedDict[str, list[dict[str, Any]]] = field(default_factory=OrderedDict)
     attempts: dict[str, int] = field(default_factory=dict)
+    serving: set[asyncio.Task[Any]] = field(default_factory=set)  # engine requests in flight
+    aborted: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def record(self, rid: str, rec: dict[str, Any]) -> None:
         lst = self.records.get(rid)
@@ -148,8 +158,13 @@ class ControlledEngine:
                 assert health in (None, "ok", "fail", "hang")
                 defaults = obj.get("defaults", ...)
                 assert defaults is ... or defaults is None or isinstance(defaults, dict)
+                assert obj.get("abort", False) in (True, False)
             except (orjson.JSONDecodeError, AssertionError, KeyError):
-                return await _send_json(send, 400, {"error": 'expected {"engine": NAME|"all", "health": "ok"|"fail"|"hang", "defaults": {...}|null}'})
+                return await _send_json(send, 400, {"error": 'expected {"engine": NAME|"all", "health": "ok"|"fail"|"hang", "defaults": {...}|null, "abort": true}'})
+            if obj.get("abort"):
+                for t in list(fleet.serving):
+                    fleet.aborted.add(t)
+                    t.cancel()
             for e in engines:
                 if health is not None:
                     e.health = health
@@ -177,20 +192,26 @@ class ControlledEngine:
             changed = False
             mock = body.get("mock")
             if isinstance(mock, dict) and isinstance(mock.get("rid"), str):
-                rid = rid or mock["rid"]  # engines a router sends no x-request-id
+                rid = mock["rid"]  # the runner's id survives a router that rewrites x-request-id
             if (mock is None or (isinstance(mock, dict) and set(mock) <= {"rid"})) and ctl.defaults is not None:
                 body = {**body, "mock": ctl.defaults}
                 changed = True
             mock = body.get("mock")
-            if isinstance(mock, dict) and "fault_attempts" in mock:
+            if isinstance(mock, dict) and ("fault_attempts" in mock or "fault_roles" in mock):
                 mock = dict(mock)
-                n = mock.pop("fault_attempts")
-                if ctl.role in ("decode", "unified"):
-                    attempt = fleet.attempts.get(rid, 0) + 1
-                    fleet.attempts[rid] = attempt
-                    keep = isinstance(n, int) and attempt <= n
-                else:
-                    keep = False
+                keep = True
+                if "fault_roles" in mock:
+                    roles = mock.pop("fault_roles")
+                    roles = {r for x in roles for r in (("decode", "unified") if x == "output" else (x,))} if isinstance(roles, list) else set()
+                    keep = ctl.role in roles
+                if "fault_attempts" in mock:
+                    n = mock.pop("fault_attempts")
+                    if ctl.role in ("decode", "unified"):
+                        attempt = fleet.attempts.get(rid, 0) + 1
+                        fleet.attempts[rid] = attempt
+                        keep = keep and isinstance(n, int) and attempt <= n
+                    else:
+                        keep = False
                 if not keep:
                     mock.pop("fault", None)
                 body = {**body, "mock": mock}
@@ -199,7 +220,7 @@ class ControlledEngine:
                 sent = orjson.dumps(body)
         rec: dict[str, Any] = {"engine": ctl.name, "role": ctl.role, "dialect": ctl.dialect, "path": path, "attempt": attempt,
                                "body": orjson.loads(raw) if isinstance(body, dict) else raw[:2000].decode("utf-8", "replace"),
-                               "status": None, "response": None}
+                               "status": None, "response": None, "meta": None}
         if rid:
             fleet.record(rid, rec)
         delivered = False
@@ -212,23 +233,51 @@ class ControlledEngine:
             return await receive()
 
         captured: list[bytes] = []
-        is_json = False
+        kind = ""
 
         async def inner_send(msg: dict[str, Any]) -> None:
-            nonlocal is_json
+            nonlocal kind
             if msg["type"] == "http.response.start":
                 rec["status"] = msg["status"]
-                is_json = any(k == b"content-type" and v.startswith(b"application/json") for k, v in msg.get("headers", ()))
-            elif msg["type"] == "http.response.body" and is_json:
+                ctype = next((v for k, v in msg.get("headers", ()) if k == b"content-type"), b"")
+                kind = "json" if ctype.startswith(b"application/json") else "sse" if ctype.startswith(b"text/event-stream") else ""
+            elif msg["type"] == "http.response.body" and kind == "json":
                 captured.append(msg.get("body", b""))
                 if not msg.get("more_body"):
                     data = b"".join(captured)
                     if len(data) <= _RESPONSE_LIMIT:
                         with contextlib.suppress(orjson.JSONDecodeError):
                             rec["response"] = orjson.loads(data)
+                            if isinstance(rec["response"], dict):
+                                rec["meta"] = {k: rec["response"].get(k) for k in ("id", "created", "model")}
+            elif msg["type"] == "http.response.body" and kind == "sse" and rec["meta"] is None:
+                rec["meta"] = _first_chunk(msg.get("body", b""))
             await send(msg)
 
-        await self.inner(scope, inner_receive, inner_send)
+        task = asyncio.current_task()
+        assert task is not None
+        fleet.serving.add(task)
+        try:
+            await self.inner(scope, inner_receive, inner_send)
+        except asyncio.CancelledError:
+            if task not in fleet.aborted:
+                raise
+            task.uncancel()  # aborted through the control API: the answer ends here, cut
+        finally:
+            fleet.serving.discard(task)
+            fleet.aborted.discard(task)
+
+
+def _first_chunk(data: bytes) -> dict[str, Any] | None:
+    """id, created and model of the first data event of a streamed answer."""
+    for line in data.split(b"\n"):
+        if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
+            try:
+                obj = orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                return None
+            return {k: obj.get(k) for k in ("id", "created", "model")} if isinstance(obj, dict) else None
+    return None
 
 
 def _bind(port: int) -> socket.socket:

@@ -7,6 +7,7 @@ keys and out-of-range indexes select nothing.
 
 Operators (several may be combined in one assertion; all must hold):
   absent: true      nothing is selected           present: true   something is
+  absent_or_null: true   nothing is selected, or only nulls (a key sent as null carries no value)
   equals: X         the value is X (with [*]: the list of selected values is X)
   not_equals: X     something is selected and it is not X
   join: "s"         the selected strings, concatenated (nulls skipped), are "s"
@@ -33,7 +34,7 @@ from typing import Any
 __all__ = ["select", "check", "check_all", "OPS", "json_equal", "json_type", "PathError", "render"]
 
 OPS = frozenset(
-    {"absent", "present", "equals", "not_equals", "join", "flatten", "count", "length", "type", "one_of", "matches", "contains", "min", "max", "distinct", "equals_path"}
+    {"absent", "absent_or_null", "present", "equals", "not_equals", "join", "flatten", "count", "length", "type", "one_of", "matches", "contains", "min", "max", "distinct", "equals_path"}
 )
 _TOKEN = re.compile(r"([^.\[\]]+)|\[(\*|-?\d+)\]|(\.)")
 
@@ -171,6 +172,9 @@ def _op(op: str, want: Any, sel: list[Any], wild: bool, doc: Any) -> tuple[str, 
     """None when the operator holds, else (expected, actual or None for the selection)."""
     if op == "absent":
         return None if bool(sel) != bool(want) else ("absent" if want else "present", None)
+    if op == "absent_or_null":
+        held = all(v is None for v in sel)
+        return None if held == bool(want) else ("absent or null" if want else "a non-null value", None)
     if op == "present":
         return None if bool(sel) == bool(want) else ("present" if want else "absent", None)
     if op == "equals":

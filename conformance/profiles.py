@@ -52,6 +52,12 @@ class Profile:
     engines: tuple[EngineDef, ...]
     timing: Timing
     router: dict[str, Any]  # the router configuration without `engines`
+    needs: frozenset[str] = frozenset()  # capabilities every case of the profile needs (the P/D fleet: pd)
+
+    def listen(self, base: int = DEFAULT_PORT_BASE) -> str:
+        """HOST:PORT the router under test listens on (print-config's serving.listen)."""
+        host, _, port = str(self.router["serving"]["listen"]).rpartition(":")
+        return f"{host}:{int(port) - DEFAULT_PORT_BASE + base}"
 
     def engine(self, name: str) -> EngineDef:
         for e in self.engines:
@@ -115,6 +121,7 @@ REFERENCE = Profile(
         "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
         "upstream": {"idle_timeout_ms": 1000},
     },
+    needs=frozenset({"pd"}),
 )
 
 
@@ -134,8 +141,35 @@ def _unified(name: str, dialect: str, offset: int, listen_offset: int) -> Profil
     )
 
 
+UNIFIED = Profile(
+    name="unified",
+    description="two unified vLLM engines u0 and u1 (no disaggregation); open admission",
+    engines=(
+        EngineDef("u0", "unified", "vllm", 31, wave="a"),
+        EngineDef("u1", "unified", "vllm", 32, wave="b"),
+    ),
+    timing=_TIMING,
+    router={
+        "serving": {"model": MODEL, "listen": "127.0.0.1:18230", "max_request_bytes": 262144, "wave": "r"},
+        # open admission: the limits any router can express (requests held, a queue, a
+        # bounded wait) decide, not a TTFT projection; one prompt at a time per engine
+        # (a unified engine holds its prefill slot until its first token)
+        "admission": {
+            "mode": "open",
+            "http_retention_limit": 6,
+            "queue_limit": 1,
+            "max_wait_ms": 300,
+            "phase_concurrency": {"prefill": 1, "decode": 4},
+            "prediction": {**_PREDICTION, "profile_on_start": False},
+        },
+        "monitoring": _MONITORING,
+        "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
+        "upstream": {"idle_timeout_ms": 1000},
+    },
+)
+
 PROFILES: dict[str, Profile] = {
-    p.name: p for p in (REFERENCE, _unified("s0", "sglang", 11, 10), _unified("o0", "openai", 21, 20))
+    p.name: p for p in (REFERENCE, _unified("s0", "sglang", 11, 10), _unified("o0", "openai", 21, 20), UNIFIED)
 }
 
 
@@ -149,11 +183,7 @@ def get_profile(name: str) -> Profile:
 def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: str | None = None) -> dict[str, Any]:
     """The Narwhal configuration a router under test must be set up with."""
     cfg = copy.deepcopy(profile.router)
-    if listen is not None:
-        cfg["serving"]["listen"] = listen
-    elif port_base != DEFAULT_PORT_BASE:
-        host, _, port = cfg["serving"]["listen"].rpartition(":")
-        cfg["serving"]["listen"] = f"{host}:{int(port) - DEFAULT_PORT_BASE + port_base}"
+    cfg["serving"]["listen"] = listen if listen is not None else profile.listen(port_base)
     cfg["engines"] = [
         {"name": e.name, "url": e.url(port_base), "role": e.role, "dialect": e.dialect, "wave": e.wave} for e in profile.engines
     ]

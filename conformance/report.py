@@ -1,73 +1,90 @@
-"""Reports: the console lines, JUnit XML, and vendor expectation files.
+"""Reports: the console lines, the scores, and JUnit XML.
 
-Expectation file (owned by the vendor, kept outside the suite; YAML or JSON):
-    refusals/R11/1: {status: FAIL, bug: https://tracker.example/123}
-    assembly/A07:   {status: FAIL, bug: https://tracker.example/124}   # every case under it
-A case expected to FAIL that fails is reported as an expected failure and does not fail
-the run; one that passes is an *unexpected pass*, which does (the expectation is stale).
+Scores: each case counts in its class, `interoperability` or `narwhal` (the Narwhal
+profile): passed / decided, where decided = Pass + Fail + Non-Strict (expected failures
+included: they are failures the vendor knows of). N/A and Info cases are counted apart.
+The books (accounting) are a third score over the cases that carry an accounting check.
+
+JUnit: one `testsuite` per table and one `testcase` per case; Fail and unexpected passes
+are `failure`; N/A and expected failures are `skipped` (with the reason); Non-Strict and
+Info pass with their details in `system-out`. Every testcase carries the properties
+class, rows, level, verdict, books (and na_reason). A `books` testsuite holds one
+testcase per case whose books were checked.
 """
 
 from __future__ import annotations
 
 import textwrap
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 from xml.etree import ElementTree as ET
 
-import yaml
-
 from .cases import spec_rows
-from .runner import Result
+from .expectations import expectation_for
+from .runner import Mismatch, Result
 
-__all__ = ["load_expectations", "apply_expectations", "print_result", "print_summary", "write_junit", "exit_code", "format_failure"]
+__all__ = ["apply_expectations", "print_result", "print_summary", "write_junit", "exit_code", "format_failure", "scores", "Score", "CLASS_LABEL"]
 
-
-def load_expectations(path: str | Path) -> dict[str, dict[str, Any]]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: an expectation file maps case ids to {{status: FAIL, bug: URL}}")
-    out = {}
-    for k, v in data.items():
-        if not isinstance(v, dict) or str(v.get("status", "")).upper() != "FAIL":
-            raise ValueError(f"{path}: {k}: expected {{status: FAIL, bug: URL}}")
-        out[str(k).rstrip("/")] = v
-    return out
+CLASS_LABEL = {"interoperability": "interoperability", "narwhal": "Narwhal profile"}
 
 
-def _expectation(case_id: str, exp: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    best = None
-    for k, v in exp.items():
-        if (case_id == k or case_id.startswith(k + "/")) and (best is None or len(k) > len(best[0])):
-            best = (k, v)
-    return best[1] if best else None
+@dataclass(frozen=True, slots=True)
+class Score:
+    passed: int
+    decided: int
+
+    def __str__(self) -> str:
+        return f"{self.passed}/{self.decided}"
 
 
 def apply_expectations(results: list[Result], exp: dict[str, dict[str, Any]]) -> None:
     for r in results:
-        e = _expectation(r.id, exp)
-        if e is None:
+        e = expectation_for(r.id, exp)
+        if e is None or e["status"] != "FAIL":
             continue
         bug = str(e.get("bug", "(no bug link)"))
-        if r.verdict in ("Fail", "Non-Strict"):
+        if r.verdict in ("Fail", "Non-Strict") or r.books == "Fail":
             r.expected_failure = bug
         elif r.verdict == "Pass":
             r.unexpected_pass = True
             r.note = f"expected to FAIL ({bug}); remove the expectation"
 
 
-def format_failure(r: Result) -> str:
+def scores(results: list[Result]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cls in CLASS_LABEL:
+        rs = [r for r in results if r.cls == cls and r.verdict in ("Pass", "Fail", "Non-Strict")]
+        out[cls] = Score(sum(1 for r in rs if r.verdict == "Pass"), len(rs))
+    books = [r for r in results if r.books in ("Pass", "Fail", "Non-Strict")]
+    out["books"] = Score(sum(1 for r in books if r.books == "Pass"), len(books))
+    out["na"] = sum(1 for r in results if r.verdict == "N/A")
+    out["info"] = sum(1 for r in results if r.verdict == "Info")
+    out["books_na"] = sum(1 for r in results if r.books == "N/A")
+    return out
+
+
+def _mismatches(ms: list[Mismatch]) -> list[str]:
+    lines = []
+    for f in ms:
+        lines.append(f"  - {f.what}")
+        lines.append(textwrap.indent(f"Expected: {f.expected}\nActual:   {f.actual}", "      "))
+    return lines
+
+
+def format_failure(r: Result, *, books: bool = False) -> str:
     rows = spec_rows()
     lines = [f"  {r.case.title}"]
     for rid in r.case.rows[:1]:
         row = rows.get(rid)
-        src = r.case.data["source"]
-        lines.append(f"  Requirement {rid} ({r.case.level}, {src}): {r.case.quote!r}")
+        lines.append(f"  Requirement {rid} ({r.case.level}, {r.case.data['source']}): {r.case.quote!r}")
         if row is not None and row.quote != r.case.quote:
             lines.append(f"  Spec row {rid}: {row.quote!r}")
-    for f in r.failures:
-        lines.append(f"  - {f.what}")
-        lines.append(textwrap.indent(f"Expected: {f.expected}\nActual:   {f.actual}", "      "))
+    lines += _mismatches(r.books_failures if books else r.failures)
+    if not books and r.books_failures:
+        lines.append("  Books (accounting, reported apart):")
+        lines += _mismatches(r.books_failures)
     return "\n".join(lines)
 
 
@@ -80,41 +97,58 @@ def _label(r: Result) -> str:
 
 
 def print_result(r: Result, out: TextIO, *, verbose: bool = False) -> None:
-    out.write(f"{_label(r):<15} {r.id:<28} {', '.join(r.case.rows):<14} {r.duration_ms:7.0f} ms  {r.case.title}\n")
+    books = "" if r.books is None else f" books {r.books}"
+    cls = "interop" if r.cls == "interoperability" else "narwhal"
+    out.write(f"{_label(r):<15} {r.id:<28} {', '.join(r.case.rows):<14} {cls:<7} {r.duration_ms:7.0f} ms  {r.case.title}{books}\n")
     if r.note:
-        out.write(f"  note: {r.note}\n")
-    if r.failures and (r.verdict in ("Fail", "Non-Strict") or verbose or r.verdict == "Info"):
+        out.write(f"  {'N/A' if r.verdict == 'N/A' else 'note'}: {r.note}\n")
+    if (r.failures and (r.verdict in ("Fail", "Non-Strict", "Info") or verbose)) or r.books in ("Fail", "Non-Strict"):
         out.write(format_failure(r) + "\n")
+    if r.unchecked and verbose:
+        out.write("".join(f"  unchecked: {u}\n" for u in r.unchecked))
     if r.expected_failure:
         out.write(f"  expected failure: {r.expected_failure}\n")
     out.flush()
 
 
 def print_summary(results: list[Result], out: TextIO, *, version: str, label: str) -> None:
+    s = scores(results)
     c = Counter(_label(r) for r in results)
-    parts = ", ".join(f"{k.lower()} {v}" for k, v in sorted(c.items()))
-    out.write(f"narwhal conformance {version} [{label}]: {len(results)} cases: {parts}\n")
+    extra = ", ".join(f"{k.lower()} {v}" for k, v in sorted(c.items()) if k in ("EXPECTED-FAIL", "UNEXPECTED-PASS"))
+    books = f"books {s['books']}" + (f" (N/A {s['books_na']})" if s["books_na"] else "")
+    out.write(f"narwhal conformance {version} [{label}]: {len(results)} cases: interoperability {s['interoperability']} · "
+              f"Narwhal profile {s['narwhal']} · N/A {s['na']} · info {s['info']} · {books}" + (f" · {extra}" if extra else "") + "\n")
 
 
 def exit_code(results: list[Result]) -> int:
-    bad = [r for r in results if (r.verdict == "Fail" and not r.expected_failure) or r.unexpected_pass]
+    bad = [r for r in results if ((r.verdict == "Fail" or r.books == "Fail") and not r.expected_failure) or r.unexpected_pass]
     return 1 if bad else 0
 
 
-def write_junit(results: list[Result], path: str | Path, *, version: str, label: str) -> None:
+def _props(tc: ET.Element, items: dict[str, str]) -> None:
+    props = ET.SubElement(tc, "properties")
+    for k, v in items.items():
+        ET.SubElement(props, "property", name=k, value=v)
+
+
+def write_junit(results: list[Result], path: str | Path, *, version: str, label: str, run_props: dict[str, str] | None = None) -> None:
     suites = ET.Element("testsuites", name=f"narwhal-conformance {version}")
     by_table: dict[str, list[Result]] = {}
     for r in results:
         by_table.setdefault(r.id.split("/")[0], []).append(r)
+    s = scores(results)
+    summary = {"suite_version": version, "run": label, **(run_props or {}),
+               "score_interoperability": str(s["interoperability"]), "score_narwhal": str(s["narwhal"]), "score_books": str(s["books"]), "na": str(s["na"])}
     for table, rs in by_table.items():
-        s = ET.SubElement(suites, "testsuite", name=f"{table} [{label}]", tests=str(len(rs)))
-        props = ET.SubElement(s, "properties")
-        ET.SubElement(props, "property", name="suite_version", value=version)
+        suite = ET.SubElement(suites, "testsuite", name=f"{table} [{label}]", tests=str(len(rs)))
+        _props(suite, summary)
         fails = skipped = 0
         total = 0.0
         for r in rs:
             total += r.duration_ms / 1000.0
-            tc = ET.SubElement(s, "testcase", classname=f"narwhal_conformance.{table}", name=f"{r.id} [{label}]", time=f"{r.duration_ms / 1000.0:.3f}")
+            tc = ET.SubElement(suite, "testcase", classname=f"narwhal_conformance.{table}", name=f"{r.id} [{label}]", time=f"{r.duration_ms / 1000.0:.3f}")
+            _props(tc, {"class": r.cls, "rows": ",".join(r.case.rows), "level": r.case.level, "verdict": _label(r), "books": r.books or "none",
+                        **({"na_reason": r.note} if r.verdict == "N/A" else {}), **({"unchecked": " | ".join(r.unchecked)} if r.unchecked else {})})
             if r.unexpected_pass:
                 fails += 1
                 ET.SubElement(tc, "failure", message="unexpected pass", type="UnexpectedPass").text = r.note
@@ -126,14 +160,31 @@ def write_junit(results: list[Result], path: str | Path, *, version: str, label:
                 first = r.failures[0] if r.failures else None
                 msg = f"{', '.join(r.case.rows)}: {first.what}" if first else "failed"
                 ET.SubElement(tc, "failure", message=msg, type="Fail").text = format_failure(r)
-            elif r.verdict == "Missing":
+            elif r.verdict == "N/A":
                 skipped += 1
-                ET.SubElement(tc, "skipped", message=f"Missing: {r.note}")
+                ET.SubElement(tc, "skipped", message=f"N/A: {r.note}")
             elif r.verdict in ("Non-Strict", "Info"):
                 ET.SubElement(tc, "system-out").text = f"{r.verdict}\n" + (format_failure(r) if r.failures else "")
-        s.set("failures", str(fails))
-        s.set("skipped", str(skipped))
-        s.set("errors", "0")
-        s.set("time", f"{total:.3f}")
+        suite.set("failures", str(fails))
+        suite.set("skipped", str(skipped))
+        suite.set("errors", "0")
+        suite.set("time", f"{total:.3f}")
+    checked = [r for r in results if r.books is not None]
+    if checked:
+        suite = ET.SubElement(suites, "testsuite", name=f"books [{label}]", tests=str(len(checked)))
+        _props(suite, summary)
+        fails = skipped = 0
+        for r in checked:
+            tc = ET.SubElement(suite, "testcase", classname="narwhal_conformance.books", name=f"{r.id} books [{label}]", time="0")
+            _props(tc, {"class": "narwhal", "rows": ",".join(r.case.rows), "verdict": r.books or "none"})
+            if r.books == "N/A":
+                skipped += 1
+                ET.SubElement(tc, "skipped", message="N/A: the router exposes no books on /metrics")
+            elif r.books == "Fail" and not r.expected_failure:
+                fails += 1
+                ET.SubElement(tc, "failure", message=r.books_failures[0].what if r.books_failures else "books", type="Fail").text = format_failure(r, books=True)
+        suite.set("failures", str(fails))
+        suite.set("skipped", str(skipped))
+        suite.set("errors", "0")
     ET.indent(suites)
     Path(path).write_bytes(ET.tostring(suites, encoding="utf-8", xml_declaration=True))

@@ -28,7 +28,9 @@ from urllib.parse import urlsplit
 import h11
 import httpx
 
-__all__ = ["Exchange", "RequestData", "Probe", "Background", "document", "parse_sse", "accumulate"]
+__all__ = ["Exchange", "RequestData", "RouterClient", "Background", "document", "parse_sse", "accumulate", "COMPLETION_ROUTES"]
+
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
 @dataclass
@@ -59,8 +61,9 @@ def _headers(pairs: Any) -> dict[str, str]:
     return out
 
 
-class Probe:
-    """The client under test's protocol: one pooled httpx client per run."""
+class RouterClient:
+    """The HTTP client to the router under test, in the run's protocol: one pooled httpx
+    client per run."""
 
     def __init__(self, base_url: str, *, http2: bool = False) -> None:
         self.base_url = base_url.rstrip("/")

@@ -262,7 +262,7 @@ A19 = AssemblyRow(
     quote='finish_reason and stop_reason survive later usage-only frames.',
 )
 
-# A20: chat: when no content delta carried a non-empty string, content is null, except for the sglang dialect whose own non-streaming content is never null (empty string).
+# A20: chat: when no content delta carried a non-empty string and the choice holds tool calls, a function call or a refusal, content is null (the engine's own non-streaming shape); an empty answer keeps content "" as the engines' own answers do; the sglang dialect's content is never null (empty string).
 A20 = AssemblyRow(
     id='A20',
     route='chat',

@@ -354,7 +354,10 @@ class Assembler:
         if self.route == "chat":
             msg: dict[str, Any] = {"role": ch.role or "assistant"}
             content = "".join(ch.parts.get("content", ()))
-            if not content and self.content_null_when_empty:  # A20
+            # A20: the engine's own non-streaming shape: content null when no content
+            # arrived beside tool calls, a function call or a refusal; "" for an empty answer
+            structured = bool(calls) or ch.function_call is not None or bool("".join(ch.parts.get("refusal", ())))
+            if not content and structured and self.content_null_when_empty:
                 msg["content"] = None
             else:
                 msg["content"] = content

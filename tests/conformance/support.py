@@ -29,7 +29,6 @@ from narwhal_conformance.runner import Runner
 __all__ = ["Stack", "conformance_stack", "run", "free_port_base", "ADMIN_TOKEN"]
 
 ADMIN_TOKEN = "conformance-test-token"
-_LISTEN_OFFSET = {"reference": 0, "sglang": 10, "openai": 20}
 
 
 def _free(port: int) -> bool:
@@ -45,7 +44,7 @@ def free_port_base(profiles: list[Profile]) -> int:
     """A base whose every port (fleet and routers) is free now."""
     for _ in range(200):
         base = random.randrange(30000, 60000, 50)
-        ports = [base + _LISTEN_OFFSET[p.name] for p in profiles] + [e.port(base) for p in profiles for e in p.engines]
+        ports = [int(p.listen(base).rsplit(":", 1)[1]) for p in profiles] + [e.port(base) for p in profiles for e in p.engines]
         if all(_free(p) for p in ports):
             return base
     raise RuntimeError("no free port base found")
@@ -88,7 +87,7 @@ def conformance_stack(names: tuple[str, ...] = tuple(PROFILES), *, timeout_s: fl
     with running_fleet(profiles, base):
         try:
             for p in profiles:
-                listen = f"127.0.0.1:{base + _LISTEN_OFFSET[p.name]}"
+                listen = p.listen(base)
                 cfg = tmp / f"{p.name}.yaml"
                 cfg.write_text(yaml.safe_dump(router_config(p, base, listen=listen), sort_keys=False))
                 log = tmp / f"{p.name}.log"

@@ -273,6 +273,15 @@ def test_A20_content_null_when_only_empty_content_arrived() -> None:
     assert msg(assemble("chat", chunks))["content"] is None
 
 
+def test_A20_empty_answer_keeps_the_engines_empty_string() -> None:
+    # vLLM's own non-streaming answer to an empty generation says content ""
+    assert msg(assemble("chat", [c({"role": "assistant", "content": ""}), c({"content": ""}, finish_reason="stop")]))["content"] == ""
+
+
+def test_A20_refusal_only_answer_has_content_null() -> None:
+    assert msg(assemble("chat", [c({"role": "assistant", "content": None, "refusal": ""}), c({"refusal": "no"})]))["content"] is None
+
+
 def test_A20_sglang_content_is_never_null() -> None:
     assert msg(assemble("chat", [c({"role": "assistant", "content": ""})], null_empty=False))["content"] == ""
 
