@@ -44,10 +44,14 @@ class SetupError(RuntimeError):
     """The target is set up for another profile (its engines are not the profile's)."""
 
 
+_ROUTES = (("/admin", "admin"), ("/ready", "ready"), ("/v1/engines", "engines-api"), ("/metrics", "books"))
+
+
 def implied_needs(data: dict[str, Any]) -> set[str]:
     """Capabilities a case's steps imply, whatever its `needs` say: a `ready` condition
     needs /ready, an `engines` condition /v1/engines, an `offered` condition the books,
-    an x-narwhal-* request header Narwhal's headers, an /admin route the admin API."""
+    an x-narwhal-* request header Narwhal's headers; a request to /admin, /ready,
+    /v1/engines or /metrics the API it names."""
     out: set[str] = set()
     for s in [*data.get("steps", ()), *data.get("teardown", ())]:
         for cond in (s.get("wait"), s.get("until")):
@@ -57,8 +61,8 @@ def implied_needs(data: dict[str, Any]) -> set[str]:
         if isinstance(req, dict):
             if any(h.lower().startswith("x-narwhal-") for h in req.get("headers") or {}):
                 out.add("narwhal-headers")
-            if str(req.get("route", "")).startswith("/admin"):
-                out.add("admin")
+            route = str(req.get("route", ""))
+            out |= {cap for prefix, cap in _ROUTES if route == prefix or route.startswith(prefix + "/")}
     return out
 
 

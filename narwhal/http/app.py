@@ -150,7 +150,7 @@ class _Front:
             if msg["type"] == "http.response.start":
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
             elif msg["type"] == "http.response.body" and not msg.get("more_body", False) and not ended:
-                # HTTP/2: answer only once the request body is in (see drain_request)
+                # answer only once the request body is in (see drain_request)
                 await drain_request(scope, recv, limit=8 * self.state.router.config.serving.max_request_bytes)
             await send(msg)
 

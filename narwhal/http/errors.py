@@ -41,14 +41,15 @@ def row_response(row: E.ErrorRow, *, rid: str | None = None, param: str | None =
 
 
 async def drain_request(scope: Scope, receive: Receive, *, limit: int, timeout_s: float = 2.0) -> None:
-    """HTTP/2 only: read and discard what is left of the request body before an early
-    answer (R01-R03, H01/H02, ...). hypercorn 0.18 drops the whole connection, every
+    """Read and discard what is left of the request body before an early answer
+    (R01-R03, H01/H02, ...). HTTP/2: hypercorn 0.18 drops the whole connection, every
     other stream on it included, when DATA arrives for a stream whose response has
-    already ended (KeyError in H2Protocol._handle_events), so an answer sent before the
-    client finished its body must wait for that body. Bounded in bytes and time; nothing
-    is buffered."""
-    if scope.get("http_version") != "2":
-        return
+    already ended (KeyError in H2Protocol._handle_events). HTTP/1.1: hypercorn closes a
+    connection whose request body was not read, and a close with unread bytes in the
+    socket makes the kernel send RST, which can destroy the answer before the client
+    reads it (seen: a POST to an unknown route answered by a connection reset). So an
+    answer sent before the client finished its body waits for that body. Bounded in
+    bytes and time; nothing is buffered."""
     seen = 0
     try:
         async with asyncio.timeout(timeout_s):

@@ -16,13 +16,20 @@ import httpx
 
 from narwhal.http.server import free_port
 
-__all__ = ["Mutation", "running_proxy", "DropRetryAfter", "ReverseToolCalls", "LeakTokenIds", "Answer500"]
+__all__ = ["Mutation", "running_proxy", "DropRetryAfter", "ReverseToolCalls", "LeakTokenIds", "Answer500", "RenameCode", "ForeignFace", "DropUsage"]
 
 _HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 
 
 class Mutation:
     rewrites_request = False
+
+    def local(self, path: str) -> tuple[int, Any] | None:
+        """Answer here instead of forwarding (status, JSON body); None forwards."""
+        return None
+
+    def request_headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return headers
 
     def request(self, path: str, body: Any) -> Any:
         return body
@@ -75,6 +82,68 @@ class Answer500(Mutation):
         return status, obj
 
 
+class DropUsage(Mutation):
+    """Drops usage from assembled answers and from every streamed chunk."""
+
+    def json(self, path: str, status: int, obj: Any) -> tuple[int, Any]:
+        if isinstance(obj, dict):
+            obj.pop("usage", None)
+        return status, obj
+
+    def event(self, path: str, obj: Any) -> Any:
+        if isinstance(obj, dict):
+            obj.pop("usage", None)
+        return obj
+
+
+class RenameCode(Mutation):
+    """Renames one row's error code (in error answers and error events)."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+
+    def _rename(self, obj: Any) -> Any:
+        if isinstance(obj, dict) and isinstance(obj.get("error"), dict) and obj["error"].get("code") == self.old:
+            obj["error"]["code"] = self.new
+        return obj
+
+    def json(self, path: str, status: int, obj: Any) -> tuple[int, Any]:
+        return status, self._rename(obj)
+
+    def event(self, path: str, obj: Any) -> Any:
+        return self._rename(obj)
+
+
+class ForeignFace(Mutation):
+    """Narwhal behind the face of a router that is not Narwhal: no /ready, /v1/engines,
+    /metrics, admin API or OpenAPI document; x-narwhal-* headers dropped; its own
+    x-request-id upstream; error codes of its own (null). What any OpenAI-compatible
+    router owes its clients is unchanged."""
+
+    _HIDDEN = ("/ready", "/v1/engines", "/metrics", "/openapi.json")
+
+    def local(self, path: str) -> tuple[int, Any] | None:
+        if path in self._HIDDEN or path.startswith("/admin"):
+            return 404, {"detail": "Not Found"}
+        return None
+
+    def request_headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        out = [(k, v) for k, v in headers if not k.lower().startswith(b"x-narwhal-") and k.lower() != b"x-request-id"]
+        return [*out, (b"x-request-id", b"foreign-" + str(id(out)).encode())]
+
+    def _generic(self, obj: Any) -> Any:
+        # its own codes for its own errors; an engine's error event (an integer code) passes on
+        if isinstance(obj, dict) and isinstance(obj.get("error"), dict) and isinstance(obj["error"].get("code"), str):
+            obj["error"]["code"] = None
+        return obj
+
+    def json(self, path: str, status: int, obj: Any) -> tuple[int, Any]:
+        return status, self._generic(obj)
+
+    def event(self, path: str, obj: Any) -> Any:
+        return self._generic(obj)
+
+
 class _Proxy:
     def __init__(self, upstream: str, mutation: Mutation) -> None:
         self.upstream = upstream.rstrip("/")
@@ -94,6 +163,12 @@ class _Proxy:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
+            return
+        answer = self.m.local(scope["path"])
+        if answer is not None:
+            body = json.dumps(answer[1]).encode()
+            await send({"type": "http.response.start", "status": answer[0], "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body})
             return
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         task = asyncio.ensure_future(self._forward(scope, queue, send))
@@ -120,25 +195,30 @@ class _Proxy:
         url = self.upstream + (scope.get("raw_path") or path.encode()).decode()
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode()
-        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP and k != b"host"]
+        headers = self.m.request_headers([(k, v) for k, v in scope["headers"] if k not in _HOP and k != b"host"])
+
+        first = await queue.get()
 
         async def body_iter() -> Any:
+            msg = first
             while True:
-                msg = await queue.get()
                 yield msg.get("body", b"")
                 if not msg.get("more_body"):
                     return
+                msg = await queue.get()
 
         content: Any
-        if self.m.rewrites_request:
+        if self.m.rewrites_request or not first.get("more_body"):
+            # the whole body at once (no chunked upload for a body that has arrived)
             raw = b"".join([c async for c in body_iter()])
-            try:
-                obj = json.loads(raw)
-                content = json.dumps(self.m.request(path, obj)).encode()
-            except ValueError:
-                content = raw
+            content = raw
+            if self.m.rewrites_request:
+                try:
+                    content = json.dumps(self.m.request(path, json.loads(raw))).encode()
+                except ValueError:
+                    pass
         else:
-            content = body_iter()
+            content = body_iter()  # a body still arriving streams on (a stalled upload stays stalled)
         req = self.client.build_request(scope["method"], url, headers=headers, content=content)
         up = await self.client.send(req, stream=True)
         try:

@@ -62,16 +62,20 @@ class Stack:
 
 
 def _wait_ready(target: str, profile: Profile, port_base: int, timeout_s: float) -> list[str]:
+    """Narwhal is up: it lists the profile's engines and is at rest (its own API)."""
     r = Runner(target, profile, port_base=port_base)
+    r.caps.present |= {"ready", "engines-api", "books"}
+    want = {e.name for e in profile.engines}
     try:
         end = time.monotonic() + timeout_s
-        problems = ["not started"]
+        problems: list[str] = ["not started"]
         while time.monotonic() < end:
-            problems = r.check_target()
-            if not problems and r.at_rest():
+            view = r.engines_view()
+            problems = list(r.rest_problems().values()) if set(view) == want else [f"engines {sorted(view)}"]
+            if not problems:
                 return []
             time.sleep(0.1)
-        return problems or ["not at rest"]
+        return problems
     finally:
         r.close()
 
@@ -126,6 +130,6 @@ def parse_results(output: str) -> dict[str, str]:
     res: dict[str, Any] = {}
     for line in output.splitlines():
         parts = line.split()
-        if len(parts) >= 2 and parts[0] in ("PASS", "FAIL", "NON-STRICT", "INFO", "MISSING", "EXPECTED-FAIL", "UNEXPECTED-PASS") and "/" in parts[1]:
+        if len(parts) >= 2 and parts[0] in ("PASS", "FAIL", "NON-STRICT", "INFO", "N/A", "EXPECTED-FAIL", "UNEXPECTED-PASS") and "/" in parts[1]:
             res[parts[1]] = parts[0]
     return res

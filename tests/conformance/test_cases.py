@@ -33,7 +33,9 @@ def test_cases_cover_all_tables_and_profiles() -> None:
     cases = load_cases()
     assert len(cases) >= 120
     assert {c.id.split("/")[0] for c in cases} == {"refusals", "failures", "assembly", "token_identity", "router_states", "accounting"}
-    assert {c.profile for c in cases} == set(PROFILES)
+    assert {p for c in cases for p in c.profiles} == set(PROFILES)
+    assert {c.cls for c in cases} == {"interoperability", "narwhal"}
+    assert len([c for c in cases if "unified" in c.profiles]) >= 60
     covered = {r for c in cases for r in c.rows}
     for prefix, n in (("R", 14), ("E", 7), ("A", 23), ("D", 3), ("T", 12)):
         assert {f"{prefix}{i:02d}" for i in range(1, n + 1)} <= covered

@@ -1,6 +1,7 @@
 """The suite passes against Narwhal itself: every case of every profile, over HTTP/1.1 and
 HTTP/2 (h2c), against `narwhal serve` set up with `narwhal conformance print-config`,
-with zero Fail; the JUnit report lists every case."""
+with zero Fail and zero N/A (Narwhal has every capability its profiles' cases need);
+the JUnit report lists every case with its class, and every books check."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ EXPECTATIONS = Path(str(resources.files("narwhal_conformance").joinpath("expecta
 
 
 @pytest.mark.parametrize("protocol", ["http1", "http2"])
-@pytest.mark.parametrize("profile", ["reference", "sglang", "openai"])
+@pytest.mark.parametrize("profile", ["reference", "unified", "sglang", "openai"])
 def test_the_suite_passes_against_narwhal(stack: Stack, tmp_path: Path, profile: str, protocol: str) -> None:
     out_dir = Path(os.environ.get("NARWHAL_CONFORMANCE_JUNIT_DIR", str(tmp_path)))  # CI keeps the reports
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -28,12 +29,19 @@ def test_the_suite_passes_against_narwhal(stack: Stack, tmp_path: Path, profile:
     extra = ["--junit", str(junit), "--strict", "--expectations", str(EXPECTATIONS)] + (["--http2"] if protocol == "http2" else [])
     code, out = run(stack.targets[profile], profile, stack.port_base, *extra)
     results = parse_results(out)
-    bad = {k: v for k, v in results.items() if v not in ("PASS", "INFO")}
+    bad = {k: v for k, v in results.items() if v not in ("PASS", "INFO")}  # no FAIL, no N/A
     assert code == 0 and not bad, f"{bad}\n{out}\n--- router log ---\n{stack.log(profile)}"
     want = {c.id for c in select_cases(load_cases(), None, profile=profile)}
     assert set(results) == want
+    assert "books 0/0" not in out and " N/A 0 " in out
     root = ET.parse(junit).getroot()
-    cases = root.findall(".//testcase")
+    suites = {s.get("name", "").split(" [")[0]: s for s in root.findall("testsuite")}
+    cases = [tc for name, s in suites.items() if name != "books" for tc in s.findall("testcase")]
     assert {tc.get("name", "").split(" [")[0] for tc in cases} == want
+    for tc in cases:
+        props = {p.get("name"): p.get("value") for p in tc.iter("property")}
+        assert props["class"] in ("interoperability", "narwhal") and props["rows"] and props["level"], props
+    books = suites["books"].findall("testcase")
+    assert {tc.get("name", "").split(" books")[0] for tc in books} == want  # every case's books checked
     assert all(s.get("failures") == "0" for s in root.findall("testsuite"))
     assert SUITE_VERSION in (root.get("name") or "")

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from narwhal_conformance.cases import load_cases, select_cases
+
 from .proxy import (
     Answer500,
     DropRetryAfter,
+    DropUsage,
+    ForeignFace,
     LeakTokenIds,
     Mutation,
+    RenameCode,
     ReverseToolCalls,
     running_proxy,
 )
@@ -33,7 +38,7 @@ WRONG: list[tuple[str, Mutation, list[str], set[str]]] = [
         "leaks token IDs to clients that did not ask",
         LeakTokenIds(),
         ["token_identity/T04", "token_identity/T09", "token_identity/T10", "assembly/A01", "assembly/A15", "assembly/A22"],
-        {"token_identity/T10/1", "token_identity/T10/2", "assembly/A22/2"},
+        {"token_identity/T10/1", "token_identity/T10/2", "token_identity/T10/3", "assembly/A22/2"},
     ),
     (
         "answers 500 on row R06",
@@ -85,7 +90,56 @@ def test_a_should_case_is_non_strict_without_strict(stack: Stack) -> None:
     assert code == 0, out
 
 
-def test_cases_needing_the_admin_api_are_missing_without_its_token(stack: Stack) -> None:
+def test_cases_needing_the_admin_api_are_na_without_its_token(stack: Stack) -> None:
     code, out = run(stack.targets["reference"], "reference", stack.port_base, "--admin-token", "", "--case", "refusals/R01/2", "--case", "failures/H05")
-    assert parse_results(out) == {"refusals/R01/2": "MISSING", "failures/H05/1": "MISSING"}, out
+    assert parse_results(out) == {"refusals/R01/2": "N/A", "failures/H05/1": "N/A"}, out
+    assert out.count("N/A: needs admin (no --admin-token given)") == 2, out
     assert code == 0, out
+
+
+# The same mutants in front of the unified profile's Narwhal: the unified fleet catches them too.
+WRONG_UNIFIED: list[tuple[str, Mutation, list[str], set[str]]] = [
+    ("drops Retry-After", DropRetryAfter(), ["refusals/R02", "refusals/R09", "refusals/R11", "refusals/R12", "refusals/R06"],
+     {"refusals/R02/1", "refusals/R09/3", "refusals/R11/2"}),
+    ("renames a code", RenameCode("engine_error", "upstream_failed"), ["failures/E04", "failures/E05"],
+     {"failures/E04/1", "failures/E04/2"}),
+    ("assembles tool calls in reverse index order", ReverseToolCalls(), ["assembly/A05", "assembly/A11", "assembly/A20"], {"assembly/A05/1", "assembly/A11/1"}),
+    ("leaks token IDs to clients that did not ask", LeakTokenIds(), ["token_identity/T09", "token_identity/T10", "assembly/A22"],
+     {"token_identity/T10/1", "token_identity/T10/2", "token_identity/T10/3", "assembly/A22/2"}),
+    ("drops usage", DropUsage(), ["assembly/A15", "assembly/A18", "assembly/A19", "token_identity/T10/1", "assembly/A01"],
+     {"assembly/A18/1", "assembly/A19/1", "assembly/A19/2", "token_identity/T10/1"}),
+]
+
+
+@pytest.mark.parametrize(("what", "mutation", "cases", "flagged"), WRONG_UNIFIED, ids=[w[0] for w in WRONG_UNIFIED])
+def test_the_unified_fleet_flags_a_wrong_router(stack: Stack, what: str, mutation: Mutation, cases: list[str], flagged: set[str]) -> None:
+    with running_proxy(stack.targets["unified"], mutation) as url:
+        code, out = run(url, "unified", stack.port_base, "--strict", *[a for c in cases for a in ("--case", c)])
+    results = parse_results(out)
+    failed = {k for k, v in results.items() if v == "FAIL"}
+    assert code == 1 and failed == flagged, f"{what}: flagged {sorted(failed)}, expected {sorted(flagged)}\n{out}"
+
+
+def test_a_router_without_narwhals_api_gets_a_verdict_on_its_wire_behaviour(stack: Stack) -> None:
+    """No /ready, /v1/engines, /metrics, admin API; its own x-request-id and error codes:
+    the suite still runs, every interoperability case passes (the wire behaviour is
+    Narwhal's), what needs Narwhal's API is N/A with the reason, the books are N/A."""
+    with running_proxy(stack.targets["unified"], ForeignFace()) as url:
+        code, out = run(url, "unified", stack.port_base, "--admin-token", "")
+    results = parse_results(out)
+    cases = {c.id: c for c in select_cases(load_cases(), None, profile="unified")}
+    assert set(results) == set(cases), out
+    assert "ready URL " + url + "/health" in out, out
+    interop = {k: v for k, v in results.items() if cases[k].cls == "interoperability"}
+    assert len(interop) >= 45 and all(v == "PASS" or (v == "N/A" and cases[k].needs) for k, v in interop.items()), out
+    assert "interoperability 50/50" in out, out
+    na = {k for k, v in results.items() if v == "N/A"}
+    assert na == {k for k, c in cases.items() if {"ready", "engines-api", "books", "admin", "narwhal-headers"} & set(c.needs)}, out
+    assert "N/A: needs books (GET /metrics (404) has no narwhal_requests_offered_total)" in out, out
+    for cap in ("ready (GET /ready answers 404)", "books (GET /metrics (404)", "admin (no --admin-token given)", "narwhal-errors (n: 2 answers 400 code None)"):
+        assert cap in out.split("absent: ", 1)[1].split("\n", 1)[0], out
+    assert "books 0/0 (N/A" in out, out
+    # codes of its own: the Narwhal-profile cases that read a row's code fail, and only those
+    failed = {k for k, v in results.items() if v == "FAIL"}
+    assert failed and all(cases[k].cls == "narwhal" for k in failed), out
+    assert code == 1
