@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from narwhal_generated import errors as E
 
-from .profiles import MODEL
 from .books import parse_metrics
+from .profiles import MODEL
 
 __all__ = ["FuzzReport", "fuzz_schema", "fuzz_target", "CHECKS", "error_envelope", "no_internal_error", "server_error_matches_row", "books_balance"]
 

@@ -35,8 +35,8 @@ import httpx
 
 from .books import Books, check_accounting, parse_metrics
 from .capabilities import Capabilities
-from .cases import Case
 from .caserun import CaseRun, Mismatch, StepError
+from .cases import Case
 from .profiles import DEFAULT_PORT_BASE, Profile
 from .transport import Exchange, RequestData, RouterClient
 
