@@ -26,7 +26,8 @@ CAPABILITIES: dict[str, str] = {
     "engines-api": "GET /v1/engines lists the profile's engines with their health, eligibility and profile",
     "books": "/metrics exposes narwhal_requests_offered_total, ..._unsized_offered_total and ..._terminal_total{class}",
     "admin": "the admin API (POST /admin/...) with the bearer token given as --admin-token",
-    "narwhal-errors": "error envelopes carry the code of the spec row that decided (e.g. invalid_sampling_width)",
+    "narwhal-errors": "refuses by Narwhal's rows: the router itself answers R03-R07 before any engine sees the request, and every error envelope carries the row's code (e.g. invalid_sampling_width)",
+    "request-id": "every response carries x-request-id (the client's, or one the router made)",
     "narwhal-headers": "honours x-narwhal-ttft-target-ms and x-narwhal-deadline-ms",
     "predictive-admission": "refuses by projected time to first token against the budget (rows R08, R10, R14)",
     "pd": "runs vLLM's two-phase prefill/decode protocol over the profile's prefill and decode engines",
@@ -37,7 +38,7 @@ __doc__ = (__doc__ or "") + "".join(f"\n  {k:<21} {v}" for k, v in CAPABILITIES.
 
 _MODEL = "narwhal-demo"
 # detected with GET requests alone, before anything is sent to the fleet
-PASSIVE = ("ready", "engines-api", "books", "admin")
+PASSIVE = ("ready", "engines-api", "books", "admin", "request-id")
 
 
 class SetupError(RuntimeError):
@@ -165,6 +166,12 @@ def _errors(t: Target, profile: Any) -> tuple[bool, str]:
     return ok, "n: 2 is refused with code invalid_sampling_width" if ok else f"n: 2 answers {ex.status} code {code!r}"
 
 
+def _request_id(t: Target, profile: Any) -> tuple[bool, str]:
+    ex = t.send(RequestData("GET", "/v1/models", {}, None, 5.0))
+    ok = "x-request-id" in ex.headers
+    return ok, "GET /v1/models answers with an x-request-id it made" if ok else f"GET /v1/models ({ex.status}) answers without x-request-id"
+
+
 def _headers(t: Target, profile: Any) -> tuple[bool, str]:
     # a 1 ms deadline against a 400 ms prefill: a router that reads the header answers 504
     _, ex = _chat(t, "narwhal-headers", headers={"x-narwhal-deadline-ms": "1"}, mock={"prefill_ms": 400})
@@ -219,6 +226,7 @@ _DETECTORS: dict[str, Callable[[Target, Any], tuple[bool, str]]] = {
     "books": _books,
     "admin": _admin,
     "narwhal-errors": _errors,
+    "request-id": _request_id,
     "narwhal-headers": _headers,
     "predictive-admission": _predictive,
     "pd": _pd,

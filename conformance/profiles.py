@@ -86,6 +86,10 @@ _MONITORING = {
     "breaker_cooldown_ms": 300,
 }
 
+# a request must arrive whole within 2 s (H07): a stalled upload is answered 408 well
+# inside the runner's bounds, and far above what any case's own upload takes
+_SERVING = {"read_timeout_ms": 2000}
+
 _PREDICTION = {
     "initial_margin": 1.2,
     "adaptive_margin": False,
@@ -105,7 +109,7 @@ REFERENCE = Profile(
     ),
     timing=_TIMING,
     router={
-        "serving": {"model": MODEL, "listen": "127.0.0.1:18200", "max_request_bytes": 262144, "wave": "r"},
+        "serving": {"model": MODEL, "listen": "127.0.0.1:18200", "max_request_bytes": 262144, "wave": "r", **_SERVING},
         "admission": {
             "mode": "predictive",
             "http_retention_limit": 6,
@@ -132,7 +136,7 @@ def _unified(name: str, dialect: str, offset: int, listen_offset: int) -> Profil
         engines=(EngineDef(name, "unified", dialect, offset, wave="u"),),
         timing=_TIMING,
         router={
-            "serving": {"model": MODEL, "listen": f"127.0.0.1:{18200 + listen_offset}", "max_request_bytes": 262144},
+            "serving": {"model": MODEL, "listen": f"127.0.0.1:{18200 + listen_offset}", "max_request_bytes": 262144, **_SERVING},
             "admission": {"mode": "open", "queue_limit": 4, "max_wait_ms": 2000, "prediction": {**_PREDICTION, "profile_on_start": False}},
             "monitoring": _MONITORING,
             "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
@@ -150,7 +154,7 @@ UNIFIED = Profile(
     ),
     timing=_TIMING,
     router={
-        "serving": {"model": MODEL, "listen": "127.0.0.1:18230", "max_request_bytes": 262144, "wave": "r"},
+        "serving": {"model": MODEL, "listen": "127.0.0.1:18230", "max_request_bytes": 262144, "wave": "r", **_SERVING},
         # open admission: the limits any router can express (requests held, a queue, a
         # bounded wait) decide, not a TTFT projection; one prompt at a time per engine
         # (a unified engine holds its prefill slot until its first token)

@@ -495,9 +495,26 @@ H06 = ErrorRow(
     quote='Bad input gets a clear error from the refusal table and loses nothing: every offered request ends in exactly one terminal class.',
 )
 
+# H07: serving.read_timeout_ms bounds the whole request, head and body, from the moment its head arrives (the head itself is bounded by serving.keep_alive_ms, the idle timer that runs until a request starts). A completion request answered so is offered and unsized (C02), class invalid_requests. HTTP/1.1: the connection closes after the answer.
+H07 = ErrorRow(
+    id='H07',
+    order=None,
+    when='request_read_timeout',
+    status=408,
+    type='invalid_request_error',
+    code='request_timeout',
+    param=None,
+    retry_after=None,
+    counter='invalid_requests',
+    unsized=False,
+    retryable=False,
+    message='The request did not arrive within {limit_ms} ms (serving.read_timeout_ms); send it whole, faster.',
+    quote='Every client and every engine may be slow, silent, huge or hostile. Every buffer, wait and count has a bound with a default a public deployment can live with.',
+)
+
 REFUSALS: tuple[ErrorRow, ...] = (R01, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13, R14,)
 FAILURES: tuple[ErrorRow, ...] = (E01, E02, E03, E04, E05, E06, E07,)
-HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06,)
+HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06, H07,)
 ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}
 BY_WHEN: dict[str, ErrorRow] = {r.when: r for r in ROWS.values()}
 BY_CODE: dict[str, ErrorRow] = {r.code: r for r in ROWS.values()}

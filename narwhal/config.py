@@ -6,13 +6,18 @@ Every key has a default; unknown keys are an error at start-up. Errors name the 
   * engine names are unique;
   * prefill engines need decode engines and the other way round (vLLM two-phase);
   * sglang and openai engines are unified only (spec/tables/dialects.yaml V02, V03);
-  * serving.tls has both certfile and keyfile or neither.
+  * serving.tls has both certfile and keyfile or neither;
+  * upstream.deny_fields names each field once, and none the router cannot do without
+    (model, messages, prompt);
+  * engines on one host and port carry the same userinfo, if any (the credentials are
+    kept per host and port, see narwhal/engines/http1.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ValidationError
@@ -27,6 +32,10 @@ EMBEDDED_FLEET = (
     {"name": "p0", "role": "prefill", "dialect": "vllm", "wave": "a"},
     {"name": "d0", "role": "decode", "dialect": "vllm", "wave": "b"},
 )
+
+
+# upstream.deny_fields may not name these: no engine request can go without them
+_NEEDED_FIELDS = frozenset(("model", "messages", "prompt"))
 
 
 class ConfigError(Exception):
@@ -64,15 +73,33 @@ def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
     tls = cfg.serving.tls
     if (tls.certfile is None) != (tls.keyfile is None):
         raise ConfigError(f"{source}: serving.tls needs both certfile and keyfile")
+    deny = cfg.upstream.deny_fields
+    for i, f in enumerate(deny):
+        if not f or f.strip() != f:
+            raise ConfigError(f"{source}: upstream.deny_fields[{i}]: {f!r} is not a field name")
+        if f in _NEEDED_FIELDS:
+            raise ConfigError(f"{source}: upstream.deny_fields[{i}]: the router cannot forward a request without {f!r}")
+        if f in deny[:i]:
+            raise ConfigError(f"{source}: upstream.deny_fields[{i}]: {f!r} is listed twice")
     if cfg.engines is None:
         return
     if not cfg.engines:
         raise ConfigError(f"{source}: engines: an empty fleet serves nothing; omit the key for the embedded fleet")
     seen: set[str] = set()
+    userinfo: dict[tuple[str | None, int | None], str] = {}
     for i, e in enumerate(cfg.engines):
         if e.name in seen:
             raise ConfigError(f"{source}: engines[{i}].name: {e.name!r} is used twice")
         seen.add(e.name)
+        try:
+            u = urlsplit(e.url)
+            origin = (u.hostname, u.port)
+        except ValueError as x:
+            raise ConfigError(f"{source}: engines[{i}].url: {x}") from None
+        info = u.netloc.rpartition("@")[0]
+        if userinfo.setdefault(origin, info) != info:
+            # the message names no credentials
+            raise ConfigError(f"{source}: engines[{i}].url: engines on one host and port must carry the same userinfo")
         if e.dialect != "vllm" and e.role != "unified":
             raise ConfigError(f"{source}: engines[{i}].role: the {e.dialect} dialect has no vLLM two-phase protocol; use role unified")
     roles = {e.role for e in cfg.engines}

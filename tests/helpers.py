@@ -15,7 +15,7 @@ import httpx
 from narwhal.config import parse_config
 from narwhal.engines.runtime import EngineSpec, Router
 from narwhal.http.app import create_app
-from narwhal.http.server import build_router, free_port, hypercorn_config
+from narwhal.http.server import build_router, free_port, serving_config
 
 __all__ = ["RunningRouter", "running_router", "wait_until"]
 
@@ -92,7 +92,7 @@ def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = No
             await router.start()
         from hypercorn.asyncio import serve
 
-        task = asyncio.create_task(serve(app, hypercorn_config(listen), shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+        task = asyncio.create_task(serve(app, serving_config(cfg, listen), shutdown_trigger=stop.wait))  # type: ignore[arg-type]
         for _ in range(500):
             try:
                 _, w = await asyncio.open_connection("127.0.0.1", port)

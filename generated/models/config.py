@@ -65,7 +65,13 @@ class Engine(BaseModel):
         extra='forbid',
     )
     name: Annotated[StrictStr, Field(pattern='^[A-Za-z0-9_.-]{1,64}$')]
-    url: Annotated[StrictStr, Field(pattern='^https?://[^\\s/]+(/[^\\s]*)?$')]
+    url: Annotated[
+        StrictStr,
+        Field(
+            description="The engine's base URL. Userinfo (http://user:password@host:port, percent-escaped) becomes Authorization: Basic on every request to that engine (completions, health polls, profiling); it is never sent as part of Host and never published: /v1/engines, logs and error messages show the URL without it.",
+            pattern='^https?://[^\\s/]+(/[^\\s]*)?$',
+        ),
+    ]
     role: Literal['prefill', 'decode', 'unified'] = 'unified'
     dialect: Literal['vllm', 'sglang', 'openai'] = 'vllm'
     wave: StrictStr | None = None
@@ -117,6 +123,20 @@ class Upstream(BaseModel):
         ),
     ] = 30000
     max_connections: Annotated[StrictInt, Field(ge=1)] = 4096
+    max_event_bytes: Annotated[
+        StrictInt,
+        Field(
+            description="The most engine output the router holds as one piece: one SSE event's data, any one line of a stream, and a whole non-streaming engine body (the prefill leg's JSON answer, an error body). More fails the attempt as E02 malformed_engine_output (retried once before response headers, like any E02), in time linear in the bytes received and memory within about this bound per engine stream. 4 MiB by default: a streamed token event is well under 1 KiB and a prefill answer a few KiB, while an engine that never ends a line must not take the router's memory with it.",
+            ge=1024,
+            le=1073741824,
+        ),
+    ] = 4194304
+    deny_fields: Annotated[
+        list[StrictStr],
+        Field(
+            description="Top-level request-body fields removed from every client body before it reaches any engine (silently: an OpenAI-style API ignores what it does not use, and a refusal would break clients that send engine extras to every backend). Pass-through policy (docs/passthrough.md): every field the router does not interpret reaches the engine unchanged, except (1) fields only the router may set, removed from every client body on every leg and role whatever this list says: kv_transfer_params (vLLM's KV transfer: remote host, port, block IDs; the router sets it itself on P/D legs) and bootstrap_host, bootstrap_port, bootstrap_room (SGLang's); and (2) the fields named here. The default removes what lets one client steer an engine at others' expense or run code in it: priority (jumps vLLM's priority scheduler), vllm_xargs (arbitrary extension arguments), logits_processors (vLLM loads the named classes), custom_logit_processor (SGLang runs a serialised callable). cache_salt stays allowed: it only narrows which cached prefixes its own request may share, protecting that client from prefix-cache timing probes. Set [] to forward everything but the router-only fields."
+        ),
+    ] = ['priority', 'vllm_xargs', 'logits_processors', 'custom_logit_processor']
 
 
 class Serving(BaseModel):
@@ -148,6 +168,46 @@ class Serving(BaseModel):
         ),
     ] = None
     server: Annotated[Literal['hypercorn'], Field(description='The ASGI server.')] = 'hypercorn'
+    read_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description='The whole request, head and body, must arrive within this many milliseconds of its head; else 408 request_timeout (row H07, class invalid_requests). Bounds a client that uploads at 1 byte/s or opens an HTTP/2 stream and never ends it.',
+            ge=100,
+            le=600000,
+        ),
+    ] = 10000
+    send_stall_ms: Annotated[
+        StrictInt,
+        Field(
+            description='A client that accepts no bytes of its answer for this many milliseconds is dropped: its engine request is cancelled and its slots freed (class cancelled). Bounds a client that never reads (HTTP/1.1 TCP window or HTTP/2 flow-control window at 0).',
+            ge=100,
+            le=600000,
+        ),
+    ] = 30000
+    keep_alive_ms: Annotated[
+        StrictInt,
+        Field(
+            description="An idle client connection (no request in flight, or a request head still arriving) is closed after this many milliseconds; a client's FIN releases its connection at once.",
+            ge=100,
+            le=600000,
+        ),
+    ] = 5000
+    max_streams_per_connection: Annotated[
+        StrictInt,
+        Field(
+            description='HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a stream beyond it is refused with REFUSED_STREAM, the connection stays.',
+            ge=1,
+            le=1000,
+        ),
+    ] = 100
+    h2_control_frames_per_second: Annotated[
+        StrictInt,
+        Field(
+            description='Per HTTP/2 connection, SETTINGS, PING, RST_STREAM and empty DATA frames a client may send per second (a burst of twice that is allowed); a flood is answered with GOAWAY ENHANCE_YOUR_CALM and the connection is closed.',
+            ge=10,
+            le=100000,
+        ),
+    ] = 200
 
 
 class Admission(BaseModel):

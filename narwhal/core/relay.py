@@ -8,6 +8,10 @@ token_ids accounting), then either
   * non-streaming client: normalise the dialect's quirks (D01) and feed the assembler.
 Nothing is validated through models on this path.
 
+Engine output is bounded: an event (or an unfinished line) longer than
+`max_event_bytes` (upstream.max_event_bytes) fails the attempt as E02, after the events
+completed before it.
+
 Outcomes a caller acts on (`Step`): bytes to write, whether the first token arrived (the
 moment response headers may go out), end of stream, a failure (row ID + detail), or an
 engine error event (streaming: already forwarded in the engine's shape).
@@ -21,7 +25,7 @@ import orjson
 
 from .assembly import Assembler, Failure
 from .dialects import ToolCallNormaliser
-from .sse import DONE, SSEParser
+from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 from .tokens import carries_output, check_token_ids
 
 __all__ = ["StreamRelay", "Step"]
@@ -71,8 +75,9 @@ class StreamRelay:
         assembler: Assembler | None = None,
         normalise_tool_calls: bool = False,
         prompt_tokens_override: int | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
-        self._parser = SSEParser()
+        self._parser = SSEParser(max_event_bytes)
         self.checks_ids = checks_ids
         self.client_ids = client_ids
         self.client_usage = client_usage
@@ -162,6 +167,9 @@ class StreamRelay:
                 out.append(_DATA + orjson.dumps(obj) + _END)
             else:
                 out.append(_DATA + payload + _END)
+        if self._parser.too_large and not self.done:
+            detail = f"an event or line longer than upstream.max_event_bytes ({self._parser.max_event_bytes} bytes)"
+            return Step(b"".join(out), first, False, ("E02", detail), None)
         return Step(b"".join(out), first, self.done, None, None)
 
     @property

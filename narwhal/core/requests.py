@@ -6,8 +6,18 @@ Rules
     to true). The router-read headers are router-interpreted fields too.
   * R05: `model` equals serving.model.  R06: n <= 1 and best_of <= 1.
   * R07 (non-streaming chat only): modalities only "text", no audio, only function tools.
-  * Every other field passes through to the engine untouched: the body forwarded is the
-    client's parsed object, never a model dump.
+  * R04, nesting: a body nested deeper than MAX_DEPTH levels (the body object is level 1)
+    is refused, with param naming the field that holds the nesting. orjson reads 1,024
+    levels but writes only 254, and the router writes every body again for its engines;
+    MAX_DEPTH keeps one level of that for the router.
+  * Pass-through policy (docs/passthrough.md): every other field passes through to the
+    engine untouched (the body forwarded is the client's parsed object, never a model
+    dump), except
+      - ROUTER_ONLY fields, removed here from every client body: only the router sets
+        them (kv_transfer_params on the P/D legs);
+      - the operator's upstream.deny_fields, removed by `without_fields` before each
+        engine request.
+    Both are removed silently, as an OpenAI-style API ignores fields it does not use.
 """
 
 from __future__ import annotations
@@ -23,12 +33,20 @@ from narwhal_generated import errors as E
 from narwhal_generated.models.chat_request import ChatCompletionRequest
 from narwhal_generated.models.completion_request import CompletionRequest
 
-__all__ = ["ParsedRequest", "Rejection", "parse_request", "parse_headers", "HeaderValues"]
+__all__ = ["ParsedRequest", "Rejection", "parse_request", "parse_headers", "HeaderValues", "without_fields", "ROUTER_ONLY", "MAX_DEPTH"]
 
 _MODELS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
 _TYPE_TAGS = frozenset(("str", "int", "bool", "float", "list", "dict", "none", "json-or-python", "function-after", "function-before", "nullable"))
 _MAX_HEADER_MS = 10**9
+
+# Fields a client never sets: KV-transfer steering (remote host, port, block IDs) of
+# vLLM's two-phase protocol, which the router sets itself on P/D legs, and SGLang's
+# disaggregation bootstrap (Narwhal runs no SGLang P/D, so nobody sets those).
+ROUTER_ONLY: tuple[str, ...] = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+MAX_DEPTH = 253  # levels of JSON nesting, the body object included (orjson writes 254)
+_PARAM_STEPS = 6  # a deep field is named by at most this many steps of its path
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +106,41 @@ def parse_headers(ttft: str | None, deadline: str | None, *, budget_ms: int, max
     return HeaderValues(ttft_target_ms=target, deadline_ms=vals[1])
 
 
+def _too_deep(body: dict[str, Any]) -> str | None:
+    """The path of the field under which `body` nests deeper than MAX_DEPTH, else None.
+    The path follows object keys, and array elements that are objects, for at most
+    _PARAM_STEPS steps; below that (or below an array of arrays) the nesting is the
+    named field's."""
+    stack: list[tuple[Any, int, tuple[str | int, ...], bool]] = [(body, 1, (), True)]
+    while stack:
+        node, depth, path, named = stack.pop()
+        is_dict = type(node) is dict
+        for k, v in node.items() if is_dict else enumerate(node):
+            tv = type(v)
+            if tv is dict or tv is list:
+                if depth + 1 > MAX_DEPTH:
+                    return _path(path)
+                if named and len(path) < _PARAM_STEPS and (is_dict or tv is dict):
+                    stack.append((v, depth + 1, (*path, k), True))
+                else:
+                    stack.append((v, depth + 1, path, False))
+    return None
+
+
+def _path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if type(p) is int else ("." if out else "") + str(p)[:64]
+    return out or "body"
+
+
+def without_fields(body: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """`body` without the top-level fields in `names` (a copy only when one is present)."""
+    if not names or names.isdisjoint(body):
+        return body
+    return {k: v for k, v in body.items() if k not in names}
+
+
 def _prompt_size(route: str, body: dict[str, Any]) -> tuple[int, int | None, str | None]:
     if route == "chat":
         parts: list[str] = []
@@ -119,6 +172,13 @@ def parse_request(route: str, raw: bytes, *, model: str) -> ParsedRequest | Reje
         return Rejection(E.R04, None, {"detail": f"the body is not valid JSON ({e.msg})"})
     if type(body) is not dict:
         return Rejection(E.R04, None, {"detail": "the body must be a JSON object"})
+    # R04, nesting: only a body with that many brackets can nest that deep (a quick count)
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+        deep = _too_deep(body)
+        if deep is not None:
+            return Rejection(E.R04, deep, {"detail": f"{deep}: JSON nested deeper than {MAX_DEPTH} levels"})
+    for k in ROUTER_ONLY:  # the pass-through policy: only the router sets these
+        body.pop(k, None)
     try:
         _MODELS[route].model_validate(body)
     except ValidationError as e:

@@ -6,7 +6,13 @@ sends RST_STREAM, STACK.md). Transport failures become values of one small table
 specific first, mapped to failure rows:
 
     timeout while connecting or reading  -> E07 engine_timeout
+    a body over its limit                -> E02 malformed_engine_output
     any other transport error            -> E06 engine_unreachable
+
+An UpstreamError's `detail` is words a client may read (no engine address, no engine
+bytes); `log_detail` keeps both for the log. Engine URLs with userinfo: the credentials
+are registered with `authorize` (Basic, on every request to that host and port) and the
+URL the router keeps and publishes is the one without them (`split_userinfo`).
 """
 
 from __future__ import annotations
@@ -16,17 +22,18 @@ from typing import Any
 
 import orjson
 
-from .http1 import ConnectTimeout, H1Error, H1Pool, H1Response, ReadTimeout
+from .http1 import BodyTooLarge, ConnectTimeout, H1Error, H1Pool, H1Response, ReadTimeout, split_userinfo
 
-__all__ = ["EngineClient", "UpstreamError", "Upstream", "H1Error"]
+__all__ = ["EngineClient", "UpstreamError", "Upstream", "H1Error", "split_userinfo"]
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamError(Exception):
-    """A transport failure talking to an engine; `row` is E06 or E07."""
+    """A transport failure talking to an engine; `row` is E02, E06 or E07."""
 
     row: str
-    detail: str
+    detail: str  # for clients: words, no address, no engine bytes
+    log_detail: str = ""  # for the log: with the address and the bytes
 
     def __str__(self) -> str:
         return f"{self.row}: {self.detail}"
@@ -34,8 +41,10 @@ class UpstreamError(Exception):
 
 def _map(exc: H1Error) -> UpstreamError:
     if isinstance(exc, (ReadTimeout, ConnectTimeout)):
-        return UpstreamError("E07", str(exc))
-    return UpstreamError("E06", str(exc))
+        return UpstreamError("E07", str(exc), exc.detail)
+    if isinstance(exc, BodyTooLarge):
+        return UpstreamError("E02", str(exc), exc.detail)
+    return UpstreamError("E06", str(exc), exc.detail)
 
 
 class Upstream:
@@ -77,8 +86,9 @@ class Upstream:
 
 
 class EngineClient:
-    def __init__(self, *, connect_timeout_s: float = 2.0, idle_timeout_s: float = 30.0, max_connections: int = 4096) -> None:
+    def __init__(self, *, connect_timeout_s: float = 2.0, idle_timeout_s: float = 30.0, max_connections: int = 4096, max_body_bytes: int = 4 << 20) -> None:
         self.idle_timeout_s = idle_timeout_s
+        self.max_body_bytes = max_body_bytes  # a whole (non-streaming) engine body: upstream.max_event_bytes
         self._pool = H1Pool(connect_timeout_s=connect_timeout_s, idle_timeout_s=idle_timeout_s, max_idle_per_host=max_connections)
         self._json_headers = {"content-type": "application/json", "accept": "text/event-stream, application/json"}
 
@@ -91,10 +101,15 @@ class EngineClient:
             raise _map(e) from None
         return Upstream(resp)
 
+    def authorize(self, url: str, authorization: str) -> None:
+        """Send `Authorization: authorization` on every request to url's host and port."""
+        self._pool.authorize(url, authorization)
+
     async def post_json(self, url: str, obj: Any, *, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """A non-streaming request; the body is bounded by max_body_bytes (E02 past it)."""
         up = await self.open("POST", url, body=orjson.dumps(obj), headers=headers)
         try:
-            return up.status, await up.read()
+            return up.status, await up.read(self.max_body_bytes)
         finally:
             await up.aclose()
 

@@ -12,26 +12,45 @@ Rules
     connection is aborted (that is how a cancelled request reaches the engine).
   * A request on a reused keep-alive connection that fails before any response byte is
     retried once on a new connection (the server closed the idle connection first).
-  * Errors: `ConnectTimeout`, `ReadTimeout` (idle for idle_timeout_s) and `ConnectionFailed`
-    (refused, reset, closed early, protocol violation), all subclasses of `H1Error`.
+  * Errors: `ConnectTimeout`, `ReadTimeout` (idle for idle_timeout_s), `ConnectionFailed`
+    (refused, reset, closed early, protocol violation) and `BodyTooLarge` (`read` past its
+    limit), all subclasses of `H1Error`. `str(error)` says what happened in words a client
+    may read: never an address, never the engine's bytes. `error.detail` adds both, for
+    the log.
+  * Bounded: the response head (status line and headers) and the trailers of a chunked
+    body at _MAX_HEAD bytes, a chunk-size line at 1,024, the body `read` collects at its
+    limit, and the decoded bytes waiting for the consumer at _HIGH_WATER (reading pauses).
+    The head is collected in a bytearray and searched from where the last search ended.
+  * Userinfo (`http://user:pass@host`) never goes on the wire as such: the Host header
+    names host and port only, and the credentials become `Authorization: Basic ...`. An
+    engine's credentials are better registered with `H1Pool.authorize` under its host and
+    port, so that the URL the router passes around carries none (see `split_userinfo`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import socket
 from collections import deque
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
-__all__ = ["H1Pool", "H1Response", "H1Error", "ConnectTimeout", "ReadTimeout", "ConnectionFailed"]
+__all__ = [
+    "H1Pool", "H1Response", "H1Error", "ConnectTimeout", "ReadTimeout", "ConnectionFailed", "BodyTooLarge",
+    "split_userinfo", "basic_authorization",
+]
 
 _MAX_HEAD = 64 * 1024
 _HIGH_WATER = 1 << 20
 
 
 class H1Error(Exception):
-    pass
+    """str(): what happened, in words (no address, no engine bytes); detail: for the log."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail or message
 
 
 class ConnectTimeout(H1Error):
@@ -46,6 +65,26 @@ class ConnectionFailed(H1Error):
     pass
 
 
+class BodyTooLarge(H1Error):
+    pass
+
+
+def basic_authorization(user: str, password: str) -> str:
+    """The Authorization header value of HTTP Basic authentication (RFC 7617, UTF-8)."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+
+
+def split_userinfo(url: str) -> tuple[str, str | None]:
+    """(the URL without userinfo, the Authorization value its userinfo stands for or None).
+    Percent-escapes in the user name and password are decoded."""
+    u = urlsplit(url)
+    userinfo, at, hostport = u.netloc.rpartition("@")
+    if not at:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    return urlunsplit((u.scheme, hostport, u.path, u.query, u.fragment)), basic_authorization(unquote(user), unquote(password))
+
+
 class _Conn(asyncio.Protocol):
     """One connection. State: head -> body -> done; `_chunks` holds decoded body bytes
     the consumer has not taken yet."""
@@ -53,7 +92,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "key", "loop", "transport", "closed", "_buf", "_state", "_remaining", "_chunked",
         "_chunks", "_chunks_len", "_waiter", "_eof", "_error", "status", "headers", "keep_alive",
-        "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter", "_release_to",
+        "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter", "_release_to", "_head",
     )
 
     def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, idle_timeout: float) -> None:
@@ -69,6 +108,7 @@ class _Conn(asyncio.Protocol):
 
     def _reset(self) -> None:
         self._buf = b""
+        self._head = bytearray()  # the response head while it arrives
         self._state = "idle"
         self._remaining = 0
         self._chunked = False
@@ -102,7 +142,7 @@ class _Conn(asyncio.Protocol):
                 self._eof = True  # read-to-close body ended
                 self._state = "done"
             else:
-                self._error = ConnectionFailed(f"connection closed by the engine ({exc or 'EOF'})")
+                self._error = ConnectionFailed("closed the connection", f"connection closed by the engine ({exc or 'EOF'})")
         self._wake()
         self._cancel_timer()
 
@@ -111,8 +151,13 @@ class _Conn(asyncio.Protocol):
         self.last_rx = self.loop.time()
         if self._state == "idle" or self._state == "done":
             return  # bytes after a response: ignored (the connection will not be reused)
-        self._buf = self._buf + data if self._buf else data
         try:
+            if self._state == "head":
+                rest = self._feed_head(data)
+                if rest is None:
+                    return  # the head goes on
+                data = rest
+            self._buf = self._buf + data if self._buf else data
             self._parse()
         except H1Error as e:
             self._error = e
@@ -132,50 +177,63 @@ class _Conn(asyncio.Protocol):
 
     # -- parsing ---------------------------------------------------------------------
 
+    def _feed_head(self, data: bytes) -> bytes | None:
+        """Collect the response head; parse it once whole. Returns the bytes after it, or
+        None while it goes on. Linear: each search starts where the last one ended."""
+        h = self._head
+        scan = max(0, len(h) - 3)
+        h += data
+        end = h.find(b"\r\n\r\n", scan)
+        if end < 0:
+            if len(h) > _MAX_HEAD:
+                raise ConnectionFailed(f"sent a response head over {_MAX_HEAD} bytes")
+            return None
+        if end > _MAX_HEAD:
+            raise ConnectionFailed(f"sent a response head over {_MAX_HEAD} bytes")
+        rest = bytes(h[end + 4 :])
+        self._head = bytearray()
+        self._parse_head(bytes(h[:end]))
+        return rest
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise ConnectionFailed("answered something that is not an HTTP/1.x response", f"not an HTTP/1.x response: {lines[0][:80]!r}")
+        try:
+            self.status = int(parts[1])
+        except ValueError:
+            raise ConnectionFailed("sent a malformed HTTP status line", f"bad status line {lines[0][:80]!r}") from None
+        h = self.headers
+        for ln in lines[1:]:
+            k, sep, v = ln.partition(b":")
+            if sep:
+                h[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+        if h.get("connection", "").lower() == "close" or parts[0] == b"HTTP/1.0":
+            self.keep_alive = False
+        te = h.get("transfer-encoding", "").lower()
+        if "chunked" in te:
+            self._chunked = True
+            self._remaining = 0
+        elif "content-length" in h:
+            cl = h["content-length"]
+            if not cl.isdigit() or not cl.isascii():
+                raise ConnectionFailed("sent a malformed Content-Length", f"bad Content-Length {cl[:40]!r}")
+            self._remaining = int(cl)
+        elif self.status in (204, 304) or 100 <= self.status < 200:
+            self._remaining = 0
+        else:
+            self._remaining = -1  # read to close
+            self.keep_alive = False
+        self._state = "body"
+        if self._head_waiter is not None and not self._head_waiter.done():
+            self._head_waiter.set_result(None)
+        if not self._chunked and self._remaining == 0:
+            self._state = "done"
+            self._eof = True
+
     def _parse(self) -> None:
-        if self._state == "head":
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > _MAX_HEAD:
-                    raise ConnectionFailed("response head too large")
-                return
-            head, self._buf = self._buf[:end], self._buf[end + 4 :]
-            lines = head.split(b"\r\n")
-            parts = lines[0].split(b" ", 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-                raise ConnectionFailed(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-            try:
-                self.status = int(parts[1])
-            except ValueError:
-                raise ConnectionFailed(f"bad status line {lines[0][:80]!r}") from None
-            h = self.headers
-            for ln in lines[1:]:
-                k, sep, v = ln.partition(b":")
-                if sep:
-                    h[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
-            if h.get("connection", "").lower() == "close" or parts[0] == b"HTTP/1.0":
-                self.keep_alive = False
-            te = h.get("transfer-encoding", "").lower()
-            if "chunked" in te:
-                self._chunked = True
-                self._remaining = 0
-            elif "content-length" in h:
-                try:
-                    self._remaining = int(h["content-length"])
-                except ValueError:
-                    raise ConnectionFailed("bad Content-Length") from None
-            elif self.status in (204, 304) or 100 <= self.status < 200:
-                self._remaining = 0
-            else:
-                self._remaining = -1  # read to close
-                self.keep_alive = False
-            self._state = "body"
-            if self._head_waiter is not None and not self._head_waiter.done():
-                self._head_waiter.set_result(None)
-            if not self._chunked and self._remaining == 0:
-                self._state = "done"
-                self._eof = True
-                return
+        """Decode the body bytes waiting in _buf onto _chunks."""
         if self._state != "body" or not self._buf:
             return
         if not self._chunked:
@@ -209,22 +267,24 @@ class _Conn(asyncio.Protocol):
                 if len(buf) - pos < 2:
                     break
                 if buf[pos : pos + 2] != b"\r\n":
-                    raise ConnectionFailed("bad chunk terminator")
+                    raise ConnectionFailed("sent malformed chunked encoding", "bad chunk terminator")
                 pos += 2
                 self._remaining = 0
             nl = buf.find(b"\r\n", pos)
             if nl < 0:
                 if len(buf) - pos > 1024:
-                    raise ConnectionFailed("bad chunk size line")
+                    raise ConnectionFailed("sent malformed chunked encoding", "chunk size line over 1024 bytes")
                 break
             size_s = buf[pos:nl].split(b";", 1)[0].strip()
             try:
                 size = int(size_s, 16)
             except ValueError:
-                raise ConnectionFailed(f"bad chunk size {size_s[:20]!r}") from None
+                raise ConnectionFailed("sent malformed chunked encoding", f"bad chunk size {size_s[:20]!r}") from None
             if size == 0:
                 # the last chunk: the body ends at the blank line after any trailers
                 if buf.find(b"\r\n\r\n", nl) < 0:
+                    if len(buf) - pos > _MAX_HEAD:
+                        raise ConnectionFailed(f"sent trailers over {_MAX_HEAD} bytes")
                     break  # wait for the rest; pos still points at this size line
                 self._state = "done"
                 self._eof = True
@@ -268,7 +328,7 @@ class _Conn(asyncio.Protocol):
             return
         due = self.last_rx + self.idle_timeout
         if self.loop.time() >= due:
-            self._error = ReadTimeout(f"no bytes from the engine for {self.idle_timeout:g} s")
+            self._error = ReadTimeout(f"sent nothing for {self.idle_timeout:g} s")
             self._abort()
             self._wake()
         else:
@@ -303,7 +363,7 @@ class _Conn(asyncio.Protocol):
         if self._error is not None:
             raise self._error
         if self._state == "head":
-            raise ConnectionFailed("connection closed before the response head")
+            raise ConnectionFailed("closed the connection before the response head")
 
     async def next_chunk(self) -> bytes:
         """The body bytes received since the last call; b"" at the end of the body."""
@@ -322,7 +382,7 @@ class _Conn(asyncio.Protocol):
                 self._cancel_timer()
                 return b""
             if self.closed:
-                raise ConnectionFailed("connection closed before the end of the body")
+                raise ConnectionFailed("closed the connection before the end of the body")
             self._waiter = self.loop.create_future()
             self._arm()
             await self._waiter
@@ -350,14 +410,15 @@ class H1Response:
         return data
 
     async def read(self, limit: int = 16 << 20) -> bytes:
+        """The whole body; BodyTooLarge past `limit` bytes (nothing past it is kept)."""
         out = bytearray()
         while True:
             c = await self.next_chunk()
             if not c:
                 return bytes(out)
+            if len(out) + len(c) > limit:
+                raise BodyTooLarge(f"sent a response body over {limit} bytes")
             out += c
-            if len(out) > limit:
-                raise ConnectionFailed(f"response body over {limit} bytes")
 
     def close(self, *, complete: bool = False) -> None:
         """Release the connection: back to the pool when the body was read whole, else
@@ -385,6 +446,7 @@ class H1Pool:
         self.idle_timeout = idle_timeout_s
         self.max_idle = max_idle_per_host
         self._idle: dict[tuple[str, int], deque[_Conn]] = {}
+        self._auth: dict[tuple[str, int], str] = {}  # (host, port) -> Authorization
         self.connects = 0  # connections opened, for tests and metrics
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
@@ -395,9 +457,10 @@ class H1Pool:
                 self.connect_timeout,
             )
         except TimeoutError:
-            raise ConnectTimeout(f"connect to {key[0]}:{key[1]} timed out") from None
+            raise ConnectTimeout("timed out connecting", f"connect to {key[0]}:{key[1]} timed out") from None
         except OSError as e:
-            raise ConnectionFailed(f"connect to {key[0]}:{key[1]}: {e.strerror or e}") from None
+            why = (e.strerror or type(e).__name__).lower()
+            raise ConnectionFailed(f"unreachable ({why})", f"connect to {key[0]}:{key[1]}: {e.strerror or e}") from None
         self.connects += 1
         return conn
 
@@ -417,20 +480,32 @@ class H1Pool:
                 return c
         return None
 
+    def _key(self, u: Any) -> tuple[str, int]:
+        return (u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80))
+
+    def authorize(self, url: str, authorization: str) -> None:
+        """Send `Authorization: authorization` on every request to url's host and port."""
+        self._auth[self._key(urlsplit(url))] = authorization
+
     async def request(self, method: str, url: str, *, body: bytes = b"", headers: dict[str, str] | None = None, timeout_s: float | None = None) -> H1Response:
         """Send a request; return once the response head arrived."""
         u = urlsplit(url)
-        host = u.hostname or "127.0.0.1"
-        port = u.port or (443 if u.scheme == "https" else 80)
+        key = self._key(u)
         if u.scheme != "http":
             raise ConnectionFailed(f"only http:// engine URLs are supported, not {u.scheme}://")
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        head = [f"{method} {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Length: {len(body)}\r\n"]
+        netloc = u.netloc
+        auth = self._auth.get(key)
+        if "@" in netloc:  # userinfo: never in Host; Basic credentials instead
+            _, auth = split_userinfo(url)
+            netloc = netloc.rpartition("@")[2]
+        head = [f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"]
+        if auth is not None and not (headers and any(k.lower() == "authorization" for k in headers)):
+            head.append(f"Authorization: {auth}\r\n")
         for k, v in (headers or {}).items():
             head.append(f"{k}: {v}\r\n")
         head.append("\r\n")
         data = "".join(head).encode("latin-1") + body
-        key = (host, port)
         for attempt in (0, 1):
             conn = self._take(key)
             reused = conn is not None

@@ -10,6 +10,12 @@ Rules
   * After response headers, any failure or expiry ends the stream with an error event in
     the engine's shape (`data: {"error": {...}}` then `data: [DONE]`), never a silent cut.
   * P/D usage: input counts from prefill, output counts from decode.
+  * Pass-through policy (docs/passthrough.md): every leg's body is the client's without
+    upstream.deny_fields (the router-only fields are gone since parse_request).
+  * Engine output is bounded by upstream.max_event_bytes (an event, a line, a whole
+    prefill or error body): more fails the attempt as E02.
+  * Client-facing messages name the engine, never its address, and carry no engine
+    bytes; the detail (address, bytes) goes to the log at WARNING under the request ID.
 Returns the request's terminal class; the HTTP shell closes the books with it.
 """
 
@@ -30,7 +36,7 @@ from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.fleet import EngineState
 from ..core.prediction import tpot_from_arrivals
 from ..core.relay import StreamRelay
-from ..core.requests import ParsedRequest
+from ..core.requests import ParsedRequest, without_fields
 from .client import H1Error, UpstreamError
 from .runtime import Router
 
@@ -73,20 +79,25 @@ async def _refuse(sink: Sink, row: E.ErrorRow, *, param: str | None = None, over
     return row.counter
 
 
+_MAX_ENGINE_MESSAGE = 1000  # characters of an engine's own error message passed on
+
+
 def _engine_error_detail(status: int, body: bytes) -> tuple[str, str | None]:
-    """(message, param) from an engine's HTTP error body, whatever its version's shape."""
+    """(message, param) from an engine's HTTP error body, whatever its version's shape.
+    The engine's own message (a JSON string) is passed on, shortened; a body that is not
+    JSON is not: the message says so in words."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return (body[:200].decode(errors="replace") or f"HTTP {status}"), None
+        return f"HTTP {status} with a body that is not JSON", None
     if isinstance(obj, dict):
         err = obj.get("error", obj)
         if isinstance(err, dict):
             msg = err.get("message") or err.get("detail") or f"HTTP {status}"
             param = err.get("param")
-            return str(msg), (param if isinstance(param, str) else None)
+            return str(msg)[:_MAX_ENGINE_MESSAGE], (param[:_MAX_ENGINE_MESSAGE] if isinstance(param, str) else None)
         if isinstance(err, str):
-            return err, None
+            return err[:_MAX_ENGINE_MESSAGE], None
     return f"HTTP {status}", None
 
 
@@ -98,21 +109,32 @@ class _Run:
         self.headers = {"x-request-id": rid}
         self.prefill_prompt_tokens: int | None = None
         self.first_token_at: float | None = None
+        self.body = without_fields(req.body, router.deny_fields)  # the pass-through policy
+
+    def _upstream(self, x: UpstreamError, e: EngineState, leg: str = "engine") -> _Failed:
+        """A transport failure: the words for the client, the detail for the log."""
+        log.warning("request %s: %s %s: %s %s", self.rid, leg, e.name, x.row, x.log_detail or x.detail)
+        return _Failed(x.row, f"{leg} {e.name}: {x.detail}", engine=e)
+
+    def _http_error(self, status: int, raw: bytes, e: EngineState, leg: str = "engine") -> _Failed:
+        msg, param = _engine_error_detail(status, raw)
+        if status >= 500:
+            log.warning("request %s: %s %s answered HTTP %d: %r", self.rid, leg, e.name, status, raw[:500])
+        return _Failed("E05" if status < 500 else "E04", f"{leg} {e.name}: {msg}", param=param, engine=e)
 
     # -- legs --------------------------------------------------------------------------
 
     async def prefill(self, t: Ticket, e: EngineState) -> dict[str, Any] | None:
         """The prefill leg of the vLLM two-phase protocol; returns kv_transfer_params."""
-        body = prefill_body(self.req.body, route=self.req.route, model=e.model)
+        body = prefill_body(self.body, route=self.req.route, model=e.model)
         ok = False
         try:
             try:
                 status, raw = await self.r.client.post_json(e.url + _ROUTE_PATH[self.req.route], body, headers=self.headers)
             except UpstreamError as x:
-                raise _Failed(x.row, f"prefill engine {e.name}: {x.detail}", engine=e) from None
+                raise self._upstream(x, e, "prefill engine") from None
             if status >= 400:
-                msg, param = _engine_error_detail(status, raw)
-                raise _Failed("E05" if status < 500 else "E04", f"prefill engine {e.name}: {msg}", param=param, engine=e)
+                raise self._http_error(status, raw, e, "prefill engine")
             try:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -135,7 +157,7 @@ class _Run:
         r, req = self.r, self.req
         dialect = DIALECTS[e.dialect]
         checks_ids = dialect.token_accounting == "token_ids"
-        body = decode_body(req.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
+        body = decode_body(self.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
         assembler = None
         if not req.stream:
             assembler = Assembler(req.route, content_null_when_empty=dialect.content_null_when_empty, include_token_ids=req.return_token_ids and checks_ids)
@@ -146,20 +168,20 @@ class _Run:
             assembler=assembler,
             normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
             prompt_tokens_override=self.prefill_prompt_tokens,
+            max_event_bytes=r.config.upstream.max_event_bytes,
         )
         try:
             headers = self.headers if dialect.propagate_request_id else None
             up = await r.client.open("POST", e.url + _ROUTE_PATH[req.route], body=orjson.dumps(body), headers=headers)
         except UpstreamError as x:
-            raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
+            raise self._upstream(x, e) from None
         sink = self.sink
         buffered: list[bytes] = []
         complete = False
         try:
             if up.status >= 400:
-                raw = await up.read(1 << 20)
-                msg, param = _engine_error_detail(up.status, raw)
-                raise _Failed("E05" if up.status < 500 else "E04", f"engine {e.name}: {msg}", param=param, engine=e)
+                raw = await up.read(min(1 << 20, r.client.max_body_bytes))
+                raise self._http_error(up.status, raw, e)
             next_raw, now_fn, feed = up.next_raw, r.clock.now, relay.feed
             while True:
                 try:
@@ -174,6 +196,7 @@ class _Run:
                     row, detail = step.failure
                     if sink.headers_sent and step.out:
                         await sink.write(step.out)
+                    log.warning("request %s: engine %s: %s %s", self.rid, e.name, row, detail)
                     raise _Failed(row, f"engine {e.name}: {detail}", engine=e)
                 if step.first_token:
                     self._first_token(t, now)
@@ -190,14 +213,14 @@ class _Run:
                     complete = True
                     break
         except UpstreamError as x:
-            raise _Failed(x.row, f"engine {e.name}: {x.detail}", engine=e) from None
+            raise self._upstream(x, e) from None
         finally:
             await up.aclose(complete=complete)
         now = r.clock.now()
         if relay.engine_error is not None:
             # a streaming client got the engine's own error event (E04 shape of the engine)
             if not sink.headers_sent:
-                raise _Failed("E04", f"engine {e.name}: {_err_msg(relay.engine_error)}", engine=e)
+                raise _Failed("E04", f"engine {e.name}: {_err_msg(relay.engine_error)[:_MAX_ENGINE_MESSAGE]}", engine=e)
             await sink.end_stream()
             r.engine_failed(e, "E04")
             return "failed"

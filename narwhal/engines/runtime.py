@@ -22,7 +22,7 @@ from ..core.fleet import Breaker, EngineState
 from ..core.prediction import Margin, OutputLengthLearner
 from ..core.sizing import PromptSizer
 from ..core.state import RouterState
-from .client import EngineClient, UpstreamError
+from .client import EngineClient, UpstreamError, split_userinfo
 from .telemetry import Telemetry
 
 __all__ = ["Router", "EngineSpec"]
@@ -31,12 +31,19 @@ log = logging.getLogger("narwhal")
 
 
 class EngineSpec:
-    """An engine to register: config entry plus the resolved URL."""
+    """An engine to register: config entry plus the resolved URL.
 
-    __slots__ = ("name", "url", "role", "dialect", "wave", "model")
+    `url` never carries userinfo: credentials in the configured URL move to
+    `authorization` (HTTP Basic), which only the engine client sees."""
+
+    __slots__ = ("name", "url", "role", "dialect", "wave", "model", "authorization")
 
     def __init__(self, name: str, url: str, role: str, dialect: str, wave: str | None, model: str | None) -> None:
-        self.name, self.url, self.role, self.dialect, self.wave, self.model = name, url.rstrip("/"), role, dialect, wave, model
+        public, self.authorization = split_userinfo(url)
+        self.name, self.url, self.role, self.dialect, self.wave, self.model = name, public.rstrip("/"), role, dialect, wave, model
+
+    def __repr__(self) -> str:
+        return f"EngineSpec({self.name!r}, {self.url!r}, {self.role!r}, {self.dialect!r})"
 
 
 class Router:
@@ -68,7 +75,13 @@ class Router:
             connect_timeout_s=config.upstream.connect_timeout_ms / 1000.0,
             idle_timeout_s=config.upstream.idle_timeout_ms / 1000.0,
             max_connections=config.upstream.max_connections,
+            max_body_bytes=config.upstream.max_event_bytes,
         )
+        for s in engines:
+            if s.authorization is not None:
+                self.client.authorize(s.url, s.authorization)
+        # the pass-through policy (docs/passthrough.md): fields removed from client bodies
+        self.deny_fields = frozenset(config.upstream.deny_fields)
         self.telemetry = Telemetry(self.snapshot_for_metrics)
         self.held = 0  # R02: client requests held
         self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
@@ -159,6 +172,8 @@ class Router:
             ok, err = status == 200, (None if status == 200 else f"health answered {status}")
         except UpstreamError as x:
             ok, err = False, str(x)
+            if e.healthy:  # once per transition: the detail (address included) is for the log
+                log.warning("engine %s: health poll failed: %s: %s", e.name, x.row, x.log_detail or x.detail)
         now = self.clock.now()
         was = e.eligible(self.state.maintenance_waves)
         e.healthy = ok

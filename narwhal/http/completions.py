@@ -44,6 +44,14 @@ class _Gone(Exception):
     """The client went away while its body was read."""
 
 
+class _TooSlow(Exception):
+    """The request did not arrive whole within serving.read_timeout_ms (H07)."""
+
+
+class _Stalled(Exception):
+    """The client accepted no bytes of its answer for serving.send_stall_ms."""
+
+
 class _TooLarge(Exception):
     def __init__(self, ended: bool = False) -> None:
         super().__init__()
@@ -51,36 +59,49 @@ class _TooLarge(Exception):
 
 
 class AsgiSink:
-    """pipeline.Sink over ASGI send."""
+    """pipeline.Sink over ASGI send. Every send is bounded by serving.send_stall_ms: a
+    client that accepts no bytes for that long (HTTP/1.1: the TCP window; HTTP/2: the
+    flow-control window, see hyper.py defect 1) raises _Stalled, which ends the request
+    (its engine request is cancelled, its slots freed; class cancelled)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s")
 
-    def __init__(self, send: Send, rid: str) -> None:
+    def __init__(self, send: Send, rid: str, stall_s: float) -> None:
         self._send = send
         self.rid = rid
         self.headers_sent = False
         self.finished = False
+        self.stall_s = stall_s
+
+    async def _out(self, msg: dict[str, Any]) -> None:
+        try:
+            async with asyncio.timeout(self.stall_s):
+                await self._send(msg)
+        except TimeoutError:
+            raise _Stalled from None
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         h = [*headers, (b"x-request-id", self.rid.encode()), (b"content-length", str(len(body)).encode())]
         self.headers_sent = True
-        await self._send({"type": "http.response.start", "status": status, "headers": h})
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._out({"type": "http.response.start", "status": status, "headers": h})
+        await self._out({"type": "http.response.body", "body": body, "more_body": False})
         self.finished = True
 
     async def start_stream(self) -> None:
         self.headers_sent = True
-        await self._send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode())]})
+        await self._out({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode())]})
 
     async def write(self, data: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self) -> None:
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._out({"type": "http.response.body", "body": b"", "more_body": False})
         self.finished = True
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def _read_body(scope: Scope, receive: Receive, limit: int, deadline_s: float) -> bytes:
+    """The whole body within deadline_s (H07) and `limit` bytes (R03), in one buffer:
+    a body sent one byte per chunk costs one byte per byte, not a bytes object each."""
     for k, v in scope["headers"]:
         if k == b"content-length":
             try:
@@ -89,22 +110,31 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             except ValueError:
                 pass
             break
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        t = msg["type"]
-        if t == "http.disconnect":
-            raise _Gone
-        body = msg.get("body", b"")
-        if body:
-            size += len(body)
-            if size > limit:
-                raise _TooLarge(ended=not msg.get("more_body", False))
-            chunks.append(body)
-        if not msg.get("more_body", False):
-            break
-    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+    buf = bytearray()
+    first: bytes | None = None
+    try:
+        async with asyncio.timeout(deadline_s):
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise _Gone
+                body = msg.get("body", b"")
+                more = msg.get("more_body", False)
+                if body:
+                    if len(buf) + len(body) > limit:
+                        raise _TooLarge(ended=not more)
+                    if first is None and not buf and not more:
+                        first = body  # the common case: the whole body in one message, no copy
+                    else:
+                        if first is not None:
+                            buf += first
+                            first = None
+                        buf += body
+                if not more:
+                    break
+    except TimeoutError:
+        raise _TooSlow from None
+    return first if first is not None else bytes(buf)
 
 
 class _Disconnected(Exception):
@@ -117,8 +147,15 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive) ->
 
     hypercorn reports a disconnect only through receive(); a send() to a gone client is
     silently dropped, so without this watcher a stream would run on to its end."""
-    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(receive())
+    # a client that reset its stream right after sending it (HTTP/2 rapid reset) has its
+    # disconnect queued already: one turn of the loop lets the watcher see it, and the
+    # request never reaches an engine
+    await asyncio.sleep(0)
+    if watch.done() and watch.result().get("type") == "http.disconnect":
+        work.close()
+        return "cancelled"
+    task = asyncio.ensure_future(work)
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -137,6 +174,11 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive) ->
             watch.cancel()
         if not task.done():
             task.cancel()
+
+
+def _rendered(row: E.ErrorRow, **fields: object) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    status, headers, body = E.render(row, **fields)
+    return status, [(b"connection", b"close"), *headers], body
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
@@ -160,7 +202,7 @@ class CompletionEndpoint:
             return
         arrival = r.clock.now()
         entry = r.books.offer()
-        sink = AsgiSink(send, rid)
+        sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0)
         cls: str | None = None
         held = False
         try:
@@ -181,7 +223,7 @@ class CompletionEndpoint:
             held = True
             limit = r.config.serving.max_request_bytes
             try:
-                body = await _read_body(scope, receive, limit)
+                body = await _read_body(scope, receive, limit, r.config.serving.read_timeout_ms / 1000.0)
             except _TooLarge as e:  # R03
                 if not e.ended:
                     await drain_request(scope, receive, limit=drain)
@@ -190,6 +232,13 @@ class CompletionEndpoint:
                 return
             except _Gone:
                 cls = "cancelled"
+                return
+            except _TooSlow:  # H07
+                await sink.respond(*_rendered(E.H07, limit_ms=r.config.serving.read_timeout_ms))
+                cls = E.H07.counter
+                # linger (bounded): a close while the client's bytes still arrive makes the
+                # kernel send RST, which can destroy the 408 before the client reads it
+                await drain_request(scope, receive, limit=drain, timeout_s=1.0)
                 return
             ttft = hdr.get(b"x-narwhal-ttft-target-ms")
             dl = hdr.get(b"x-narwhal-deadline-ms")
@@ -223,6 +272,9 @@ class CompletionEndpoint:
             raise
         except OSError:
             cls = "cancelled"  # the client's connection broke while we wrote to it
+        except _Stalled:
+            cls = "cancelled"  # the client stopped reading (serving.send_stall_ms): dropped
+            log.info("request %s: the client accepted no bytes for %d ms; dropped", rid, r.config.serving.send_stall_ms)
         except Exception:
             log.exception("request %s: router bug", rid)
             cls = E.H06.counter

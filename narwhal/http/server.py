@@ -23,9 +23,10 @@ from hypercorn.config import Config as HyperConfig
 
 from ..config import EMBEDDED_FLEET, NarwhalConfig
 from ..engines.runtime import EngineSpec, Router
+from . import hyper
 from .app import create_app
 
-__all__ = ["hypercorn_config", "serve", "embedded_fleet", "split_listen", "free_port", "build_router", "settle_heap"]
+__all__ = ["hypercorn_config", "serve", "embedded_fleet", "split_listen", "free_port", "build_router", "settle_heap", "raise_nofile", "serving_config"]
 
 log = logging.getLogger("narwhal")
 
@@ -49,6 +50,24 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def raise_nofile() -> tuple[int, int] | None:
+    """Raise the soft limit of open files to the hard one: every client connection and
+    every engine connection is a descriptor, and a soft limit of 512 or 1024 locks later
+    clients out long before the machine runs short. Returns (soft, hard) after."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on this platform
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            log.warning("cannot raise the open-files limit from %d to %d", soft, hard)
+    return soft, hard
+
+
 def split_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     return host.strip("[]"), int(port)
@@ -60,12 +79,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def hypercorn_config(listen: str, *, certfile: str | None = None, keyfile: str | None = None, log_level: str = "warning") -> HyperConfig:
+def hypercorn_config(listen: str, *, certfile: str | None = None, keyfile: str | None = None, log_level: str = "warning",
+                     keep_alive_ms: int = 5000, max_streams: int = 100) -> HyperConfig:
     c = HyperConfig()
     c.bind = [listen]
     c.keep_alive_max_requests = 1 << 40
-    c.keep_alive_timeout = 75.0
-    c.h2_max_concurrent_streams = 1024
+    # serving.keep_alive_ms: an idle connection (or one whose request head is still
+    # arriving: the idle timer runs until a request starts) closes after this long
+    c.keep_alive_timeout = keep_alive_ms / 1000.0
+    c.h2_max_concurrent_streams = max_streams  # serving.max_streams_per_connection
     c.backlog = 4096
     c.graceful_timeout = 5.0
     c.accesslog = None
@@ -75,6 +97,14 @@ def hypercorn_config(listen: str, *, certfile: str | None = None, keyfile: str |
         c.certfile, c.keyfile = certfile, keyfile
         c.alpn_protocols = ["h2", "http/1.1"]
     return c
+
+
+def serving_config(config: NarwhalConfig, listen: str) -> HyperConfig:
+    """hypercorn's configuration from serving.*, with the hardened protocol installed
+    (narwhal/http/hyper.py)."""
+    sv = config.serving
+    hyper.install(hyper.Limits(control_frames_per_s=sv.h2_control_frames_per_second))
+    return hypercorn_config(listen, certfile=sv.tls.certfile, keyfile=sv.tls.keyfile, keep_alive_ms=sv.keep_alive_ms, max_streams=sv.max_streams_per_connection)
 
 
 def build_router(config: NarwhalConfig, engines: list[EngineSpec]) -> Router:
@@ -134,7 +164,8 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, shutdown_tr
             engines = config_engines(config)
         router = build_router(config, engines)
         app = create_app(router)
-        hc = hypercorn_config(listen, certfile=config.serving.tls.certfile, keyfile=config.serving.tls.keyfile)
+        hc = serving_config(config, listen)
+        raise_nofile()
         scheme = "https" if config.serving.tls.certfile else "http"
         log.info("narwhal serving %s://%s (engines: %s)", scheme, listen, ", ".join(f"{e.name}={e.url}" for e in engines))
         settle_heap()

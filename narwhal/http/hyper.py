@@ -1,0 +1,192 @@
+"""hypercorn 0.18, hardened: the upstream defects a public router cannot live with, fixed
+at the layer they live in, in this one file. `install(limits)` swaps the subclasses in
+before serving; everything else is hypercorn's own code.
+
+Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 4.x):
+  1. h2 flow control: `H2Protocol._send_data` pops min(window, frame size) bytes; with a
+     zero window that is `StreamBuffer.pop(0)`, which un-pauses the writer, so an app's
+     sends never block and a stream's buffer grows without bound while the client reads
+     nothing. Fixed: with a zero window nothing is popped; the stream waits for a
+     WINDOW_UPDATE (the writer stays paused at the buffer's high-water mark, 32 KiB).
+  2. h2 stream limit: a stream beyond SETTINGS_MAX_CONCURRENT_STREAMS raises h2's
+     TooManyStreamsError out of `receive_data`, and hypercorn drops the whole connection
+     (every other stream on it). RFC 9113 5.1.2: refuse the stream. Fixed: the headers
+     are decoded (HPACK state stays in step) and the stream is reset REFUSED_STREAM.
+  3. h2 streams the app abandoned (a client that never read; its answer was given up)
+     keep their buffer and stream slot. Fixed: reset CANCEL, buffer dropped.
+  4. h2 control frames are not rate limited (SETTINGS/PING floods slowed other clients
+     100x). Fixed: a token bucket per connection over SETTINGS, PING, RST_STREAM and
+     empty DATA frames; a flood gets GOAWAY ENHANCE_YOUR_CALM and the connection closes.
+  5. After a client's FIN the connection waits for the keep-alive timer (CLOSE-WAIT, a
+     file descriptor held up to keep_alive_timeout). Fixed: EOF stops the idle timer.
+  Also counted here: the open client connections by protocol and state, for /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import hypercorn.asyncio.run as _run
+import hypercorn.protocol as _protocol
+from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.events import Closed, Updated
+from hypercorn.protocol.h2 import H2Protocol
+
+__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "HardenedH2Protocol", "HardenedTCPServer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    control_frames_per_s: int = 200
+
+
+@dataclass
+class ConnectionCounts:
+    """Open client connections: total, and how many have a request in flight (busy)."""
+
+    open: int = 0
+    busy: int = 0
+    h2: int = 0
+    refused_streams: int = 0
+    calmed: int = 0  # connections closed with ENHANCE_YOUR_CALM
+    by_state: dict[str, int] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"idle": self.open - self.busy, "busy": self.busy}
+
+
+COUNTS = ConnectionCounts()
+_LIMITS = Limits()
+
+
+class _RefusingH2Connection(h2.connection.H2Connection):
+    """Defect 2: a HEADERS frame past the stream limit opens a stream that is refused at
+    once, instead of TooManyStreamsError tearing the connection down."""
+
+    _bypass = False
+
+    @property  # type: ignore[override]
+    def open_inbound_streams(self) -> int:
+        n = super().open_inbound_streams
+        return 0 if self._bypass else n
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        if frame.stream_id in self.streams or self.open_inbound_streams < self.local_settings.max_concurrent_streams:
+            return super()._receive_headers_frame(frame)
+        self._bypass = True
+        try:
+            frames, events = super()._receive_headers_frame(frame)
+        finally:
+            self._bypass = False
+        self.reset_stream(frame.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+        COUNTS.refused_streams += 1
+        return frames, [e for e in events if getattr(e, "stream_id", None) != frame.stream_id]
+
+
+class _Bucket:
+    __slots__ = ("rate", "tokens", "at")
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.tokens, self.at = rate, 2.0 * rate, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(2.0 * self.rate, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= 1.0
+        return self.tokens >= 0.0
+
+
+_CONTROL = (h2.events.RemoteSettingsChanged, h2.events.PingReceived, h2.events.StreamReset)
+
+
+class HardenedH2Protocol(H2Protocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        old = self.connection
+        conn = _RefusingH2Connection(config=old.config)
+        conn.DEFAULT_MAX_INBOUND_FRAME_SIZE = old.DEFAULT_MAX_INBOUND_FRAME_SIZE
+        conn.local_settings = old.local_settings
+        self.connection = conn
+        self._bucket = _Bucket(_LIMITS.control_frames_per_s)
+        COUNTS.h2 += 1
+
+    async def _send_data(self, stream_id: int) -> None:
+        # defect 1: a zero window pops nothing (pop(0) would un-pause the writer)
+        buf = self.stream_buffers.get(stream_id)
+        if buf is not None and buf.buffer and min(self.connection.local_flow_control_window(stream_id), self.connection.max_outbound_frame_size) <= 0:
+            self.priority.block(stream_id)
+            return
+        await super()._send_data(stream_id)
+
+    async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        for ev in events:  # defect 4
+            if isinstance(ev, _CONTROL) or (isinstance(ev, h2.events.DataReceived) and not ev.data and ev.stream_ended is None):
+                if not self._bucket.take():
+                    COUNTS.calmed += 1
+                    self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many control frames")
+                    await self._flush()
+                    await self.send(Closed())
+                    return
+        await super()._handle_events(events)
+
+    async def stream_send(self, event: Any) -> None:
+        from hypercorn.protocol.events import StreamClosed
+
+        if isinstance(event, StreamClosed):  # defect 3
+            buf = self.stream_buffers.get(event.stream_id)
+            if buf is not None and not buf._complete:
+                try:
+                    self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.CANCEL)
+                    await self._flush()
+                except h2.exceptions.ProtocolError:
+                    pass
+                await buf.close()
+                self.stream_buffers.pop(event.stream_id, None)
+                try:
+                    self.priority.remove_stream(event.stream_id)
+                except Exception:  # noqa: BLE001 - priority.MissingStreamError: already gone
+                    pass
+        await super().stream_send(event)
+
+
+class HardenedTCPServer(TCPServer):
+    """Defect 5, and the connection counts."""
+
+    async def run(self) -> None:
+        COUNTS.open += 1
+        self._busy = False
+        try:
+            await super().run()
+        finally:
+            COUNTS.open -= 1
+            if self._busy:
+                COUNTS.busy -= 1
+
+    async def protocol_send(self, event: Any) -> None:
+        if isinstance(event, Updated) and event.idle == self._busy:
+            self._busy = not event.idle
+            COUNTS.busy += 1 if self._busy else -1
+        await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        # the client's FIN (or a read error): nothing more will arrive, so the keep-alive
+        # timer must not hold the connection open (CLOSE-WAIT) until it fires
+        await self.idle_task.stop()
+        await asyncio.sleep(0)
+
+
+def install(limits: Limits) -> None:
+    """Serve with the hardened classes (idempotent)."""
+    global _LIMITS
+    _LIMITS = limits
+    _protocol.H2Protocol = HardenedH2Protocol  # type: ignore[misc]
+    _run.TCPServer = HardenedTCPServer  # type: ignore[misc]
