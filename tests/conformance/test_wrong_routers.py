@@ -144,3 +144,15 @@ def test_a_router_without_narwhals_api_gets_a_verdict_on_its_wire_behaviour(stac
     failed = {k for k, v in results.items() if v == "FAIL"}
     assert failed and all(cases[k].cls == "narwhal" for k in failed), out
     assert code == 1
+
+
+def test_an_na_expectation_skips_the_case_with_the_vendors_reason(stack: Stack, tmp_path: object) -> None:
+    from pathlib import Path
+
+    exp = Path(str(tmp_path)) / "vendor.yaml"
+    exp.write_text("refusals/R06: {status: NA, reason: 'we serve n > 1 on purpose'}\n")
+    code, out = run(stack.targets["unified"], "unified", stack.port_base, "--expectations", str(exp), "--case", "refusals/R06", "--case", "refusals/R05/1")
+    res = parse_results(out)
+    assert res == {"refusals/R06/1": "N/A", "refusals/R06/2": "N/A", "refusals/R06/3": "N/A", "refusals/R05/1": "PASS"}, out
+    assert out.count("N/A: the vendor's expectation file: we serve n > 1 on purpose") == 3, out
+    assert code == 0
