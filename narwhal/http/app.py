@@ -28,6 +28,7 @@ from narwhal_generated import errors as E
 from ..engines.runtime import Router
 from .admin import admin_routes
 from .completions import CompletionEndpoint
+from . import hyper
 from .errors import drain_request, row_response
 
 __all__ = ["create_app"]
@@ -37,6 +38,8 @@ _OPENAPI = resources.files("narwhal_generated").joinpath("openapi.json").read_by
 
 
 def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
+    # client connections are the server's (hyper.py counts them per process)
+    router.telemetry.registry.register(hyper.ConnectionCollector())  # type: ignore[arg-type]
     """The ASGI app. With manage_router, the app's lifespan starts and stops the router's
     background tasks (health polling, profiling)."""
     created = int(time.time())

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import h2.connection
@@ -39,7 +39,7 @@ from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.events import Closed, Updated
 from hypercorn.protocol.h2 import H2Protocol
 
-__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "HardenedH2Protocol", "HardenedTCPServer"]
+__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "HardenedH2Protocol", "HardenedTCPServer", "ConnectionCollector"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +53,25 @@ class ConnectionCounts:
 
     open: int = 0
     busy: int = 0
-    h2: int = 0
-    refused_streams: int = 0
-    calmed: int = 0  # connections closed with ENHANCE_YOUR_CALM
-    by_state: dict[str, int] = field(default_factory=dict)
+    h2: int = 0  # HTTP/2 connections open
+    refused_streams: int = 0  # streams refused past max_streams_per_connection (total)
+    calmed: int = 0  # connections closed with ENHANCE_YOUR_CALM (total)
 
-    def snapshot(self) -> dict[str, int]:
-        return {"idle": self.open - self.busy, "busy": self.busy}
+
+class ConnectionCollector:
+    """/metrics: narwhal_client_connections{state=idle|busy} (busy: a request in flight),
+    narwhal_client_connections_h2, and the totals of refused streams and calmed floods."""
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        g = GaugeMetricFamily("narwhal_client_connections", "Open client connections, by state (busy: a request in flight).", labels=["state"])
+        g.add_metric(["idle"], COUNTS.open - COUNTS.busy)
+        g.add_metric(["busy"], COUNTS.busy)
+        yield g
+        yield GaugeMetricFamily("narwhal_client_connections_h2", "Open HTTP/2 client connections.", value=COUNTS.h2)
+        yield CounterMetricFamily("narwhal_h2_refused_streams", "HTTP/2 streams refused past serving.max_streams_per_connection.", value=COUNTS.refused_streams)
+        yield CounterMetricFamily("narwhal_h2_calmed_connections", "HTTP/2 connections closed with ENHANCE_YOUR_CALM (control-frame floods).", value=COUNTS.calmed)
 
 
 COUNTS = ConnectionCounts()
@@ -116,7 +128,14 @@ class HardenedH2Protocol(H2Protocol):
         conn.local_settings = old.local_settings
         self.connection = conn
         self._bucket = _Bucket(_LIMITS.control_frames_per_s)
+        self._counted = True
         COUNTS.h2 += 1
+
+    async def handle(self, event: Any) -> None:
+        if isinstance(event, Closed) and self._counted:
+            self._counted = False
+            COUNTS.h2 -= 1
+        await super().handle(event)
 
     async def _send_data(self, stream_id: int) -> None:
         # defect 1: a zero window pops nothing (pop(0) would un-pause the writer)
