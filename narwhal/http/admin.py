@@ -17,7 +17,12 @@ from narwhal_generated import errors as E
 from ..engines.runtime import Router
 from .errors import row_response
 
-__all__ = ["admin_routes"]
+__all__ = ["admin_routes", "admin_token"]
+
+
+def admin_token(router: Router) -> str | None:
+    """The admin bearer token, from the variable admin.token_env names; None: admin off."""
+    return os.environ.get(router.config.admin.token_env) or None
 
 
 def _ok(**extra: Any) -> Response:
@@ -25,12 +30,8 @@ def _ok(**extra: Any) -> Response:
 
 
 def admin_routes(router: Router) -> list[Route]:
-    def token() -> str | None:
-        t = os.environ.get(router.config.admin.token_env)
-        return t or None
-
     async def guard(request: Request) -> Response | None:
-        want = token()
+        want = admin_token(router)
         if want is None:
             return row_response(E.H01, method=request.method, path=request.url.path)
         got = request.headers.get("authorization", "")

@@ -8,7 +8,6 @@ completions.py), /v1/models, /health, /ready, /v1/engines, /metrics, the admin A
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,14 +25,13 @@ from starlette.types import Message, Receive, Scope, Send
 from narwhal_generated import errors as E
 
 from ..engines.runtime import Router
-from .admin import admin_routes
+from .admin import admin_routes, admin_token
 from .completions import CompletionEndpoint
 from . import hyper
-from .errors import drain_request, row_response
+from .errors import RID_OK, drain_request, row_response
 
 __all__ = ["create_app"]
 
-_RID_OK = re.compile(rb"^[!-~]{1,128}$")
 _OPENAPI = resources.files("narwhal_generated").joinpath("openapi.json").read_bytes()
 
 
@@ -78,6 +76,9 @@ def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
         return Response(_OPENAPI, media_type="application/json")
 
     async def not_found(request: Request, exc: Exception) -> Response:
+        # H01 note: with no admin token configured the admin surface is off, every method
+        if request.url.path.startswith("/admin/") and admin_token(router) is None:
+            return row_response(E.H01, method=request.method, path=request.url.path)
         if isinstance(exc, HTTPException) and exc.status_code == 405:
             return row_response(E.H02, method=request.method, path=request.url.path)
         return row_response(E.H01, method=request.method, path=request.url.path)
@@ -112,6 +113,9 @@ def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
         lifespan=lifespan,
     )
     app.state.router = router
+    # no 307 to a `Location` built from the client's Host for a trailing slash: an unknown
+    # path is H01, whatever its slashes
+    app.router.redirect_slashes = False
     hot = {"/v1/chat/completions": routes[0].endpoint, "/v1/completions": routes[1].endpoint}
     return _Front(app, hot)  # type: ignore[return-value]
 
@@ -137,7 +141,7 @@ class _Front:
             await self.app(scope, receive, send)
             return
         rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        if rid is None or not _RID_OK.match(rid):
+        if rid is None or not RID_OK.fullmatch(rid):
             rid = uuid.uuid4().hex.encode()
 
         ended = False

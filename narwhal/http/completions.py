@@ -27,13 +27,12 @@ from ..core.admission import Work
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
 from ..engines.pipeline import error_event, run_request
 from ..engines.runtime import Router
-from .errors import drain_request, send_row
+from .errors import RID_OK, drain_request, send_row
 
 __all__ = ["CompletionEndpoint"]
 
 log = logging.getLogger("narwhal")
 
-_RID_OK = re.compile(rb"^[!-~]{1,128}$")
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -196,7 +195,7 @@ class CompletionEndpoint:
         r = self.router
         hdr = _headers(scope)
         raw_rid = hdr.get(b"x-request-id")
-        rid = raw_rid.decode() if raw_rid is not None and _RID_OK.match(raw_rid) else uuid.uuid4().hex
+        rid = raw_rid.decode() if raw_rid is not None and RID_OK.fullmatch(raw_rid) else uuid.uuid4().hex
         if scope["method"] != "POST":
             await send_row(send, E.H02, rid=rid, method=scope["method"], path=scope["path"])
             return

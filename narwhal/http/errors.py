@@ -3,6 +3,8 @@ generated/errors.py only; nothing here writes them by hand."""
 
 from __future__ import annotations
 
+import re
+
 import asyncio
 from typing import Any
 
@@ -11,7 +13,11 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
-__all__ = ["send_row", "row_response", "json_headers", "drain_request"]
+__all__ = ["send_row", "row_response", "json_headers", "drain_request", "RID_OK"]
+
+# x-request-id values taken from a client: 1-128 visible ASCII characters, matched whole
+# (fullmatch: `$` would let a trailing newline through)
+RID_OK = re.compile(rb"[!-~]{1,128}")
 
 
 def json_headers(rid: str | None, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
