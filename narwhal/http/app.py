@@ -25,9 +25,9 @@ from starlette.types import Message, Receive, Scope, Send
 from narwhal_generated import errors as E
 
 from ..engines.runtime import Router
+from . import hyper
 from .admin import admin_routes, admin_token
 from .completions import CompletionEndpoint
-from . import hyper
 from .errors import RID_OK, drain_request, row_response
 
 __all__ = ["create_app"]

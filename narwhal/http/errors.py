@@ -3,9 +3,8 @@ generated/errors.py only; nothing here writes them by hand."""
 
 from __future__ import annotations
 
-import re
-
 import asyncio
+import re
 from typing import Any
 
 from starlette.responses import Response

@@ -147,13 +147,13 @@ class HardenedH2Protocol(H2Protocol):
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         for ev in events:  # defect 4
-            if isinstance(ev, _CONTROL) or (isinstance(ev, h2.events.DataReceived) and not ev.data and ev.stream_ended is None):
-                if not self._bucket.take():
-                    COUNTS.calmed += 1
-                    self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many control frames")
-                    await self._flush()
-                    await self.send(Closed())
-                    return
+            control = isinstance(ev, _CONTROL) or (isinstance(ev, h2.events.DataReceived) and not ev.data and ev.stream_ended is None)
+            if control and not self._bucket.take():
+                COUNTS.calmed += 1
+                self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many control frames")
+                await self._flush()
+                await self.send(Closed())
+                return
         await super()._handle_events(events)
 
     async def stream_send(self, event: Any) -> None:
