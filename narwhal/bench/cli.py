@@ -6,6 +6,7 @@
     narwhal bench memory [--streams 5000]
     narwhal bench peers [--peers narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy] [--rates 20,200]
     narwhal bench overload [--scenario prefill|decode] [--loads 0.5,1,1.5,2,3,4] [--peers ...]
+    narwhal bench abuse [--attacks slow-body,h2-no-read,...] [--duration 15] [--rate 20]
 
 Every subcommand prints Markdown tables; --out DIR also saves them with the raw numbers
 as JSON (default out/bench, git-ignored); sweeps write PNG plots to --img (default
@@ -81,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rl.add_argument("--http", default="1", choices=["1", "2"])
     rl.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode (default open: measure the relay alone)")
 
+    ab = sub.add_parser("abuse", help="the attacks of tests/abuse against a live router alongside normal traffic (issue 11's soak)")
+    ab.add_argument("--attacks", default="", help="comma-separated (default: all): " + "slow-body, h2-idle-streams, h2-no-read, h1-no-read, fin-churn, chunked-1-byte, settings-flood, ping-flood, rapid-reset")
+    ab.add_argument("--duration", type=float, default=15.0, help="seconds of normal traffic under each attack (default 15)")
+    ab.add_argument("--rate", type=float, default=20.0, help="normal clients' request rate, req/s (default 20)")
+    ab.add_argument("--out", default="out/bench")
+
     mm = sub.add_parser("memory", help="router memory per open stream")
     mm.add_argument("--streams", type=int, default=5000)
     mm.add_argument("--interval-ms", type=float, default=2000.0)
@@ -128,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if cmd == "load":
             return _load(args)
+        if cmd == "abuse":
+            from .abuse import abuse
+
+            abuse(attacks=_names(args.attacks) or None, duration_s=args.duration, rate=args.rate, out=out)
+            return 0
         from . import experiments as X
 
         if cmd == "overhead":
