@@ -147,24 +147,28 @@ class Scheduler:
     def _decode_candidates(self, exclude: set[str]) -> list[EngineState]:
         return [d for d in self._decoders if d.name not in exclude and self.eligible(d)]
 
-    def _decode_start_ms(self, n: float, decoders: list[EngineState]) -> float:
-        """KV transfer + decode first token on the best decode engine, plus its slot wait."""
-        best = None
+    def _decode_start_ms(self, n: float, decoders: list[EngineState]) -> tuple[float, float]:
+        """(KV transfer + decode first token on the best decode engine plus its slot wait,
+        the same without the wait). The wait is load, not the prompt: it belongs to R10's
+        projection (with Retry-After), never to R08's "the prompt alone"."""
+        best = alone = None
         for d in decoders:
             wait = 0.0
             if not d.decode_free():
                 # one decode slot frees, on average, every (expected decode time / slots)
                 out = self.output_lengths.predict("any", n, None)
                 wait = (len(self.decode_queue) + 1) * out * d.decode.predict_ms(d.decode_in_use) / d.decode_slots
-            v = d.decode_start_ms(n) + wait
-            if best is None or v < best:
-                best = v
-        return best or 0.0
+            s = d.decode_start_ms(n)
+            if best is None or s + wait < best:
+                best = s + wait
+            if alone is None or s < alone:
+                alone = s
+        return best or 0.0, alone or 0.0
 
     def project(self, n: float, now: float) -> list[tuple[float, float, EngineState]]:
         """(projected TTFT ms, solo TTFT ms, engine) for every eligible phase-1 engine."""
         decoders = self._decode_candidates(set())
-        start = self._decode_start_ms(n, decoders) if decoders else 0.0
+        start, alone = self._decode_start_ms(n, decoders) if decoders else (0.0, 0.0)
         out = []
         for e in self._phase1:
             if not self.eligible(e):
@@ -172,8 +176,8 @@ class Scheduler:
             if e.role == "prefill" and not decoders:
                 continue
             pf = e.prefill.predict_ms(n)
-            extra = start if e.role == "prefill" else 0.0
-            out.append((e.backlog_ms(now) + pf + extra, pf + extra, e))
+            extra, solo_extra = (start, alone) if e.role == "prefill" else (0.0, 0.0)
+            out.append((e.backlog_ms(now) + pf + extra, pf + solo_extra, e))
         return out
 
     # -- admission -------------------------------------------------------------------
@@ -188,7 +192,7 @@ class Scheduler:
         uu = u * u
         waves = self.maintenance_waves
         decoders = self._decode_candidates(set()) if self._decoders else []
-        start = self._decode_start_ms(n, decoders) if decoders else 0.0
+        start, alone = self._decode_start_ms(n, decoders) if decoders else (0.0, 0.0)
         predictive = self.mode == "predictive"
         # With R14 on, "the best projection" has two sides: among the engines whose
         # projected TTFT fits the budget, the one with the lowest projected TPOT (for a
@@ -211,15 +215,15 @@ class Scheduler:
             if e.role == "prefill":
                 if not decoders:
                     continue
-                extra = start
+                extra, solo_extra = start, alone
             else:
-                extra = 0.0
+                extra = solo_extra = 0.0
             th = e.prefill.lin.theta
             pf = th[0] + th[1] * u + th[2] * uu
             pf = (pf if pf > 0.0 else 0.0) * e.prefill.drift.correction
-            solo = pf + extra
+            solo = pf + solo_extra  # R08: the prompt alone (no decode-slot wait)
             busy = e.busy_until * 1000.0 - now_ms
-            p_e = (busy if busy > 0.0 else 0.0) + e.queued_work_ms + solo
+            p_e = (busy if busy > 0.0 else 0.0) + e.queued_work_ms + pf + extra
             if predictive:
                 if solo < min_solo:
                     min_solo = solo

@@ -436,3 +436,22 @@ def test_R14_places_on_the_lowest_projected_tpot_among_engines_that_fit() -> Non
     s.tpot_budget_ms = None
     r = s.admit(work(clk), clk.now())
     assert isinstance(r, Dispatch) and r.engine == "a"
+
+
+def test_R08_is_the_prompt_alone_and_the_decode_slot_wait_is_R10() -> None:
+    """Issue 11: under P/D decode saturation, prompts whose prefill fits were refused R08
+    ("shorten the prompt", no Retry-After) because the decode-slot wait was counted in the
+    prompt-alone estimate. The wait is load: R10, with Retry-After."""
+    clk = ManualClock()
+    p, d = engine("p0", "prefill", b0=100, b1=1.0), engine("d0", "decode", decode=1)
+    s = sched(p, d, mode="predictive")
+    a = s.admit(work(clk, n=10, budget=30000), clk.now())  # takes d0's only decode slot
+    assert isinstance(a, Dispatch)
+    s.prefill_done(a.ticket, clk.now(), ok=True)
+    assert isinstance(s.want_decode(a.ticket, clk.now()), Dispatch)
+    alone = 100 + 1500 + 5  # prefill + KV transfer/first token: 1605 ms
+    (proj, solo, _), = s.project(1500, clk.now())
+    assert solo == alone and proj > alone  # the projection carries the decode wait, solo does not
+    r = s.admit(work(clk, n=1500, budget=(alone + proj) / 2), clk.now())
+    assert isinstance(r, Refuse) and r.row is E.R10
+    assert E.retry_after_seconds(r.row, r.overrun_s) is not None
