@@ -334,9 +334,15 @@ class Scheduler:
 
     # -- expiry (R12, R13) ---------------------------------------------------------------
 
+    @staticmethod
+    def waited_s(t: Ticket, now: float) -> float:
+        """The admission wait so far: every queue the ticket sat in (phase 1 and the
+        decode-slot queue), the current one included (R12's clock)."""
+        return t.waited + (now - t.enqueued_at if t.enqueued_at is not None else 0.0)
+
     def expiry(self, t: Ticket, now: float) -> E.ErrorRow | None:
         """The row that has expired for `t` at `now`, R12 before R13."""
-        waited = t.waited + (now - t.enqueued_at if t.enqueued_at is not None else 0.0)
+        waited = self.waited_s(t, now)
         if t.waiting and waited >= t.work.max_wait_s:
             return E.R12
         if t.work.deadline_s is not None and now - t.work.arrival >= t.work.deadline_s:
@@ -345,7 +351,7 @@ class Scheduler:
 
     def time_left(self, t: Ticket, now: float) -> float:
         """Seconds until the first of R12/R13 can expire for a waiting ticket."""
-        waited = t.waited + (now - t.enqueued_at if t.enqueued_at is not None else 0.0)
+        waited = self.waited_s(t, now)
         left = t.work.max_wait_s - waited
         if t.work.deadline_s is not None:
             left = min(left, t.work.deadline_s - (now - t.work.arrival))

@@ -307,8 +307,9 @@ class _Run:
         if isinstance(g, Enqueued):
             got = await r.wait_grant(t)
             if got is None:
-                row = r.scheduler.expiry(t, r.clock.now()) or E.R12
-                return await _refuse(self.sink, row, waited_ms=round(t.waited * 1000), limit=_limit(r, row, self.work))
+                now = r.clock.now()
+                row = r.scheduler.expiry(t, now) or E.R12
+                return await _refuse(self.sink, row, waited_ms=round(r.scheduler.waited_s(t, now) * 1000), limit=_limit(r, row, self.work))
             g = got
         if isinstance(g, Refuse):
             return await _refuse(self.sink, g.row, overrun_s=g.overrun_s, **g.fields)
@@ -359,8 +360,9 @@ async def run_request(router: Router, req: ParsedRequest, work: Work, sink: Sink
         if isinstance(d, Enqueued):
             got = await r.wait_grant(t)
             if got is None:
-                row = r.scheduler.expiry(t, r.clock.now()) or E.R12
-                return await _refuse(sink, row, waited_ms=round((t.waited + r.clock.now() - (t.enqueued_at or r.clock.now())) * 1000), limit=_limit(r, row, work))
+                now = r.clock.now()
+                row = r.scheduler.expiry(t, now) or E.R12
+                return await _refuse(sink, row, waited_ms=round(r.scheduler.waited_s(t, now) * 1000), limit=_limit(r, row, work))
             if isinstance(got, Refuse):
                 return await _refuse(sink, got.row, overrun_s=got.overrun_s, **got.fields)
             d = got

@@ -316,6 +316,7 @@ def test_R12_counts_the_decode_wait_too() -> None:
     assert isinstance(s.want_decode(b.ticket, clk.now()), Enqueued)
     clk.advance(1.0)
     assert s.expiry(b.ticket, clk.now()) is E.R12
+    assert s.waited_s(b.ticket, clk.now()) == 1.0  # the message's waited_ms (was 0 after a decode-slot wait)
 
 
 # -- learning hooks --------------------------------------------------------------------
