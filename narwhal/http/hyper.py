@@ -17,14 +17,23 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
   4. h2 control frames are not rate limited (SETTINGS/PING floods slowed other clients
      100x). Fixed: a token bucket per connection over SETTINGS, PING, RST_STREAM and
      empty DATA frames; a flood gets GOAWAY ENHANCE_YOUR_CALM and the connection closes.
+     Rapid reset (CVE-2023-44487): a stream whose HEADERS and RST_STREAM arrive in the
+     same read is dropped before hypercorn creates it, so it costs no ASGI task and never
+     reaches the app (the app's own check catches a reset that arrives later).
   5. After a client's FIN the connection waits for the keep-alive timer (CLOSE-WAIT, a
      file descriptor held up to keep_alive_timeout). Fixed: EOF stops the idle timer.
+  6. Not hypercorn's but the kernel's: a client socket's send buffer autotunes up to
+     net.ipv4.tcp_wmem's maximum (4 MiB here), so a client that never reads makes the
+     router relay megabytes (tens of thousands of events, and their CPU) before its
+     writes block. Bounded: SO_SNDBUF of CLIENT_SNDBUF per client socket, ample for
+     token streams (a few KB/s each) and for any answer the router assembles.
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +155,11 @@ class HardenedH2Protocol(H2Protocol):
         await super()._send_data(stream_id)
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        reset = {ev.stream_id for ev in events if isinstance(ev, h2.events.StreamReset)}
+        if reset:  # defect 4, rapid reset: opened and reset in one read, never created
+            born = {ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)} & reset
+            if born:
+                events = [ev for ev in events if getattr(ev, "stream_id", None) not in born or isinstance(ev, h2.events.StreamReset)]
         for ev in events:  # defect 4
             control = isinstance(ev, _CONTROL) or (isinstance(ev, h2.events.DataReceived) and not ev.data and ev.stream_ended is None)
             if control and not self._bucket.take():
@@ -176,10 +190,19 @@ class HardenedH2Protocol(H2Protocol):
         await super().stream_send(event)
 
 
+CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
+
+
 class HardenedTCPServer(TCPServer):
-    """Defect 5, and the connection counts."""
+    """Defects 5 and 6, and the connection counts."""
 
     async def run(self) -> None:
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_SNDBUF)
+            except OSError:
+                pass
         COUNTS.open += 1
         self._busy = False
         try:
