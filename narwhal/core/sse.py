@@ -31,7 +31,7 @@ class SSEParser:
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self._buf: bytearray | None = None  # an unfinished line (holds no LF)
         self._data: list[bytes] | None = None  # data lines of the event being read
-        self._size = 0  # bytes in _data
+        self._size = 0  # bytes of _data joined (+1 per line)
         self._skip_lf = False  # the last chunk ended in CR: a leading LF completes a CRLF
         self.max_event_bytes = max_event_bytes
         self.too_large = False  # an event or line went past max_event_bytes (E02)
@@ -80,7 +80,7 @@ class SSEParser:
                 continue
             if line.startswith(b"data:"):
                 v = line[6:] if line.startswith(b"data: ") else line[5:]
-                size += len(v)
+                size += len(v) + 1  # + the LF that joins it: empty data lines count too
                 if data is None:
                     data = [v]
                 else:

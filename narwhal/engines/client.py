@@ -22,7 +22,15 @@ from typing import Any
 
 import orjson
 
-from .http1 import BodyTooLarge, ConnectTimeout, H1Error, H1Pool, H1Response, ReadTimeout, split_userinfo
+from .http1 import (
+    BodyTooLarge,
+    ConnectTimeout,
+    H1Error,
+    H1Pool,
+    H1Response,
+    ReadTimeout,
+    split_userinfo,
+)
 
 __all__ = ["EngineClient", "UpstreamError", "Upstream", "H1Error", "split_userinfo"]
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import socket
 from collections import deque
 from typing import Any
@@ -393,6 +394,15 @@ class _Conn(asyncio.Protocol):
         return self._state == "done" and self.keep_alive and not self.closed and not self._buf
 
 
+def _why(e: OSError) -> str:
+    """A connect failure in words without the address (asyncio's own messages name it)."""
+    if isinstance(e, socket.gaierror):
+        return "name resolution failed"
+    if e.errno is not None and e.errno > 0:
+        return os.strerror(e.errno).lower()
+    return "connection failed"
+
+
 class H1Response:
     __slots__ = ("_pool", "_conn", "status", "headers", "_done")
 
@@ -459,8 +469,8 @@ class H1Pool:
         except TimeoutError:
             raise ConnectTimeout("timed out connecting", f"connect to {key[0]}:{key[1]} timed out") from None
         except OSError as e:
-            why = (e.strerror or type(e).__name__).lower()
-            raise ConnectionFailed(f"unreachable ({why})", f"connect to {key[0]}:{key[1]}: {e.strerror or e}") from None
+            why = _why(e)
+            raise ConnectionFailed(f"unreachable ({why})", f"connect to {key[0]}:{key[1]}: {why} ({e})") from None
         self.connects += 1
         return conn
 

@@ -9,6 +9,7 @@ it is not offered traffic (the books never see it) and takes no phase slot.
     latency (KV transfer + first token) per length, and TPOT.
 T07: a measurement whose token IDs fail the check fails the profile (status "failed",
 the reason in /v1/engines); the models keep their previous values.
+The reason /v1/engines shows is words: an engine's address and bytes go to the log only.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
     """(first token s, TPOT s, prompt tokens, tokens) of one streaming measurement."""
     d = DIALECTS[e.dialect]
     checks = d.token_accounting == "token_ids"
-    relay = StreamRelay(checks_ids=checks, client_ids=False, client_usage=True)
+    relay = StreamRelay(checks_ids=checks, client_ids=False, client_usage=True, max_event_bytes=router.config.upstream.max_event_bytes)
     clock = router.clock
     t0 = clock.now()
     headers = {"x-narwhal-profiling": "1"}
@@ -66,7 +67,8 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
     done = False
     try:
         if up.status >= 400:
-            raise ProfileError(f"engine answered HTTP {up.status}: {(await up.read(4096))[:200]!r}")
+            log.warning("engine %s: profiling request %s answered HTTP %d: %r", e.name, rid, up.status, (await up.read(4096))[:200])
+            raise ProfileError(f"engine answered HTTP {up.status}")
         while True:
             chunk = await up.next_chunk()
             if not chunk:
@@ -84,7 +86,8 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
     finally:
         await up.aclose(complete=done)
     if relay.engine_error is not None:
-        raise ProfileError(f"engine error event: {relay.engine_error}")
+        log.warning("engine %s: profiling request %s: engine error event %r", e.name, rid, relay.engine_error)
+        raise ProfileError("the engine sent an error event")
     if first is None:
         raise ProfileError("the engine produced no token")
     u = relay.usage or {}
@@ -101,8 +104,14 @@ async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: s
     )
     dt = clock.now() - t0
     if status >= 400:
-        raise ProfileError(f"prefill engine answered HTTP {status}: {raw[:200]!r}")
-    obj = orjson.loads(raw)
+        log.warning("engine %s: profiling request %s answered HTTP %d: %r", e.name, rid, status, raw[:200])
+        raise ProfileError(f"prefill engine answered HTTP {status}")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ProfileError("prefill engine answered with a body that is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ProfileError("prefill engine answered with JSON that is not an object")
     if "kv_transfer_params" not in obj or not isinstance(obj["kv_transfer_params"], (dict, type(None))):
         raise ProfileError("prefill answer carries no kv_transfer_params")
     kv = obj["kv_transfer_params"]
@@ -198,10 +207,10 @@ async def profile_engine(router: Any, e: EngineState) -> None:
         }
         e.profile_status = "ok"
         log.info("engine %s profiled: prefill %s decode %s", e.name, e.prefill.snapshot(), e.decode.snapshot())
-    except (ProfileError, UpstreamError, orjson.JSONDecodeError, StopIteration) as x:
+    except (ProfileError, UpstreamError, StopIteration) as x:
         e.profile_status = "failed"
         e.profile_error = str(x) or type(x).__name__
-        log.warning("engine %s: profiling failed: %s", e.name, e.profile_error)
+        log.warning("engine %s: profiling failed: %s", e.name, x.log_detail if isinstance(x, UpstreamError) and x.log_detail else e.profile_error)
     except Exception as x:  # a bug: say so where operators look, keep serving
         e.profile_status = "failed"
         e.profile_error = f"internal error: {type(x).__name__}: {x}"
