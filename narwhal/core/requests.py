@@ -172,10 +172,15 @@ def parse_request(route: str, raw: bytes, *, model: str) -> ParsedRequest | Reje
         return Rejection(E.R04, None, {"detail": f"the body is not valid JSON ({e.msg})"})
     if type(body) is not dict:
         return Rejection(E.R04, None, {"detail": "the body must be a JSON object"})
-    # R04, nesting: only a body with that many brackets can nest that deep (a quick count)
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
-        deep = _too_deep(body)
-        if deep is not None:
+    # R04, nesting: can the body be written again, one level down? (orjson, C speed:
+    # ~0.35 ms per MiB; the walk that names the field runs only when it cannot)
+    if len(raw) > 2 * MAX_DEPTH:
+        try:
+            orjson.dumps([body])
+        except orjson.JSONEncodeError as e:
+            deep = _too_deep(body)
+            if deep is None:  # pragma: no cover - orjson writes back whatever it read, but for depth
+                return Rejection(E.R04, None, {"detail": f"the body cannot be forwarded as JSON ({e})"})
             return Rejection(E.R04, deep, {"detail": f"{deep}: JSON nested deeper than {MAX_DEPTH} levels"})
     for k in ROUTER_ONLY:  # the pass-through policy: only the router sets these
         body.pop(k, None)
