@@ -327,6 +327,31 @@ class DecodeModel:
         }
 
 
+class TokenArrivals:
+    """What TPOT needs of a stream's output events, in constant memory (issue 11: one
+    tuple per event was ~9 MB for a 100k-token answer): the first and last event's time,
+    the events and the IDs they carried."""
+
+    __slots__ = ("first_at", "last_at", "events", "tokens")
+
+    def __init__(self) -> None:
+        self.first_at = self.last_at = 0.0
+        self.events = self.tokens = 0
+
+    def add(self, now: float, k: int) -> None:
+        if not self.events:
+            self.first_at = now
+        self.last_at = now
+        self.events += 1
+        self.tokens += k
+
+    def tpot(self) -> float | None:
+        """T11: (t_last - t_first) / (N - 1), N the IDs (the first event's all at t_first)."""
+        if self.tokens < 2 or self.events < 2:
+            return None
+        return (self.last_at - self.first_at) / (self.tokens - 1)
+
+
 def tpot_from_arrivals(arrivals: list[tuple[float, int]]) -> float | None:
     """TPOT = (t_last - t_first) / (N - 1) over identified tokens (PREDICTION.md section 9).
 

@@ -25,6 +25,7 @@ import orjson
 
 from .assembly import Assembler, Failure
 from .dialects import ToolCallNormaliser
+from .prediction import TokenArrivals
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 from .tokens import carries_output, check_token_ids
 
@@ -86,7 +87,7 @@ class StreamRelay:
         self.started = False  # the first token (or any output) has arrived
         self.done = False
         self.token_count = 0
-        self.arrivals: list[tuple[float, int]] = []
+        self.arrivals = TokenArrivals()
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.engine_error: dict[str, Any] | None = None
@@ -126,7 +127,7 @@ class StreamRelay:
                     return Step(b"".join(out), first, False, ("E03", bad), None)
                 if k:
                     self.token_count += k
-                    self.arrivals.append((now, k))
+                    self.arrivals.add(now, k)
                     if not self.started:
                         self.started = first = True
             choices = obj.get("choices")
@@ -142,7 +143,7 @@ class StreamRelay:
                         if not self.checks_ids and carries_output(c):
                             # no IDs (T08): one output event stands for one token
                             self.token_count += 1
-                            self.arrivals.append((now, 1))
+                            self.arrivals.add(now, 1)
                             if not self.started:
                                 self.started = first = True
             if self.assembler is not None:

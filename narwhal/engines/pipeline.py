@@ -34,7 +34,6 @@ from ..core.admission import Dispatch, Enqueued, Refuse, Ticket, Work
 from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.fleet import EngineState
-from ..core.prediction import tpot_from_arrivals
 from ..core.relay import StreamRelay
 from ..core.requests import ParsedRequest, without_fields
 from .client import H1Error, UpstreamError
@@ -257,7 +256,7 @@ class _Run:
 
     def _learn(self, e: EngineState, relay: StreamRelay, now: float) -> None:
         r = self.r
-        tpot = tpot_from_arrivals(relay.arrivals)
+        tpot = relay.arrivals.tpot()
         if tpot is not None:
             e.decode.observe(max(1, e.decode_in_use), tpot * 1000.0)
             r.telemetry.tpot.labels(e.name).observe(tpot)

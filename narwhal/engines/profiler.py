@@ -22,7 +22,6 @@ import orjson
 
 from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.fleet import EngineState
-from ..core.prediction import tpot_from_arrivals
 from ..core.relay import StreamRelay
 from .client import UpstreamError
 
@@ -92,7 +91,7 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
         raise ProfileError("the engine produced no token")
     u = relay.usage or {}
     pt = u.get("prompt_tokens") if isinstance(u.get("prompt_tokens"), int) else None
-    tp = tpot_from_arrivals(relay.arrivals)
+    tp = relay.arrivals.tpot()
     return first - t0, tp, pt, relay.token_count
 
 

@@ -126,3 +126,22 @@ def test_margin_ignores_tiny_projections_and_is_capped() -> None:
     for _ in range(50):
         m.observe(2, actual_ms=1000.0, projected_ms=100.0)
     assert m.m(2) == Margin.CAP
+
+
+def test_T11_token_arrivals_give_the_same_tpot_in_constant_memory() -> None:
+    import sys
+
+    from narwhal.core.prediction import TokenArrivals
+
+    events = [(0.0, 1), (0.02, 1), (0.04, 1), (0.06, 2)]
+    acc = TokenArrivals()
+    for t, k in events:
+        acc.add(t, k)
+    assert acc.tpot() == pytest.approx(tpot_from_arrivals(events))
+    size = sys.getsizeof(acc)
+    for i in range(100_000):  # a 100k-token answer: the bookkeeping does not grow
+        acc.add(0.1 + i * 0.01, 1)
+    assert sys.getsizeof(acc) == size and acc.tokens == 100_005
+    one = TokenArrivals()
+    one.add(0.0, 1)
+    assert one.tpot() is None
