@@ -33,7 +33,7 @@ import orjson
 from .client import H1Pool
 from .harness import mock_engine, narwhal_config, start_narwhal
 from .load import RequestShape, fixed_rate, run_open_loop
-from .procs import rss_bytes
+from .procs import layout, pin_self, rss_bytes
 from .stats import markdown_table, summarize
 
 __all__ = ["abuse", "ATTACKS"]
@@ -164,8 +164,8 @@ def h2_no_read(addr: tuple[str, int], stop: threading.Event, streams: int = 16) 
 
 
 def h1_no_read(addr: tuple[str, int], stop: threading.Event, n: int = 16) -> None:
-    """Long streamed answers to HTTP/1.1 clients that never read."""
-    body = _body(stream=True, max_tokens=60000, mock={"tokens": 60000, "tpot_ms": 0.05})
+    """Long streamed answers (an engine's pace: 2 ms a token) to HTTP/1.1 clients that never read."""
+    body = _body(stream=True, max_tokens=20000, mock={"tokens": 20000, "tpot_ms": 2})
     socks = []
     for _ in range(n):
         s = socket.socket()
@@ -259,7 +259,7 @@ ATTACKS: dict[str, tuple[Callable[..., None], str]] = {
     "slow-body": (slow_body, "300 HTTP/1.1 bodies at 1 byte/s"),
     "h2-idle-streams": (h2_idle_streams, "2 h2 connections x 520 streams, never END_STREAM"),
     "h2-no-read": (h2_no_read, "16 h2 streams, window 0, 5,000-token answers"),
-    "h1-no-read": (h1_no_read, "16 HTTP/1.1 clients that never read 60,000-token answers"),
+    "h1-no-read": (h1_no_read, "16 HTTP/1.1 clients that never read 20,000-token answers (2 ms/token)"),
     "fin-churn": (fin_churn, "30 one-request connections/s, each ending with the client's FIN"),
     "chunked-1-byte": (chunked_one_byte, "8 chunked uploads in 1-byte chunks"),
     "settings-flood": (settings_flood, "SETTINGS frames as fast as one connection sends them"),
@@ -317,14 +317,18 @@ def _at_rest(url: str, pid: int, fds_quiet: int, timeout_s: float = 45.0) -> tup
 
 def abuse(*, attacks: list[str] | None = None, duration_s: float = 15.0, rate: float = 20.0, out: Path | None = None) -> list[dict[str, Any]]:
     names = attacks or list(ATTACKS)
-    engine = mock_engine("u0", timing={"time_scale": 0.25}, output_tokens=16)
+    # the router on a core of its own; attackers, normal clients and the mock engine share
+    # the other (NARWHAL_BENCH_NOPIN=1 to let them mix)
+    router_cpus, client_cpus = layout()
+    pin_self(client_cpus)
+    engine = mock_engine("u0", timing={"time_scale": 0.25}, output_tokens=16, cpus=client_cpus)
     router = None
     rows: list[dict[str, Any]] = []
     try:
         cfg = narwhal_config([engine], admission={"mode": "open", "http_retention_limit": 1024, "queue_limit": 256,
                                                    "phase_concurrency": {"prefill": 8, "decode": 256}},
                              prediction={"profile_on_start": False})
-        router = start_narwhal(cfg, name="narwhal-abuse")
+        router = start_narwhal(cfg, name="narwhal-abuse", cpus=router_cpus)
         pid, url, addr = router.proc.pid, router.url, _addr(router.url)
         _normal(url, rate, 3.0)  # warm
         quiet_rss, quiet_fds = rss_bytes(pid, tree=False), _fds(pid)
