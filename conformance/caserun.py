@@ -200,8 +200,8 @@ class CaseRun:
             want = cond["received"]
             recs = r.records(rid or "")
             role = want.get("role", "any")
-            n = sum(1 for x in recs if role in ("any", x["role"]) or (role == "output" and x["role"] in ("decode", "unified")))
-            n = n if "engine" not in want else sum(1 for x in recs if x["engine"] == want["engine"])
+            roles = ("decode", "unified") if role == "output" else None if role == "any" else (role,)
+            n = sum(1 for x in recs if (roles is None or x["role"] in roles) and want.get("engine", x["engine"]) == x["engine"])
             if n < want.get("count", 1):
                 return False, f"the fleet received the request {want.get('count', 1)} time(s) ({want}; it did {n})"
         if "offered" in cond:

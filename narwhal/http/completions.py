@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
@@ -31,6 +32,7 @@ from .errors import RID_OK, drain_request, send_row
 __all__ = ["CompletionEndpoint"]
 
 log = logging.getLogger("narwhal")
+_monotonic = time.monotonic
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
@@ -46,10 +48,6 @@ class _TooSlow(Exception):
     """The request did not arrive whole within serving.read_timeout_ms (H07)."""
 
 
-class _Stalled(Exception):
-    """The client accepted no bytes of its answer for serving.send_stall_ms."""
-
-
 class _TooLarge(Exception):
     def __init__(self, ended: bool = False) -> None:
         super().__init__()
@@ -59,10 +57,12 @@ class _TooLarge(Exception):
 class AsgiSink:
     """pipeline.Sink over ASGI send. Every send is bounded by serving.send_stall_ms: a
     client that accepts no bytes for that long (HTTP/1.1: the TCP window; HTTP/2: the
-    flow-control window, see hyper.py defect 1) raises _Stalled, which ends the request
-    (its engine request is cancelled, its slots freed; class cancelled)."""
+    flow-control window, see hyper.py defect 1) is dropped by `_watch_stall`, which
+    cancels the request (its engine request is cancelled, its slots freed; class
+    cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
+    around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since")
 
     def __init__(self, send: Send, rid: str, stall_s: float) -> None:
         self._send = send
@@ -70,13 +70,12 @@ class AsgiSink:
         self.headers_sent = False
         self.finished = False
         self.stall_s = stall_s
+        self.sending_since = 0.0  # monotonic time the pending send began; 0: none pending
 
     async def _out(self, msg: dict[str, Any]) -> None:
-        try:
-            async with asyncio.timeout(self.stall_s):
-                await self._send(msg)
-        except TimeoutError:
-            raise _Stalled from None
+        self.sending_since = _monotonic()
+        await self._send(msg)
+        self.sending_since = 0.0
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         h = [*headers, (b"x-request-id", self.rid.encode()), (b"content-length", str(len(body)).encode())]
@@ -139,9 +138,21 @@ class _Disconnected(Exception):
     pass
 
 
-async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive) -> str:
-    """Run the request; if the client disconnects first, cancel it (which closes the
-    engine connections and frees every slot) and report the class `cancelled`.
+async def _watch_stall(sink: AsgiSink, task: asyncio.Future[str]) -> None:
+    """serving.send_stall_ms: cancel the request once one send has waited that long."""
+    while not task.done():
+        await asyncio.sleep(sink.stall_s / 4)
+        since = sink.sending_since
+        if since and _monotonic() - since > sink.stall_s:
+            log.info("request %s: the client accepted no bytes for %.0f ms; dropped", sink.rid, sink.stall_s * 1000)
+            task.cancel()
+            return
+
+
+async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink) -> str:
+    """Run the request; if the client disconnects first, or stops reading for
+    serving.send_stall_ms, cancel it (which closes the engine connections and frees
+    every slot) and report the class `cancelled`.
 
     hypercorn reports a disconnect only through receive(); a send() to a gone client is
     silently dropped, so without this watcher a stream would run on to its end."""
@@ -154,13 +165,19 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive) ->
         work.close()
         return "cancelled"
     task = asyncio.ensure_future(work)
+    stall = asyncio.ensure_future(_watch_stall(sink, task))
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
         if task.done():
-            return task.result()
+            return "cancelled" if task.cancelled() else task.result()
         msg = watch.result()
         if msg.get("type") != "http.disconnect":  # not expected after the whole body
-            return await task
+            try:
+                return await task
+            except asyncio.CancelledError:
+                if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    return "cancelled"  # dropped by the stall watcher
+                raise
         task.cancel()
         try:
             await task
@@ -168,6 +185,7 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive) ->
             pass
         return "cancelled"
     finally:
+        stall.cancel()
         if not watch.done():
             watch.cancel()
         if not task.done():
@@ -264,15 +282,12 @@ class CompletionEndpoint:
                 max_wait_s=adm.max_wait_ms / 1000.0,
                 deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
             )
-            cls = await _until_disconnect(run_request(r, parsed, work, sink, rid), receive)
+            cls = await _until_disconnect(run_request(r, parsed, work, sink, rid), receive, sink)
         except asyncio.CancelledError:
             cls = "cancelled"
             raise
         except OSError:
             cls = "cancelled"  # the client's connection broke while we wrote to it
-        except _Stalled:
-            cls = "cancelled"  # the client stopped reading (serving.send_stall_ms): dropped
-            log.info("request %s: the client accepted no bytes for %d ms; dropped", rid, r.config.serving.send_stall_ms)
         except Exception:
             log.exception("request %s: router bug", rid)
             cls = E.H06.counter
