@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import matchers
 from .cases import Case
-from .transport import COMPLETION_ROUTES, Background, Exchange, RequestData, document
+from .transport import COMPLETION_ROUTES, Background, Exchange, RequestData, document, raw_exchange
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -147,7 +147,11 @@ class CaseRun:
         for k in range(s.get("repeat", 1)):
             rid = self.r.new_rid(self.case.id)
             rids.append(rid)
-            ex = self.r.send(self.build(s["request"], rid))
+            if "raw" in s["request"]:
+                raw = s["request"]["raw"].replace("${pad}", "a" * s["request"].get("raw_pad", 0))
+                ex = raw_exchange(self.r.target, raw.encode("latin-1"), s["request"].get("timeout_ms", 5000) / 1000.0)
+            else:
+                ex = self.r.send(self.build(s["request"], rid))
             lab = label if "repeat" not in s else f"{label} (repeat {k + 1})"
             self.exchanges.append((lab, s["request"]["route"], ex))
             if "expect" in s:

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import h11
 import httpx
 
-__all__ = ["Exchange", "RequestData", "RouterClient", "Background", "document", "parse_sse", "accumulate", "COMPLETION_ROUTES"]
+__all__ = ["Exchange", "RequestData", "RouterClient", "Background", "document", "parse_sse", "accumulate", "COMPLETION_ROUTES", "raw_exchange"]
 
 COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
@@ -181,6 +181,51 @@ class Background:
             self._done.wait(2.0)
             self.exchange.error = (self.exchange.error or "") + f" (no answer within {timeout_s:g} s)"
         return self.exchange
+
+
+def raw_exchange(base_url: str, data: bytes, timeout_s: float = 5.0) -> Exchange:
+    """Bytes that need not be HTTP, on a connection of their own; the answer read until
+    the router closes (or timeout_s), its head parsed by hand (h11 would refuse to send
+    what is being tested)."""
+    u = urlsplit(base_url)
+    ex = Exchange()
+    t0 = time.monotonic()
+    out = b""
+    try:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout_s) as s:
+            s.sendall(data)
+            end = t0 + timeout_s
+            while time.monotonic() < end:
+                d = s.recv(65536)
+                if not d:
+                    break
+                out += d
+                head, sep, body = out.partition(b"\r\n\r\n")
+                if sep:
+                    hs = _raw_headers(head)
+                    if "content-length" in hs and len(body) >= int(hs["content-length"]):
+                        break
+    except OSError as e:
+        ex.error = f"{type(e).__name__}: {e}"
+    head, sep, body = out.partition(b"\r\n\r\n")
+    first = head.split(b"\r\n", 1)[0].split()
+    if len(first) >= 2 and first[0].startswith(b"HTTP/") and first[1].isdigit():
+        ex.status = int(first[1])
+        ex.headers = _raw_headers(head)
+        ex.body = body
+    elif ex.error is None:
+        ex.error = f"not an HTTP response: {out[:80]!r}"
+    ex.elapsed_ms = (time.monotonic() - t0) * 1000.0
+    return ex
+
+
+def _raw_headers(head: bytes) -> dict[str, str]:
+    pairs = []
+    for line in head.split(b"\r\n")[1:]:
+        k, sep, v = line.partition(b":")
+        if sep:
+            pairs.append((k.strip(), v.strip()))
+    return _headers(pairs)
 
 
 def parse_sse(body: bytes) -> dict[str, Any]:

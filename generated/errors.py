@@ -512,9 +512,43 @@ H07 = ErrorRow(
     quote='Every client and every engine may be slow, silent, huge or hostile. Every buffer, wait and count has a bound with a default a public deployment can live with.',
 )
 
+# H08: The HTTP/1.1 server's own refusal of bytes that are not an HTTP request (hypercorn answered it with an empty body); the connection closes. Not an offered request (it never reached a route).
+H08 = ErrorRow(
+    id='H08',
+    order=None,
+    when='malformed_http_request',
+    status=400,
+    type='invalid_request_error',
+    code='malformed_http_request',
+    param=None,
+    retry_after=None,
+    counter='none',
+    unsized=False,
+    retryable=False,
+    message='The request is not valid HTTP/1.1.',
+    quote='Every refusal is an OpenAI-style envelope {"error": {"message", "type", "param", "code"}}',
+)
+
+# H09: A request head still incomplete past 16 KiB (h11's incomplete-event bound; one read of up to 64 KiB can carry more); the connection closes. Not an offered request.
+H09 = ErrorRow(
+    id='H09',
+    order=None,
+    when='request_head_too_large',
+    status=431,
+    type='invalid_request_error',
+    code='request_head_too_large',
+    param=None,
+    retry_after=None,
+    counter='none',
+    unsized=False,
+    retryable=False,
+    message='The request line and headers are too large (over 16 KiB still arriving).',
+    quote='Every refusal is an OpenAI-style envelope {"error": {"message", "type", "param", "code"}}',
+)
+
 REFUSALS: tuple[ErrorRow, ...] = (R01, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13, R14,)
 FAILURES: tuple[ErrorRow, ...] = (E01, E02, E03, E04, E05, E06, E07,)
-HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06, H07,)
+HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06, H07, H08, H09,)
 ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}
 BY_WHEN: dict[str, ErrorRow] = {r.when: r for r in ROWS.values()}
 BY_CODE: dict[str, ErrorRow] = {r.code: r for r in ROWS.values()}

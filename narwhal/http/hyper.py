@@ -27,6 +27,8 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      router relay megabytes (tens of thousands of events, and their CPU) before its
      writes block. Bounded: SO_SNDBUF of CLIENT_SNDBUF per client socket, ample for
      token streams (a few KB/s each) and for any answer the router assembles.
+  7. hypercorn answers bytes that are not an HTTP/1.1 request (400) and an oversized head
+     (431) with an empty body. Fixed: the error envelope of rows H08 and H09.
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
@@ -42,13 +44,17 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h11
 import hypercorn.asyncio.run as _run
 import hypercorn.protocol as _protocol
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.events import Closed, Updated
 from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
 
-__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "HardenedH2Protocol", "HardenedTCPServer", "ConnectionCollector"]
+from narwhal_generated import errors as E
+
+__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +196,18 @@ class HardenedH2Protocol(H2Protocol):
         await super().stream_send(event)
 
 
+class HardenedH11Protocol(H11Protocol):
+    """Defect 7: the server's own refusals carry the error envelope (H08, H09)."""
+
+    async def _send_error_response(self, status_code: int) -> None:
+        row = E.H09 if status_code == 431 else E.H08
+        status, headers, body = E.render(row)
+        hdrs = [*headers, (b"content-length", str(len(body)).encode()), (b"connection", b"close"), *self.config.response_headers("h11")]
+        await self._send_h11_event(h11.Response(status_code=status, headers=hdrs))
+        await self._send_h11_event(h11.Data(data=body))
+        await self._send_h11_event(h11.EndOfMessage())
+
+
 CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
 
 
@@ -231,4 +249,5 @@ def install(limits: Limits) -> None:
     global _LIMITS
     _LIMITS = limits
     _protocol.H2Protocol = HardenedH2Protocol  # type: ignore[misc]
+    _protocol.H11Protocol = HardenedH11Protocol  # type: ignore[misc]
     _run.TCPServer = HardenedTCPServer  # type: ignore[misc]

@@ -50,3 +50,40 @@ def test_a_trailing_slash_is_no_redirect_to_the_clients_host(rr: RunningRouter, 
 @pytest.mark.parametrize(("rid", "ok"), [(b"abc", True), (b"abc\n", False), (b"a" * 128, True), (b"a" * 129, False), (b"a b", False), (b"", False)])
 def test_request_id_pattern_matches_whole_values(rid: bytes, ok: bool) -> None:
     assert (RID_OK.fullmatch(rid) is not None) is ok
+
+
+def _raw(rr: RunningRouter, data: bytes) -> bytes:
+    import socket
+
+    host, port = rr.url.split("://", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                d = s.recv(65536)
+            except OSError:
+                break
+            if not d:
+                break
+            out += d
+    return out
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "code"),
+    [
+        (b"GET / HTTP/1.1\r\nhost: x\r\nthis is no header\r\n\r\n", b"400", b"malformed_http_request"),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n", b"400", b"malformed_http_request"),
+        (b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 200_000 + b"\r\n\r\n", b"431", b"request_head_too_large"),
+    ],
+    ids=["bad-header-line", "tls-on-a-cleartext-port", "head-over-16-KiB"],
+)
+def test_H08_H09_the_servers_own_refusals_carry_the_envelope(rr: RunningRouter, data: bytes, status: bytes, code: bytes) -> None:
+    """hypercorn answered these with an empty body; now with the error envelope."""
+    import json
+
+    out = _raw(rr, data)
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 " + status), out[:200]
+    assert json.loads(body)["error"]["code"] == code.decode()
