@@ -263,6 +263,9 @@ def running_proxy(upstream: str, mutation: Mutation) -> Iterator[str]:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
+    from narwhal.http import hyper
+
+    hyper.install(hyper.Limits())  # the proxy's own HTTP server answers as Narwhal's does (H08, H09)
     port = free_port()
     cfg = Config()
     cfg.bind = [f"127.0.0.1:{port}"]
