@@ -198,7 +198,7 @@ def write_doc(runs: list[Run], out: Path, raw: Path, argv: list[str]) -> None:
         "",
         "    python scripts/compat/matrix.py " + " ".join(argv),
         "",
-        f"Raw JUnit files, console output and router logs: [`{rel}/`]({rel}/). Measured {time.strftime('%Y-%m-%d')} on the project's",
+        f"Raw JUnit files and console output (router logs stay local, git-ignored): [`{rel}/`]({rel}/). Measured {time.strftime('%Y-%m-%d')} on the project's",
         "machine kind (2 cores). Peers: vllm-router 0.1.17, LiteLLM 1.108.7 (`litellm[proxy]`).",
         "",
         "How to read it: **interoperability** is what any OpenAI-compatible router owes its clients (error envelopes and",
