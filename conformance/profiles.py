@@ -99,6 +99,21 @@ _PREDICTION = {
     "profile_repeats": 1,
 }
 
+def _router(listen_port: int, admission: dict[str, Any], *, wave: str | None = None) -> dict[str, Any]:
+    """A profile's router configuration: its listen port, admission and own wave; the
+    rest (body limit, read timeout, monitoring, admin, upstream) is every profile's."""
+    serving: dict[str, Any] = {"model": MODEL, "listen": f"127.0.0.1:{listen_port}", "max_request_bytes": 262144}
+    if wave is not None:
+        serving["wave"] = wave
+    return {
+        "serving": {**serving, **_SERVING},
+        "admission": admission,
+        "monitoring": _MONITORING,
+        "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
+        "upstream": {"idle_timeout_ms": 1000},
+    }
+
+
 REFERENCE = Profile(
     name="reference",
     description="vLLM prefill/decode fleet: p0 (prefill), d0 and d1 (decode); predictive admission",
@@ -108,9 +123,9 @@ REFERENCE = Profile(
         EngineDef("d1", "decode", "vllm", 3, wave="b"),
     ),
     timing=_TIMING,
-    router={
-        "serving": {"model": MODEL, "listen": "127.0.0.1:18200", "max_request_bytes": 262144, "wave": "r", **_SERVING},
-        "admission": {
+    router=_router(
+        18200,
+        {
             "mode": "predictive",
             "http_retention_limit": 6,
             "queue_limit": 1,
@@ -121,10 +136,8 @@ REFERENCE = Profile(
             # R14: batch 3 on a decode engine projects 4 + 3*3 = 13 ms > 11.5 ms
             "prediction": {**_PREDICTION, "tpot_budget_ms": 11.5},
         },
-        "monitoring": _MONITORING,
-        "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
-        "upstream": {"idle_timeout_ms": 1000},
-    },
+        wave="r",
+    ),
     needs=frozenset({"pd"}),
 )
 
@@ -135,13 +148,7 @@ def _unified(name: str, dialect: str, offset: int, listen_offset: int) -> Profil
         description=f"one unified {dialect} engine ({name}); open admission",
         engines=(EngineDef(name, "unified", dialect, offset, wave="u"),),
         timing=_TIMING,
-        router={
-            "serving": {"model": MODEL, "listen": f"127.0.0.1:{18200 + listen_offset}", "max_request_bytes": 262144, **_SERVING},
-            "admission": {"mode": "open", "queue_limit": 4, "max_wait_ms": 2000, "prediction": {**_PREDICTION, "profile_on_start": False}},
-            "monitoring": _MONITORING,
-            "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
-            "upstream": {"idle_timeout_ms": 1000},
-        },
+        router=_router(18200 + listen_offset, {"mode": "open", "queue_limit": 4, "max_wait_ms": 2000, "prediction": {**_PREDICTION, "profile_on_start": False}}),
     )
 
 
@@ -153,12 +160,12 @@ UNIFIED = Profile(
         EngineDef("u1", "unified", "vllm", 32, wave="b"),
     ),
     timing=_TIMING,
-    router={
-        "serving": {"model": MODEL, "listen": "127.0.0.1:18230", "max_request_bytes": 262144, "wave": "r", **_SERVING},
-        # open admission: the limits any router can express (requests held, a queue, a
-        # bounded wait) decide, not a TTFT projection; one prompt at a time per engine
-        # (a unified engine holds its prefill slot until its first token)
-        "admission": {
+    # open admission: the limits any router can express (requests held, a queue, a
+    # bounded wait) decide, not a TTFT projection; one prompt at a time per engine (a
+    # unified engine holds its prefill slot until its first token)
+    router=_router(
+        18230,
+        {
             "mode": "open",
             "http_retention_limit": 6,
             "queue_limit": 1,
@@ -166,10 +173,8 @@ UNIFIED = Profile(
             "phase_concurrency": {"prefill": 1, "decode": 4},
             "prediction": {**_PREDICTION, "profile_on_start": False},
         },
-        "monitoring": _MONITORING,
-        "admin": {"token_env": "NARWHAL_ADMIN_TOKEN"},
-        "upstream": {"idle_timeout_ms": 1000},
-    },
+        wave="r",
+    ),
 )
 
 PROFILES: dict[str, Profile] = {

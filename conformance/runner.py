@@ -45,7 +45,6 @@ __all__ = ["Mismatch", "Result", "Runner", "VERDICTS", "READY_PATHS", "StepError
 VERDICTS = ("Pass", "Fail", "Non-Strict", "Info", "N/A")
 READY_PATHS = ("/ready", "/health", "/v1/models")  # the default ready URL: the first that exists
 _SETTLE_S = 5.0  # the router comes to rest within this after a case (then once more after an abort)
-_POLL_S = 0.02
 
 
 @dataclass
