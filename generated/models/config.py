@@ -208,6 +208,14 @@ class Serving(BaseModel):
             le=100000,
         ),
     ] = 200
+    abuse_penalty_ms: Annotated[
+        StrictInt,
+        Field(
+            description='A client address whose connection was closed with ENHANCE_YOUR_CALM (a control-frame flood or rapid reset) has its new connections closed at accept, before any byte is parsed, for this many milliseconds (at most 65,536 addresses are remembered). 0 turns it off: behind a proxy through which every client shares one address, let the proxy limit per client instead.',
+            ge=0,
+            le=3600000,
+        ),
+    ] = 10000
 
 
 class Admission(BaseModel):

@@ -29,6 +29,11 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      token streams (a few KB/s each) and for any answer the router assembles.
   7. hypercorn answers bytes that are not an HTTP/1.1 request (400) and an oversized head
      (431) with an empty body. Fixed: the error envelope of rows H08 and H09.
+  8. Not a hypercorn defect but what the calm answer above leaves open: an attacker whose
+     connection got ENHANCE_YOUR_CALM reconnects at once, and every frame of the next
+     flood is parsed again. Bounded: its address is penalised for
+     serving.abuse_penalty_ms; while penalised, its new connections are closed at accept,
+     before any byte is read (at most PENALTY_ADDRESSES addresses, oldest forgotten).
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
@@ -60,6 +65,7 @@ __all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "HardenedH2Protoco
 @dataclass(frozen=True, slots=True)
 class Limits:
     control_frames_per_s: int = 200
+    abuse_penalty_s: float = 10.0  # serving.abuse_penalty_ms; 0: off
 
 
 @dataclass
@@ -71,6 +77,7 @@ class ConnectionCounts:
     h2: int = 0  # HTTP/2 connections open
     refused_streams: int = 0  # streams refused past max_streams_per_connection (total)
     calmed: int = 0  # connections closed with ENHANCE_YOUR_CALM (total)
+    penalised: int = 0  # connections closed at accept, their address penalised (total)
 
 
 class ConnectionCollector:
@@ -87,9 +94,47 @@ class ConnectionCollector:
         yield GaugeMetricFamily("narwhal_client_connections_h2", "Open HTTP/2 client connections.", value=COUNTS.h2)
         yield CounterMetricFamily("narwhal_h2_refused_streams", "HTTP/2 streams refused past serving.max_streams_per_connection.", value=COUNTS.refused_streams)
         yield CounterMetricFamily("narwhal_h2_calmed_connections", "HTTP/2 connections closed with ENHANCE_YOUR_CALM (control-frame floods).", value=COUNTS.calmed)
+        yield CounterMetricFamily("narwhal_penalised_connections", "Client connections closed at accept: their address was calmed within serving.abuse_penalty_ms.", value=COUNTS.penalised)
+        yield GaugeMetricFamily("narwhal_penalised_addresses", "Client addresses currently penalised.", value=PENALTIES.size())
+
+
+PENALTY_ADDRESSES = 65536  # the most addresses remembered at once
+
+
+class Penalties:
+    """Defect 8: client addresses penalised until a monotonic time, in a bounded table
+    (insertion-ordered: the oldest penalty is forgotten first when it is full)."""
+
+    def __init__(self, limit: int = PENALTY_ADDRESSES) -> None:
+        self.limit = limit
+        self._until: dict[str, float] = {}
+
+    def size(self) -> int:
+        return len(self._until)
+
+    def penalise(self, addr: str, seconds: float, now: float) -> None:
+        if seconds <= 0.0:
+            return
+        self._until.pop(addr, None)
+        while len(self._until) >= self.limit:
+            del self._until[next(iter(self._until))]
+        self._until[addr] = now + seconds
+
+    def penalised(self, addr: str, now: float) -> bool:
+        until = self._until.get(addr)
+        if until is None:
+            return False
+        if until <= now:
+            del self._until[addr]
+            return False
+        return True
+
+    def clear(self) -> None:
+        self._until.clear()
 
 
 COUNTS = ConnectionCounts()
+PENALTIES = Penalties()
 _LIMITS = Limits()
 
 
@@ -170,6 +215,9 @@ class HardenedH2Protocol(H2Protocol):
             control = isinstance(ev, _CONTROL) or (isinstance(ev, h2.events.DataReceived) and not ev.data and ev.stream_ended is None)
             if control and not self._bucket.take():
                 COUNTS.calmed += 1
+                peer = self.client[0] if self.client else None
+                if peer:  # defect 8
+                    PENALTIES.penalise(peer, _LIMITS.abuse_penalty_s, time.monotonic())
                 self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many control frames")
                 await self._flush()
                 await self.send(Closed())
@@ -212,9 +260,14 @@ CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
 
 
 class HardenedTCPServer(TCPServer):
-    """Defects 5 and 6, and the connection counts."""
+    """Defects 5, 6 and 8, and the connection counts."""
 
     async def run(self) -> None:
+        peer = self.writer.get_extra_info("peername")
+        if peer and PENALTIES.penalised(peer[0], time.monotonic()):  # defect 8
+            COUNTS.penalised += 1
+            self.writer.transport.abort()
+            return
         sock = self.writer.get_extra_info("socket")
         if sock is not None:
             try:

@@ -103,7 +103,7 @@ def serving_config(config: NarwhalConfig, listen: str) -> HyperConfig:
     """hypercorn's configuration from serving.*, with the hardened protocol installed
     (narwhal/http/hyper.py)."""
     sv = config.serving
-    hyper.install(hyper.Limits(control_frames_per_s=sv.h2_control_frames_per_second))
+    hyper.install(hyper.Limits(control_frames_per_s=sv.h2_control_frames_per_second, abuse_penalty_s=sv.abuse_penalty_ms / 1000.0))
     return hypercorn_config(listen, certfile=sv.tls.certfile, keyfile=sv.tls.keyfile, keep_alive_ms=sv.keep_alive_ms, max_streams=sv.max_streams_per_connection)
 
 
