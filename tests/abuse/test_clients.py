@@ -11,6 +11,7 @@ bounded in count and time (serving.* limits are shrunk so that a test takes seco
   FIN after one request (CLOSE-WAIT)            closed at once                      -
   more streams than advertised                  serving.max_streams_per_connection  REFUSED_STREAM, connection kept
   PING / SETTINGS flood                         serving.h2_control_frames_per_second GOAWAY ENHANCE_YOUR_CALM
+  reconnecting after ENHANCE_YOUR_CALM          serving.abuse_penalty_ms            closed at accept
   rapid reset (HEADERS+DATA+RST_STREAM)         never dispatched                    cancelled, no engine request
   body in 1-byte chunks                         one byte of memory per body byte    -
 """
@@ -34,7 +35,7 @@ from narwhal.engines.runtime import EngineSpec
 from narwhal.mock import MockConfig, Timing, running_fleet
 from tests.helpers import RunningRouter, running_router, wait_until
 
-READ_MS, STALL_MS = 600, 600
+READ_MS, STALL_MS, PENALTY_MS = 600, 600, 1500
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def rr() -> Iterator[tuple[RunningRouter, Any]]:
         specs = [EngineSpec(m.name, m.url, "unified", "vllm", None, None) for m in mocks]
         cfg = {
             "serving": {"read_timeout_ms": READ_MS, "send_stall_ms": STALL_MS, "keep_alive_ms": 3000, "max_streams_per_connection": 4,
-                        "h2_control_frames_per_second": 50},
+                        "h2_control_frames_per_second": 50, "abuse_penalty_ms": PENALTY_MS},
             "admission": {"mode": "open", "http_retention_limit": 8, "prediction": {"profile_on_start": False}},
             "monitoring": {"poll_interval_ms": 200, "stale_after_ms": 60000},
         }
@@ -82,8 +83,10 @@ def _recv_all(s: socket.socket, timeout: float) -> bytes:
 class H2Client:
     """A raw HTTP/2 client on a socket (h2's own state machine), for what httpx will not do."""
 
-    def __init__(self, addr: tuple[str, int], *, window: int | None = None) -> None:
-        self.sock = socket.create_connection(addr, timeout=5)
+    def __init__(self, addr: tuple[str, int], *, window: int | None = None, source: str | None = None) -> None:
+        # source: another loopback address (127.0.0.0/8), for an attacker the router
+        # penalises (serving.abuse_penalty_ms) without penalising the other tests' clients
+        self.sock = socket.create_connection(addr, timeout=5, source_address=(source, 0) if source else None)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         self.conn.initiate_connection()
         if window is not None:
@@ -279,7 +282,7 @@ def test_streams_past_the_limit_are_refused_and_the_connection_stays(rr: tuple[R
 @pytest.mark.parametrize("frame", ["ping", "settings"])
 def test_a_control_frame_flood_gets_goaway_enhance_your_calm(rr: tuple[RunningRouter, Any], frame: str) -> None:
     router, _ = rr
-    c = H2Client(_addr(router))
+    c = H2Client(_addr(router), source="127.0.0.2" if frame == "ping" else "127.0.0.3")
     try:
         for i in range(400):
             if frame == "ping":
@@ -294,6 +297,45 @@ def test_a_control_frame_flood_gets_goaway_enhance_your_calm(rr: tuple[RunningRo
         c.close()
     r = router.get("/health")  # other clients are fine
     assert r.status_code == 200
+
+
+def _penalised(router: RunningRouter) -> float:
+    for line in router.get("/metrics").text.splitlines():
+        if line.startswith("narwhal_penalised_connections_total "):
+            return float(line.split()[1])
+    raise AssertionError("narwhal_penalised_connections_total is not on /metrics")
+
+
+def _closed_at_accept(addr: tuple[str, int], source: str) -> bool:
+    """True when the router closes a new connection from `source` before answering it."""
+    with socket.create_connection(addr, timeout=2, source_address=(source, 0)) as s:
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            return _recv_all(s, 2.0) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+
+
+def test_a_calmed_address_is_refused_at_accept_for_the_penalty(rr: tuple[RunningRouter, Any]) -> None:
+    # serving.abuse_penalty_ms (hyper.py defect 8): after ENHANCE_YOUR_CALM the attacker's
+    # reconnects are closed before any frame is parsed; other addresses are served; the
+    # penalty ends
+    router, _ = rr
+    addr, bad = _addr(router), "127.0.0.4"
+    before = _penalised(router)
+    c = H2Client(addr, source=bad)
+    try:
+        for i in range(400):
+            c.conn.ping(i.to_bytes(8, "big"))
+        c.flush()
+        evs = c.pump(2.0, until=lambda e: any(isinstance(x, h2.events.ConnectionTerminated) for x in e))
+        assert any(isinstance(e, h2.events.ConnectionTerminated) and e.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM for e in evs)
+    finally:
+        c.close()
+    assert _closed_at_accept(addr, bad)
+    assert router.get("/health").status_code == 200  # 127.0.0.1 is not penalised
+    assert _penalised(router) >= before + 1
+    assert wait_until(lambda: not _closed_at_accept(addr, bad), timeout=PENALTY_MS / 1000.0 + 5.0)
 
 
 def test_rapid_reset_never_reaches_an_engine(rr: tuple[RunningRouter, Any]) -> None:

@@ -3,6 +3,7 @@ P/D two phases, eligibility, and the precedence property over the whole refusal 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -235,6 +236,48 @@ def test_pd_two_phases_and_decode_fifo() -> None:
     assert [x.ticket for x in g] == [b.ticket] and g[0].phase == "decode"
     s.finish(b.ticket, clk.now())
     assert (p.prefill_in_use, d.decode_in_use) == (0, 0)
+
+
+@pytest.mark.parametrize("mode", ["open", "predictive"])
+def test_pd_backpressure_no_prefill_for_a_request_that_would_wait_for_decode(mode: str) -> None:
+    # module rule "P/D backpressure": prefilling + prefilled + decode-queued P/D requests
+    # stay below free decode slots + reserve (max(1, slots // 4) per decode engine);
+    # past it a request waits in its phase-1 queue, where R11/R12 bound it, and never
+    # holds prefilled KV that would expire in the decode queue (issue 11)
+    clk = ManualClock()
+    p, d = engine("p0", "prefill", prefill=8, b0=10.0), engine("d0", "decode", decode=2)
+    s = sched(p, d, mode=mode)
+    grants = [s.admit(work(clk, budget=1e9), clk.now()) for _ in range(5)]
+    # room: 2 free decode slots + reserve 1 = 3, though the prefill engine has 8 slots
+    assert [type(g).__name__ for g in grants] == ["Dispatch"] * 3 + ["Enqueued"] * 2
+    assert p.prefill_in_use == 3 and len(p.queue) == 2 and s.pd_pending == 3
+    a, b, c = (g.ticket for g in grants[:3])
+    for t in (a, b):
+        assert s.prefill_done(t, clk.now(), ok=True) == []  # no room opened: still pending
+        assert isinstance(s.want_decode(t, clk.now()), Dispatch)
+    # both decode slots taken: room = 0 free + 1 reserve; c is the one prefilled-ready
+    assert s.prefill_done(c, clk.now(), ok=True) == [] and isinstance(s.want_decode(c, clk.now()), Enqueued)
+    g = s.finish(a, clk.now())  # a decode slot frees: c decodes, and one queued request prefills
+    assert [(x.ticket, x.phase) for x in g] == [(c, "decode"), (grants[3].ticket, "prefill")]
+    s.finish(b, clk.now())
+    s.finish(c, clk.now())
+    s.finish(grants[3].ticket, clk.now())
+    s.finish(grants[4].ticket, clk.now())
+    assert (p.prefill_in_use, d.decode_in_use, s.pd_pending, s.queued, len(s.decode_queue)) == (0, 0, 0, 0, 0)
+
+
+def test_pd_backpressure_counts_a_failed_decode_as_waiting_again() -> None:
+    clk = ManualClock()
+    p, d0, d1 = engine("p0", "prefill", prefill=8), engine("d0", "decode", decode=1), engine("d1", "decode", decode=1)
+    s = sched(p, d0, d1, mode="open")
+    a = s.admit(work(clk), clk.now())
+    assert isinstance(a, Dispatch)
+    s.prefill_done(a.ticket, clk.now(), ok=True)
+    assert isinstance(s.want_decode(a.ticket, clk.now()), Dispatch) and s.pd_pending == 0
+    s.decode_failed(a.ticket, clk.now())
+    assert s.pd_pending == 1
+    s.finish(a.ticket, clk.now())
+    assert s.pd_pending == 0 and (d0.decode_in_use, d1.decode_in_use) == (0, 0)
 
 
 def test_retry_excludes_the_failed_decode_engine() -> None:
