@@ -363,7 +363,7 @@ E05 = ErrorRow(
     quote="Engine errors before the stream are mapped, not leaked as 500s; mid-stream engine error events reach the client in the engine's shape.",
 )
 
-# E06: Connect failure, reset, or a stream that ends without data: [DONE].
+# E06: Connect failure (refused, name resolution, or no connection within upstream.connect_timeout_ms: the message names that knob), reset, or a stream that ends without data: [DONE]. The message names the engine, never its address.
 E06 = ErrorRow(
     id='E06',
     order=None,
@@ -380,7 +380,7 @@ E06 = ErrorRow(
     quote="After response headers are sent, an expiry or an engine failure ends the stream with an error event in the engine's shape, never a silent cut.",
 )
 
-# E07: upstream.idle_timeout_ms without a byte from the engine.
+# E07: upstream.idle_timeout_ms without a byte from the engine once connected (a connect timeout is E06).
 E07 = ErrorRow(
     id='E07',
     order=None,

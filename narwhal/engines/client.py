@@ -5,9 +5,15 @@ request, which is how a client's disconnect reaches the engine (httpx over HTTP/
 sends RST_STREAM, STACK.md). Transport failures become values of one small table, most
 specific first, mapped to failure rows:
 
-    timeout while connecting or reading  -> E07 engine_timeout
+    no byte for the idle timeout         -> E07 engine_timeout (upstream.idle_timeout_ms)
     a body over its limit                -> E02 malformed_engine_output
+    no connection within the connect     -> E06 engine_unreachable, naming
+      timeout                               upstream.connect_timeout_ms
     any other transport error            -> E06 engine_unreachable
+
+A connect timeout is a connect failure (E06), not E07: E07's message speaks of an engine
+that went quiet for upstream.idle_timeout_ms, which would send an operator to the wrong
+knob.
 
 An UpstreamError's `detail` is words a client may read (no engine address, no engine
 bytes); `log_detail` keeps both for the log. Engine URLs with userinfo: the credentials
@@ -48,8 +54,10 @@ class UpstreamError(Exception):
 
 
 def _map(exc: H1Error) -> UpstreamError:
-    if isinstance(exc, (ReadTimeout, ConnectTimeout)):
+    if isinstance(exc, ReadTimeout):
         return UpstreamError("E07", str(exc), exc.detail)
+    if isinstance(exc, ConnectTimeout):
+        return UpstreamError("E06", f"{exc} (upstream.connect_timeout_ms)", exc.detail)
     if isinstance(exc, BodyTooLarge):
         return UpstreamError("E02", str(exc), exc.detail)
     return UpstreamError("E06", str(exc), exc.detail)

@@ -467,7 +467,8 @@ class H1Pool:
                 self.connect_timeout,
             )
         except TimeoutError:
-            raise ConnectTimeout("timed out connecting", f"connect to {key[0]}:{key[1]} timed out") from None
+            ms = f"{self.connect_timeout * 1000:g}"
+            raise ConnectTimeout(f"no connection within {ms} ms", f"connect to {key[0]}:{key[1]} timed out after {ms} ms") from None
         except OSError as e:
             why = _why(e)
             raise ConnectionFailed(f"unreachable ({why})", f"connect to {key[0]}:{key[1]}: {why} ({e})") from None

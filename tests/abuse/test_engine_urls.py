@@ -6,13 +6,19 @@ addresses and raw engine bytes (`connect to 127.0.0.1:19499: Connection refused`
 on every request to that engine (completions, health polls, profiling), Host names host
 and port only, and the URL is published without it; client-facing messages name the
 engine and say what happened in words, while the log keeps the address and the bytes
-under the request ID (WARNING)."""
+under the request ID (WARNING).
+
+Also here, an engine that accepts no connection within upstream.connect_timeout_ms:
+it was reported with E07's idle-time words (upstream.idle_timeout_ms); now it is a
+connect failure, E06, naming the connect knob."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,3 +171,56 @@ def test_a_mid_stream_transport_failure_event_names_no_bytes(warnings_log: pytes
     assert err["code"] == E.E06.code and "u0" in err["message"] and "chunked encoding" in err["message"]
     assert not any(x in err["message"] for x in (*LEAKS, "zz", str(eng.port))), err
     assert any("leak-mid" in m and "zz" in m for m in (rec.getMessage() for rec in warnings_log.records))
+
+
+# -- a connect timeout is a connect failure (E06), not the idle timeout (E07) ----------
+
+
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A loopback port whose connects never complete: a listener with a backlog of 0
+    that never accepts, its one queue place taken, so the kernel drops further SYNs."""
+    srv = socket.socket()
+    filler = socket.socket()
+    try:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        filler.connect(("127.0.0.1", port))
+        probe = socket.socket()
+        probe.settimeout(0.2)
+        try:
+            with pytest.raises(OSError):
+                probe.connect(("127.0.0.1", port))  # the queue is full: SYNs are dropped
+        finally:
+            probe.close()
+        yield port
+    finally:
+        filler.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_connect_timeout_is_E06_naming_connect_timeout_ms(warnings_log: pytest.LogCaptureFixture, stream: bool) -> None:
+    cfg = base()
+    cfg["upstream"] = {"connect_timeout_ms": 200, "idle_timeout_ms": 3000}
+    rid = f"connect-timeout-{stream}"
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(unanswered_port())
+        rr = stack.enter_context(running_router(cfg, [EngineSpec("u0", f"http://127.0.0.1:{port}", "unified", "vllm", None, None)], start=False))
+        if stream:
+            s = sse(rr.url, chat(stream=True), headers={"x-request-id": rid})
+            status, text = s.status, s.body.decode()
+        else:
+            r = rr.post("/v1/chat/completions", json=chat(), headers={"x-request-id": rid})
+            status, text = r.status_code, r.text
+        books = rr.balanced()
+    assert status == E.E06.status, text
+    err = httpx.Response(status, content=text.encode()).json()["error"]
+    assert err["code"] == E.E06.code and err["type"] == E.E06.type, err
+    assert "u0" in err["message"] and "upstream.connect_timeout_ms" in err["message"] and "200 ms" in err["message"], err
+    assert "idle_timeout" not in err["message"] and "127.0.0.1" not in err["message"] and str(port) not in err["message"], err
+    assert books["terminal"].get("failed") == 1, books
+    logged = [rec.getMessage() for rec in warnings_log.records if rid in rec.getMessage()]
+    assert any(f"127.0.0.1:{port}" in m and "timed out" in m for m in logged), logged
+
