@@ -312,7 +312,7 @@ E02 = ErrorRow(
     quote='The non-streaming assembler returns HTTP 502 for unsupported choice or chat-delta fields that carry a value, including audio, annotations, and custom tool output, and for malformed supported fields.',
 )
 
-# E03: Token identity rules T02-T05. Retried on another decode engine before response headers.
+# E03: Token identity rules T02-T05. Retried on another decode engine before response headers. The message says what is wrong in words (a Boolean ID, a negative ID, a missing list; the choice by its position) and carries no engine-supplied value: not the IDs, not the engine's choice index; the log has them under the request ID.
 E03 = ErrorRow(
     id='E03',
     order=None,
@@ -329,7 +329,7 @@ E03 = ErrorRow(
     quote='An event that omits the list, supplies a Boolean ID, or returns a malformed list fails the decode attempt or profiling measurement.',
 )
 
-# E04: The engine answered HTTP 5xx before streaming, or (non-streaming clients) sent an error event. Streaming clients get the engine's own error event unchanged.
+# E04: The engine answered HTTP 5xx before streaming, or (non-streaming clients) sent an error event. Streaming clients get the engine's own error event unchanged. The engine's message is passed on only when it is a JSON string, shortened to 1,000 characters and with addresses (URLs, IP addresses, the fleet's host names) replaced by <address>; a body that is not JSON is described in words, never quoted.
 E04 = ErrorRow(
     id='E04',
     order=None,
@@ -346,7 +346,7 @@ E04 = ErrorRow(
     quote="Engine errors before the stream are mapped, not leaked as 500s; mid-stream engine error events reach the client in the engine's shape.",
 )
 
-# E05: The engine answered HTTP 4xx before streaming; its message and param are passed on. Not retried.
+# E05: The engine answered HTTP 4xx before streaming; its message and param are passed on (the message as E04 passes it; param only when it looks like a field path). Not retried.
 E05 = ErrorRow(
     id='E05',
     order=None,

@@ -6,7 +6,9 @@ Rules
   * The assembler follows the table literally. Engine quirks are normalised before it
     (narwhal/core/dialects.py, rows D..).
   * A row that refuses (A10, A12, A13) makes `feed` or `finish` return a `Failure`
-    naming the failure row (E01 or E02); nothing is raised.
+    naming the failure row (E01 or E02); nothing is raised. Its `detail` is words a
+    client may read: it names fields of the assembly table, never a name or value the
+    engine supplied (an unknown field's name goes to `log_detail`, for the log).
 Theory of operation: `feed(chunk)` per parsed engine event, in stream order; then
 `finish(...)` builds the response. Per-choice state is kept by stream index; choices are
 returned in index order.
@@ -47,6 +49,16 @@ class Failure:
     row: str
     rule: str
     detail: str
+    log_detail: str = ""  # engine-supplied names for the log (shortened), when any
+
+
+def _unsupported(where: str, k: Any) -> Failure:
+    """A12: a field that carries a value the assembler cannot represent. A field the
+    table names (audio, annotations, ...) is named; any other name is the engine's own
+    and goes to the log only."""
+    if k in _UNSUPPORTED:
+        return Failure("E01", "A12", f"{where} field {k!r}")
+    return Failure("E01", "A12", f"a {where} field the assembly table does not name", f"{where} field {str(k)[:80]!r}")
 
 
 def _has_value(v: Any) -> bool:
@@ -140,10 +152,10 @@ class Assembler:
             return ch
         for k, v in c.items():
             if k not in _CHOICE_KEYS and _has_value(v):
-                return Failure("E01", "A12", f"choice field {k!r}")
+                return _unsupported("choice", k)
         for k in _UNSUPPORTED:  # A12: audio/annotations on the choice itself
             if _has_value(c.get(k)):
-                return Failure("E01", "A12", f"choice field {k!r}")
+                return _unsupported("choice", k)
         output = False
         if self.route == "chat":
             delta = c.get("delta")
@@ -198,7 +210,7 @@ class Assembler:
         output = False
         for k, v in delta.items():
             if k not in _CHAT_DELTA_KEYS and _has_value(v):
-                return Failure("E01", "A12", f"delta field {k!r}")
+                return _unsupported("delta", k)
         role = delta.get("role")
         if role is not None and ch.role is None:  # A23
             if type(role) is not str:
@@ -345,7 +357,7 @@ class Assembler:
             tid, name = "".join(acc["id"]), "".join(acc["name"])
             if not tid or not name:  # A10
                 missing = "an ID" if not tid else "a function name"
-                return Failure("E02", "A10", f"tool call {tidx} has no {missing}")
+                return Failure("E02", "A10", f"a tool call has no {missing}", f"tool call index {tidx}")
             calls.append({
                 "id": tid,
                 "type": acc["type"] or "function",

@@ -12,6 +12,11 @@ Engine output is bounded: an event (or an unfinished line) longer than
 `max_event_bytes` (upstream.max_event_bytes) fails the attempt as E02, after the events
 completed before it.
 
+Failure words are for clients: they name no engine-supplied value (not an ID, not a field
+name the engine made up, not its bytes). What the log needs besides is kept in
+`failure_detail`. An engine's own error message, which E04 and E05 pass on, goes through
+`engine_message`: a JSON string only, shortened, with addresses replaced.
+
 Outcomes a caller acts on (`Step`): bytes to write, whether the first token arrived (the
 moment response headers may go out), end of stream, a failure (row ID + detail), or an
 engine error event (streaming: already forwarded in the engine's shape).
@@ -19,6 +24,8 @@ engine error event (streaming: already forwarded in the engine's shape).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import orjson
@@ -27,9 +34,57 @@ from .assembly import Assembler, Failure
 from .dialects import ToolCallNormaliser
 from .prediction import TokenArrivals
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
-from .tokens import carries_output, check_token_ids
+from .tokens import carries_output, token_id_failure
 
-__all__ = ["StreamRelay", "Step"]
+__all__ = ["StreamRelay", "Step", "engine_message"]
+
+MAX_ENGINE_MESSAGE = 1000  # characters of an engine's own error message passed on
+
+# Addresses in an engine's own words: URLs, IPv4 (with a port), IPv6 (bracketed, or bare
+# with "::" or five colons), localhost. Engines name their peers in errors (a KV
+# connector that cannot reach its prefill engine); clients must not learn the fleet.
+_ADDRESS = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*"
+    r"|\[[0-9A-Fa-f:.%\w]*:[0-9A-Fa-f:.%\w]*\](?::\d+)?"
+    r"|(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?(?![\w.])"
+    r"|(?<![\w:.])(?=[0-9A-Fa-f:]*::|(?:[0-9A-Fa-f]*:){5})[0-9A-Fa-f:]{2,}(?:%\w+)?(?![\w:])"
+    r"|\blocalhost(?::\d+)?\b",
+    re.IGNORECASE,
+)
+
+
+def engine_message(value: Any, *, hosts: Iterable[str] = ()) -> str | None:
+    """An engine's own error message as a client may read it (rows E04, E05), or None when
+    `value` is not a non-empty string (an object, a list: engine data, not words).
+    Shortened to MAX_ENGINE_MESSAGE characters at a word's end; addresses, and the names
+    in `hosts` (the fleet's host names), replaced by `<address>`."""
+    if type(value) is not str or not value.strip():
+        return None
+    text = value
+    if len(text) > MAX_ENGINE_MESSAGE:
+        # cut at a word's end: half an address would escape the patterns below
+        head = text[:MAX_ENGINE_MESSAGE]
+        cut = head.rsplit(None, 1)[0] if not text[MAX_ENGINE_MESSAGE].isspace() and any(c.isspace() for c in head) else head
+        text = cut.rstrip() + " ..."
+    for h in hosts:
+        # a whole word; a single-label name ("decode", "vllm") only with its port, as
+        # the same word is likely to mean something else in the message
+        if h:
+            port = r"(?::\d+)?" if "." in h else r":\d+"
+            text = re.sub(r"(?<![\w.-])" + re.escape(h) + port + r"(?![\w-])", "<address>", text, flags=re.IGNORECASE)
+    return _ADDRESS.sub("<address>", text)
+
+
+def _event_error_words(err: Any, hosts: tuple[str, ...]) -> str:
+    """The words of a non-streaming engine error event (E04)."""
+    msg = engine_message(err.get("message") if type(err) is dict else err, hosts=hosts)
+    return msg if msg is not None else "an error event without a message"
+
+
+def _show(payload: bytes) -> str:
+    """The start of an engine payload, for the log."""
+    return repr(payload[:200]) + (" ..." if len(payload) > 200 else "")
+
 
 _DATA = b"data: "
 _END = b"\n\n"
@@ -64,7 +119,7 @@ class StreamRelay:
     __slots__ = (
         "_parser", "checks_ids", "client_ids", "client_usage", "assembler", "_normalise",
         "started", "done", "token_count", "arrivals", "finish_reason", "usage", "engine_error", "events",
-        "prompt_tokens_override",
+        "prompt_tokens_override", "failure_detail", "hosts",
     )
 
     def __init__(
@@ -77,6 +132,7 @@ class StreamRelay:
         normalise_tool_calls: bool = False,
         prompt_tokens_override: int | None = None,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        hosts: tuple[str, ...] = (),
     ) -> None:
         self._parser = SSEParser(max_event_bytes)
         self.checks_ids = checks_ids
@@ -94,6 +150,10 @@ class StreamRelay:
         self.events = 0
         # P/D: usage reported to the client takes input counts from prefill
         self.prompt_tokens_override = prompt_tokens_override
+        # a failure's detail for the log (engine values included); the Step's words are
+        # for clients
+        self.failure_detail: str | None = None
+        self.hosts = hosts  # the fleet's host names, replaced in engine messages (E04)
 
     def feed(self, raw: bytes, now: float) -> Step:
         out: list[bytes] = []
@@ -110,8 +170,10 @@ class StreamRelay:
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
+                self.failure_detail = _show(payload)
                 return Step(b"".join(out), first, False, ("E02", "an engine event is not JSON"), None)
             if type(obj) is not dict:
+                self.failure_detail = _show(payload)
                 return Step(b"".join(out), first, False, ("E02", "an engine event is not a JSON object"), None)
             err = obj.get("error")
             if err is not None:
@@ -119,12 +181,13 @@ class StreamRelay:
                 if self.assembler is None:
                     out.append(_DATA + payload + _END)  # the engine's own shape
                     continue
-                msg = err.get("message") if type(err) is dict else err
-                return Step(b"".join(out), first, False, ("E04", str(msg)), obj)
+                self.failure_detail = _show(payload)
+                return Step(b"".join(out), first, False, ("E04", _event_error_words(err, self.hosts)), obj)
             if self.checks_ids:
-                k, bad = check_token_ids(obj)
+                k, bad = token_id_failure(obj)
                 if bad is not None:
-                    return Step(b"".join(out), first, False, ("E03", bad), None)
+                    self.failure_detail = bad.detail
+                    return Step(b"".join(out), first, False, ("E03", bad.words), None)
                 if k:
                     self.token_count += k
                     self.arrivals.add(now, k)
@@ -151,6 +214,7 @@ class StreamRelay:
                     self._normalise(obj)
                 f = self.assembler.feed(obj)
                 if isinstance(f, Failure):
+                    self.failure_detail = f.log_detail or None
                     return Step(b"", first, False, (f.row, f"{f.detail} ({f.rule})"), None)
                 continue
             if not choices and usage is not None and not self.client_usage:

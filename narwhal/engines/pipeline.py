@@ -15,7 +15,9 @@ Rules
   * Engine output is bounded by upstream.max_event_bytes (an event, a line, a whole
     prefill or error body): more fails the attempt as E02.
   * Client-facing messages name the engine, never its address, and carry no engine
-    bytes; the detail (address, bytes) goes to the log at WARNING under the request ID.
+    bytes or engine-supplied values; an engine's own error message (E04, E05) is passed
+    on as words only (`engine_message`: a string, shortened, addresses replaced). The
+    detail (address, bytes, values) goes to the log at WARNING under the request ID.
 Returns the request's terminal class; the HTTP shell closes the books with it.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any, Protocol
 
 import orjson
@@ -34,7 +37,7 @@ from ..core.admission import Dispatch, Enqueued, Refuse, Ticket, Work
 from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.fleet import EngineState
-from ..core.relay import StreamRelay
+from ..core.relay import StreamRelay, engine_message
 from ..core.requests import ParsedRequest, without_fields
 from .client import H1Error, UpstreamError
 from .runtime import Router
@@ -78,13 +81,14 @@ async def _refuse(sink: Sink, row: E.ErrorRow, *, param: str | None = None, over
     return row.counter
 
 
-_MAX_ENGINE_MESSAGE = 1000  # characters of an engine's own error message passed on
+_PARAM = re.compile(r"^[A-Za-z0-9_.\[\]-]{1,128}$")  # an engine's `param` passed on: a field path
 
 
-def _engine_error_detail(status: int, body: bytes) -> tuple[str, str | None]:
+def _engine_error_detail(status: int, body: bytes, hosts: tuple[str, ...] = ()) -> tuple[str, str | None]:
     """(message, param) from an engine's HTTP error body, whatever its version's shape.
-    The engine's own message (a JSON string) is passed on, shortened; a body that is not
-    JSON is not: the message says so in words."""
+    The engine's own message (a JSON string) is passed on through `engine_message`; a body
+    that is not JSON, or a message that is not a string (FastAPI's `detail` list), is not:
+    the message says what it was in words. `param` only when it looks like a field path."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -92,12 +96,13 @@ def _engine_error_detail(status: int, body: bytes) -> tuple[str, str | None]:
     if isinstance(obj, dict):
         err = obj.get("error", obj)
         if isinstance(err, dict):
-            msg = err.get("message") or err.get("detail") or f"HTTP {status}"
+            msg = engine_message(err.get("message"), hosts=hosts) or engine_message(err.get("detail"), hosts=hosts)
             param = err.get("param")
-            return str(msg)[:_MAX_ENGINE_MESSAGE], (param[:_MAX_ENGINE_MESSAGE] if isinstance(param, str) else None)
-        if isinstance(err, str):
-            return err[:_MAX_ENGINE_MESSAGE], None
-    return f"HTTP {status}", None
+            return msg or f"HTTP {status} without a message", (param if isinstance(param, str) and _PARAM.match(param) else None)
+        msg = engine_message(err, hosts=hosts)
+        if msg is not None:
+            return msg, None
+    return f"HTTP {status} without a message", None
 
 
 class _Run:
@@ -116,9 +121,8 @@ class _Run:
         return _Failed(x.row, f"{leg} {e.name}: {x.detail}", engine=e)
 
     def _http_error(self, status: int, raw: bytes, e: EngineState, leg: str = "engine") -> _Failed:
-        msg, param = _engine_error_detail(status, raw)
-        if status >= 500:
-            log.warning("request %s: %s %s answered HTTP %d: %r", self.rid, leg, e.name, status, raw[:500])
+        msg, param = _engine_error_detail(status, raw, self.r.engine_hosts)
+        log.log(logging.WARNING if status >= 500 else logging.INFO, "request %s: %s %s answered HTTP %d: %r", self.rid, leg, e.name, status, raw[:500])
         return _Failed("E05" if status < 500 else "E04", f"{leg} {e.name}: {msg}", param=param, engine=e)
 
     # -- legs --------------------------------------------------------------------------
@@ -137,6 +141,7 @@ class _Run:
             try:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
+                log.warning("request %s: prefill engine %s: E02 answer not JSON: %r", self.rid, e.name, raw[:200])
                 raise _Failed("E02", f"prefill engine {e.name} answered with non-JSON", engine=e) from None
             if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
                 raise _Failed("E02", f"prefill engine {e.name} returned no kv_transfer_params", engine=e)
@@ -168,6 +173,7 @@ class _Run:
             normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
             prompt_tokens_override=self.prefill_prompt_tokens,
             max_event_bytes=r.config.upstream.max_event_bytes,
+            hosts=r.engine_hosts,
         )
         try:
             headers = self.headers if dialect.propagate_request_id else None
@@ -195,7 +201,7 @@ class _Run:
                     row, detail = step.failure
                     if sink.headers_sent and step.out:
                         await sink.write(step.out)
-                    log.warning("request %s: engine %s: %s %s", self.rid, e.name, row, detail)
+                    log.warning("request %s: engine %s: %s %s%s", self.rid, e.name, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
                     raise _Failed(row, f"engine {e.name}: {detail}", engine=e)
                 if step.first_token:
                     self._first_token(t, now)
@@ -219,7 +225,8 @@ class _Run:
         if relay.engine_error is not None:
             # a streaming client got the engine's own error event (E04 shape of the engine)
             if not sink.headers_sent:
-                raise _Failed("E04", f"engine {e.name}: {_err_msg(relay.engine_error)[:_MAX_ENGINE_MESSAGE]}", engine=e)
+                log.warning("request %s: engine %s: E04 error event %r", self.rid, e.name, orjson.dumps(relay.engine_error)[:500])
+                raise _Failed("E04", f"engine {e.name}: {_err_msg(relay.engine_error, r.engine_hosts)}", engine=e)
             await sink.end_stream()
             r.engine_failed(e, "E04")
             return "failed"
@@ -228,6 +235,7 @@ class _Run:
             prompt = self.prefill_prompt_tokens if self.prefill_prompt_tokens is not None else self.work.prompt_tokens
             res = assembler.finish(prompt_tokens=prompt, completion_tokens=relay.token_count if checks_ids else None)
             if isinstance(res, Failure):
+                log.warning("request %s: engine %s: %s %s (%s)%s", self.rid, e.name, res.row, res.detail, res.rule, f": {res.log_detail}" if res.log_detail else "")
                 raise _Failed(res.row, f"engine {e.name}: {res.detail} ({res.rule})", engine=e)
             if self.prefill_prompt_tokens is not None:
                 _merge_usage(res, self.prefill_prompt_tokens)
@@ -325,11 +333,11 @@ class _Run:
         return r.scheduler.retry_unified(t, r.clock.now())
 
 
-def _err_msg(obj: dict[str, Any]) -> str:
+def _err_msg(obj: dict[str, Any], hosts: tuple[str, ...]) -> str:
+    """The words of an engine's error event (E04): its message, if a string."""
     err = obj.get("error")
-    if isinstance(err, dict):
-        return str(err.get("message"))
-    return str(err)
+    msg = engine_message(err.get("message") if isinstance(err, dict) else err, hosts=hosts)
+    return msg if msg is not None else "an error event without a message"
 
 
 def _merge_usage(res: dict[str, Any], prompt_tokens: int) -> None:

@@ -76,6 +76,7 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
             step = relay.feed(chunk, now)
             if step.failure is not None:
                 row, detail = step.failure
+                log.warning("engine %s: profiling request %s: %s %s%s", e.name, rid, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
                 raise ProfileError(f"{row}: {detail}")  # T07
             if step.first_token and first is None:
                 first = now

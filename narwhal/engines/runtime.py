@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from narwhal_generated import dialects as D
 from narwhal_generated.models.config import NarwhalConfig
@@ -82,6 +83,9 @@ class Router:
                 self.client.authorize(s.url, s.authorization)
         # the pass-through policy (docs/passthrough.md): fields removed from client bodies
         self.deny_fields = frozenset(config.upstream.deny_fields)
+        # host names of the fleet: an engine's own error message passed on to a client
+        # names none of them (narwhal/core/relay.py, engine_message)
+        self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))
         self.telemetry = Telemetry(self.snapshot_for_metrics)
         self.held = 0  # R02: client requests held
         self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
