@@ -295,7 +295,7 @@ E01 = ErrorRow(
     quote='The non-streaming assembler returns HTTP 502 for unsupported choice or chat-delta fields that carry a value, including audio, annotations, and custom tool output, and for malformed supported fields.',
 )
 
-# E02: Non-streaming: a supported field of the wrong type, a tool call without id or function name (A10), a chunk that is not JSON, a prefill answer without kv_transfer_params. Streaming: a chunk that is not JSON.
+# E02: Non-streaming: a supported field of the wrong type, a tool call without id or function name (A10), a chunk that is not JSON, a prefill answer without kv_transfer_params, an answer whose engine events add up to more than upstream.max_answer_bytes. Streaming: a chunk that is not JSON. Both: an event, a line or a whole engine body over upstream.max_event_bytes.
 E02 = ErrorRow(
     id='E02',
     order=None,

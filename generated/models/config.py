@@ -131,6 +131,14 @@ class Upstream(BaseModel):
             le=1073741824,
         ),
     ] = 4194304
+    max_answer_bytes: Annotated[
+        StrictInt,
+        Field(
+            description="For a non-streaming client, the most engine output one answer is assembled from: the bytes of all the engine's SSE event data of the attempt, added up as they arrive. More fails the attempt as E02 malformed_engine_output (retried once on another engine, like any E02), the engine connection dropped, in time linear in the bytes received. Streaming clients need no such bound (what they have not read waits in bounded buffers and the engine is paused). 64 MiB by default: a 100,000-token answer with token IDs is some 15-20 MiB of vLLM events, while an engine that never ends its answer must not take the router's memory with it (the assembled answer's memory stays within a small multiple of this).",
+            ge=1024,
+            le=1073741824,
+        ),
+    ] = 67108864
     deny_fields: Annotated[
         list[StrictStr],
         Field(

@@ -10,7 +10,10 @@ Nothing is validated through models on this path.
 
 Engine output is bounded: an event (or an unfinished line) longer than
 `max_event_bytes` (upstream.max_event_bytes) fails the attempt as E02, after the events
-completed before it.
+completed before it; for a non-streaming client, the engine events the answer is
+assembled from are bounded in all by `max_answer_bytes` (upstream.max_answer_bytes):
+past it, E02 (a streaming client needs no such bound: what it has not read stays in
+bounded buffers and the engine waits).
 
 Failure words are for clients: they name no engine-supplied value (not an ID, not a field
 name the engine made up, not its bytes). What the log needs besides is kept in
@@ -36,8 +39,9 @@ from .prediction import TokenArrivals
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 from .tokens import carries_output, token_id_failure
 
-__all__ = ["StreamRelay", "Step", "engine_message"]
+__all__ = ["StreamRelay", "Step", "engine_message", "DEFAULT_MAX_ANSWER_BYTES"]
 
+DEFAULT_MAX_ANSWER_BYTES = 64 << 20  # the default of upstream.max_answer_bytes
 MAX_ENGINE_MESSAGE = 1000  # characters of an engine's own error message passed on
 
 # Addresses in an engine's own words: URLs, IPv4 (with a port), IPv6 (bracketed, or bare
@@ -119,7 +123,7 @@ class StreamRelay:
     __slots__ = (
         "_parser", "checks_ids", "client_ids", "client_usage", "assembler", "_normalise",
         "started", "done", "token_count", "arrivals", "finish_reason", "usage", "engine_error", "events",
-        "prompt_tokens_override", "failure_detail", "hosts",
+        "prompt_tokens_override", "max_answer_bytes", "answer_bytes", "failure_detail", "hosts",
     )
 
     def __init__(
@@ -132,6 +136,7 @@ class StreamRelay:
         normalise_tool_calls: bool = False,
         prompt_tokens_override: int | None = None,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
         hosts: tuple[str, ...] = (),
     ) -> None:
         self._parser = SSEParser(max_event_bytes)
@@ -150,6 +155,9 @@ class StreamRelay:
         self.events = 0
         # P/D: usage reported to the client takes input counts from prefill
         self.prompt_tokens_override = prompt_tokens_override
+        # non-streaming: the bytes of the engine events assembled so far, and their bound
+        self.max_answer_bytes = max_answer_bytes
+        self.answer_bytes = 0
         # a failure's detail for the log (engine values included); the Step's words are
         # for clients
         self.failure_detail: str | None = None
@@ -167,6 +175,12 @@ class StreamRelay:
                     out.append(_DONE_EVENT)
                 break
             self.events += 1
+            if self.assembler is not None:
+                self.answer_bytes += len(payload)
+                if self.answer_bytes > self.max_answer_bytes:
+                    self.failure_detail = f"{self.events} events, {self.answer_bytes} bytes"
+                    detail = f"the answer grew past upstream.max_answer_bytes ({self.max_answer_bytes} bytes)"
+                    return Step(b"", first, False, ("E02", detail), None)
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:

@@ -13,7 +13,8 @@ Rules
   * Pass-through policy (docs/passthrough.md): every leg's body is the client's without
     upstream.deny_fields (the router-only fields are gone since parse_request).
   * Engine output is bounded by upstream.max_event_bytes (an event, a line, a whole
-    prefill or error body): more fails the attempt as E02.
+    prefill or error body): more fails the attempt as E02; a non-streaming answer by
+    upstream.max_answer_bytes in all (E02).
   * Client-facing messages name the engine, never its address, and carry no engine
     bytes or engine-supplied values; an engine's own error message (E04, E05) is passed
     on as words only (`engine_message`: a string, shortened, addresses replaced). The
@@ -173,6 +174,7 @@ class _Run:
             normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
             prompt_tokens_override=self.prefill_prompt_tokens,
             max_event_bytes=r.config.upstream.max_event_bytes,
+            max_answer_bytes=r.config.upstream.max_answer_bytes,
             hosts=r.engine_hosts,
         )
         try:

@@ -1,8 +1,10 @@
 """Attack: an engine (broken, or hostile) that sends output without bounds — a line that
 never ends, an event of endless data lines, a response head or trailers that never end, a
-prefill answer of many MiB. Defence: upstream.max_event_bytes bounds every piece of engine
-output the router holds; past it the attempt fails as E02 malformed_engine_output, in
-linear time and bounded memory, and the engine connection is dropped."""
+prefill answer of many MiB, an answer of endless small events for a non-streaming client.
+Defence: upstream.max_event_bytes bounds every piece of engine output the router holds,
+upstream.max_answer_bytes the events one non-streaming answer is assembled from; past
+either the attempt fails as E02 malformed_engine_output, in linear time and bounded
+memory, and the engine connection is dropped."""
 
 from __future__ import annotations
 
@@ -273,3 +275,77 @@ def test_the_parser_stops_past_the_bound_whatever_the_chunking(split: int | None
     for i in range(0, len(wire), step):
         got += p.feed(wire[i : i + step])
     assert got == [b"ok"] and p.too_large and not p.pending
+
+
+# -- an endless answer of small events (upstream.max_answer_bytes) -----------------------
+
+ANSWER_LIMIT = 64 * 1024  # upstream.max_answer_bytes in these tests
+
+
+class Events:
+    """An answer of token events (~200 bytes each, far under max_event_bytes), 64 to a
+    write, `total` bytes of them, then its end; `sent` counts what got onto the wire."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.sent = 0
+
+    async def __call__(self, req: Request, w: asyncio.StreamWriter) -> None:
+        w.write(SSE_HEAD)
+        self.sent = i = 0
+        try:
+            while self.sent < self.total:
+                piece = b"".join(token_event(i + k) for k in range(64))
+                w.write(chunk(piece))
+                await w.drain()
+                self.sent += len(piece)
+                i += 64
+            w.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        except ConnectionError:
+            pass
+
+
+def test_an_endless_answer_for_a_non_streaming_client_is_E02(memory: None) -> None:
+    """An engine that answers a non-streaming client with event after small event and
+    never ends: without a bound on the whole answer the router assembled all of it (16 MiB
+    of events here) and answered 200. Now: 502 malformed_engine_output naming
+    upstream.max_answer_bytes once the events add up past it; the engine cut off long
+    before its flood ends; memory bounded; the books balanced (class failed)."""
+    ans = Events(FLOOD)
+    with raw_engine(ans) as eng, running_router(config(max_answer_bytes=ANSWER_LIMIT), [EngineSpec("u0", eng.url, "unified", "vllm", None, None)]) as rr:
+        tracemalloc.reset_peak()
+        r = httpx.post(rr.url + "/v1/chat/completions", json=body(False), timeout=30)
+        _, peak = tracemalloc.get_traced_memory()
+        assert r.status_code == E.E02.status, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == E.E02.code and "max_answer_bytes" in err["message"] and "u0" in err["message"], err
+        assert str(ANSWER_LIMIT) in err["message"]
+        assert peak < PEAK, f"peak {peak / 2**20:.1f} MiB"
+        books = rr.balanced()
+        assert books["terminal"].get("failed") == 1, books
+    assert ans.sent < FLOOD // 2, "the engine connection was not dropped"
+
+
+def test_the_answer_bound_is_for_assembly_only() -> None:
+    """The same long answer (4 times the bound) reaches a streaming client whole; an
+    answer under the bound is assembled as before."""
+    with raw_engine(Events(4 * ANSWER_LIMIT)) as eng, running_router(config(max_answer_bytes=ANSWER_LIMIT), [EngineSpec("u0", eng.url, "unified", "vllm", None, None)]) as rr:
+        s = sse(rr.url, body(True))
+        assert s.status == 200 and s.done and not s.errors and len(s.chunks) > 1000
+    with raw_engine(Events(ANSWER_LIMIT // 2)) as eng, running_router(config(max_answer_bytes=ANSWER_LIMIT), [EngineSpec("u0", eng.url, "unified", "vllm", None, None)]) as rr:
+        r = httpx.post(rr.url + "/v1/chat/completions", json=body(False), timeout=30)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["choices"][0]["message"]["content"].startswith("t0 t1 ")
+        rr.balanced()
+
+
+@pytest.mark.parametrize(("value", "ok"), [(1023, False), (1024, True), (67108864, True), (1 << 30, True), ((1 << 30) + 1, False)])
+def test_max_answer_bytes_is_a_bounded_knob(value: int, ok: bool) -> None:
+    from narwhal.config import ConfigError, parse_config
+
+    assert parse_config({}).upstream.max_answer_bytes == 64 << 20
+    if ok:
+        assert parse_config({"upstream": {"max_answer_bytes": value}}).upstream.max_answer_bytes == value
+    else:
+        with pytest.raises(ConfigError, match="upstream.max_answer_bytes"):
+            parse_config({"upstream": {"max_answer_bytes": value}})
