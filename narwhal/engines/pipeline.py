@@ -11,7 +11,8 @@ Rules
     the engine's shape (`data: {"error": {...}}` then `data: [DONE]`), never a silent cut.
   * P/D usage: input counts from prefill, output counts from decode.
   * Pass-through policy (docs/passthrough.md): every leg's body is the client's without
-    upstream.deny_fields (the router-only fields are gone since parse_request).
+    the engine-side request IDs (request_id, rid) and upstream.deny_fields
+    (`Router.strip_fields`; the other router-only fields are gone since parse_request).
   * Engine output is bounded by upstream.max_event_bytes (an event, a line, a whole
     prefill or error body): more fails the attempt as E02; a non-streaming answer by
     upstream.max_answer_bytes in all (E02).
@@ -114,7 +115,7 @@ class _Run:
         self.headers = {"x-request-id": rid}
         self.prefill_prompt_tokens: int | None = None
         self.first_token_at: float | None = None
-        self.body = without_fields(req.body, router.deny_fields)  # the pass-through policy
+        self.body = without_fields(req.body, router.strip_fields)  # the pass-through policy
 
     def _upstream(self, x: UpstreamError, e: EngineState, leg: str = "engine") -> _Failed:
         """A transport failure: the words for the client, the detail for the log."""

@@ -26,9 +26,15 @@ from ..core.state import RouterState
 from .client import EngineClient, UpstreamError, split_userinfo
 from .telemetry import Telemetry
 
-__all__ = ["Router", "EngineSpec"]
+__all__ = ["Router", "EngineSpec", "ENGINE_REQUEST_IDS"]
 
 log = logging.getLogger("narwhal")
+
+# Router-only, like core.requests.ROUTER_ONLY: the engine-side request ID of vLLM
+# (`request_id`) and SGLang (`rid`). A client that sets it chooses the ID the engine files
+# the request under: it can collide with another request's (the engine refuses or mixes
+# them up) or name one in a KV transfer. Removed from every client body on every leg.
+ENGINE_REQUEST_IDS = frozenset(("request_id", "rid"))
 
 
 class EngineSpec:
@@ -82,7 +88,10 @@ class Router:
             if s.authorization is not None:
                 self.client.authorize(s.url, s.authorization)
         # the pass-through policy (docs/passthrough.md): fields removed from client bodies
+        # before each engine request: the engine-side request IDs, always, and the
+        # operator's deny-list (the other router-only fields go in parse_request)
         self.deny_fields = frozenset(config.upstream.deny_fields)
+        self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
         # host names of the fleet: an engine's own error message passed on to a client
         # names none of them (narwhal/core/relay.py, engine_message)
         self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))

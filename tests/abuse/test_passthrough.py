@@ -1,9 +1,11 @@
 """Attack: a client steers engines with request fields — kv_transfer_params (remote host,
-port and block IDs of a KV transfer), priority, vllm_xargs, logits_processors — which
-reached unified engines verbatim. Defence, the pass-through policy (docs/passthrough.md):
-router-only fields are removed from every client body on every leg and role (the router
-sets kv_transfer_params itself on P/D legs), and upstream.deny_fields removes the others
-an operator names. Removal is silent; every other field still passes through."""
+port and block IDs of a KV transfer), the engine-side request ID (vLLM's request_id,
+SGLang's rid: collide with another request's, or name one in a KV transfer), priority,
+vllm_xargs, logits_processors — which reached unified engines verbatim. Defence, the
+pass-through policy (docs/passthrough.md): router-only fields are removed from every
+client body on every leg and role (the router sets kv_transfer_params itself on P/D
+legs), and upstream.deny_fields removes the others an operator names. Removal is silent;
+every other field still passes through."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from narwhal.config import ConfigError, parse_config
 from narwhal.core.dialects import PREFILL_KV_REQUEST
 from narwhal.core.requests import ROUTER_ONLY
-from narwhal.engines.runtime import EngineSpec
+from narwhal.engines.runtime import ENGINE_REQUEST_IDS, EngineSpec
 from narwhal.mock import MockConfig, Timing, running_fleet
 from tests.helpers import RunningRouter, running_router, sse
 
@@ -24,10 +26,13 @@ EVIL_KV = {"do_remote_prefill": True, "remote_host": "203.0.113.9", "remote_port
 STEERING = {
     "kv_transfer_params": EVIL_KV,
     "bootstrap_host": "203.0.113.9", "bootstrap_port": 1, "bootstrap_room": 7,
+    "request_id": "chatcmpl-someone-elses", "rid": "someone-elses",
     "priority": -100, "vllm_xargs": {"a": 1}, "logits_processors": ["os.system"], "custom_logit_processor": "gASV",
 }
 KEPT = {"cache_salt": "tenant-7", "my_extension": {"k": [1, 2]}, "temperature": 0.5}
 DEFAULT_DENY = ("priority", "vllm_xargs", "logits_processors", "custom_logit_processor")
+# every field only the router may set: the client-side list and the engine-side IDs
+ALL_ROUTER_ONLY = frozenset(ROUTER_ONLY) | ENGINE_REQUEST_IDS
 
 
 def config(**upstream: Any) -> dict[str, Any]:
@@ -65,7 +70,8 @@ def test_unified_engines_never_see_router_only_or_denied_fields(unified: tuple[R
         r = rr.post("/v1/chat/completions", json=chat(rid), headers={"x-request-id": rid})
         assert r.status_code == 200, r.text
     (b,) = bodies(mocks, rid)
-    assert not set(ROUTER_ONLY) & set(b) and not set(DEFAULT_DENY) & set(b), sorted(b)
+    assert not ALL_ROUTER_ONLY & set(b) and not set(DEFAULT_DENY) & set(b), sorted(b)
+    assert not {"request_id", "rid"} & set(b), sorted(b)
     assert {k: b.get(k) for k in KEPT} == KEPT  # everything else passes through
 
 
@@ -88,7 +94,7 @@ def test_pd_legs_carry_the_routers_kv_transfer_params_only() -> None:
                 kv = d["kv_transfer_params"]
                 assert kv["do_remote_prefill"] is True and kv["remote_host"] != EVIL_KV["remote_host"] and kv["remote_block_ids"] != EVIL_KV["remote_block_ids"]
                 for leg in (p, d):
-                    assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room", *DEFAULT_DENY} & set(leg)
+                    assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room", "request_id", "rid", *DEFAULT_DENY} & set(leg)
                     assert leg["cache_salt"] == KEPT["cache_salt"] and leg["my_extension"] == KEPT["my_extension"]
             rr.balanced()
 
@@ -106,7 +112,7 @@ def test_the_deny_list_is_the_operators() -> None:
         (none,) = bodies(mocks, "d-none")
         (salt,) = bodies(mocks, "d-salt")
         assert {k: none[k] for k in DEFAULT_DENY} == {k: STEERING[k] for k in DEFAULT_DENY}
-        assert not set(ROUTER_ONLY) & set(none) and not set(ROUTER_ONLY) & set(salt)
+        assert not ALL_ROUTER_ONLY & set(none) and not ALL_ROUTER_ONLY & set(salt)
         assert "cache_salt" not in salt and salt["priority"] == STEERING["priority"]
 
 
