@@ -11,6 +11,8 @@ Every key has a default; unknown keys are an error at start-up. Errors name the 
     (model, messages, prompt);
   * engines on one host and port carry the same userinfo, if any (the credentials are
     kept per host and port, see narwhal/engines/http1.py).
+The schema admits http:// engine URLs only; an https:// one gets its own words, naming
+the engine (the engine client has no TLS).
 """
 
 from __future__ import annotations
@@ -60,11 +62,32 @@ def parse_config(data: Any, *, source: str = "config") -> NarwhalConfig:
         lines = []
         for err in e.errors(include_url=False):
             key = _loc(tuple(err["loc"]))
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = "unknown key" if err["type"] == "extra_forbidden" else _https_engine(data, err) or err["msg"]
             lines.append(f"{key}: {msg}")
         raise ConfigError(f"{source}: " + "; ".join(lines)) from None
     check_fleet(cfg, source=source)
     return cfg
+
+
+def _https_engine(data: dict[str, Any], err: Any) -> str | None:
+    """The words for an https:// engine URL, which the schema's pattern refuses: the
+    engine client speaks cleartext HTTP/1.1 only (narwhal/engines/http1.py). Names the
+    engine; None for any other error."""
+    loc = tuple(err["loc"])
+    url = err.get("input")
+    if len(loc) != 3 or loc[0] != "engines" or loc[2] != "url" or not isinstance(url, str):
+        return None
+    if not url[:8].lower().startswith("https://"):
+        return None
+    name = None
+    engines = data.get("engines")
+    if isinstance(engines, list) and isinstance(loc[1], int) and loc[1] < len(engines) and isinstance(engines[loc[1]], dict):
+        name = engines[loc[1]].get("name")
+    who = f"engine {name!r}" if isinstance(name, str) else "this engine"
+    return (
+        f"{who} has an https:// URL, and Narwhal talks to engines over cleartext HTTP/1.1 only "
+        "(no TLS to engines); use http:// on a network the router trusts, or a TLS-originating proxy beside the router"
+    )
 
 
 def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:

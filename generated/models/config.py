@@ -68,8 +68,8 @@ class Engine(BaseModel):
     url: Annotated[
         StrictStr,
         Field(
-            description="The engine's base URL. Userinfo (http://user:password@host:port, percent-escaped) becomes Authorization: Basic on every request to that engine (completions, health polls, profiling); it is never sent as part of Host and never published: /v1/engines, logs and error messages show the URL without it.",
-            pattern='^https?://[^\\s/]+(/[^\\s]*)?$',
+            description="The engine's base URL, http:// only: the engine client (narwhal/engines/http1.py) speaks cleartext HTTP/1.1 and has no TLS, so an https:// URL is refused at start-up with an error naming the engine (put engines on a network the router trusts, or a TLS-originating proxy beside the router). Userinfo (http://user:password@host:port, percent-escaped) becomes Authorization: Basic on every request to that engine (completions, health polls, profiling); it is never sent as part of Host and never published: /v1/engines, logs and error messages show the URL without it.",
+            pattern='^http://[^\\s/]+(/[^\\s]*)?$',
         ),
     ]
     role: Literal['prefill', 'decode', 'unified'] = 'unified'

@@ -12,6 +12,8 @@ Rules
     connection is aborted (that is how a cancelled request reaches the engine).
   * A request on a reused keep-alive connection that fails before any response byte is
     retried once on a new connection (the server closed the idle connection first).
+  * Cleartext only: `http://` URLs. There is no TLS to engines (an `https://` engine URL
+    is refused when the configuration loads, naming the engine).
   * Errors: `ConnectTimeout`, `ReadTimeout` (idle for idle_timeout_s), `ConnectionFailed`
     (refused, reset, closed early, protocol violation) and `BodyTooLarge` (`read` past its
     limit), all subclasses of `H1Error`. `str(error)` says what happened in words a client
@@ -502,7 +504,7 @@ class H1Pool:
         """Send a request; return once the response head arrived."""
         u = urlsplit(url)
         key = self._key(u)
-        if u.scheme != "http":
+        if u.scheme != "http":  # config validation refuses others at start-up (narwhal/config.py)
             raise ConnectionFailed(f"only http:// engine URLs are supported, not {u.scheme}://")
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         netloc = u.netloc

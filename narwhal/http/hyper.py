@@ -34,6 +34,21 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      flood is parsed again. Bounded: its address is penalised for
      serving.abuse_penalty_ms; while penalised, its new connections are closed at accept,
      before any byte is read (at most PENALTY_ADDRESSES addresses, oldest forgotten).
+  9. hypercorn hands h2 a whole read (up to 64 KiB) at once, and h2 parses every frame in
+     it before the loop runs anything else: 520 streams' HEADERS in one read cost ~50 ms of
+     pure-Python parsing, a stall for every other client. Fixed: a read is fed to h2 in
+     FEED_BYTES pieces with a loop turn between them (no more bytes are read from that
+     connection meanwhile), so one connection holds the loop ~5 ms at most per turn.
+     Streams refused past the stream limit (2) count against the control-frame bucket
+     (4): each costs a RST_STREAM, and a client that keeps opening them is flooding.
+  10. A deadlock: the app's receive queue holds max_app_queue_size (10) messages, and
+     the connection's reader blocks putting more body into it. An app that answers
+     before reading the whole body (408 H07, R03, a client gone) ends its stream, and
+     hypercorn then puts http.disconnect into that same full queue from the app's own
+     task: the app waits for itself, the reader waits for the app, the connection and
+     the request are held for ever (1-byte chunked uploads left every request open).
+     Fixed: when the queue is full at StreamClosed, the unread body messages are
+     dropped (nobody will read them) and the disconnect is queued without waiting.
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
@@ -52,10 +67,14 @@ import h2.exceptions
 import h11
 import hypercorn.asyncio.run as _run
 import hypercorn.protocol as _protocol
+import hypercorn.protocol.h2 as _h2mod
+import hypercorn.protocol.h11 as _h11mod
 from hypercorn.asyncio.tcp_server import TCPServer
-from hypercorn.events import Closed, Updated
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from narwhal_generated import errors as E
 
@@ -143,6 +162,7 @@ class _RefusingH2Connection(h2.connection.H2Connection):
     once, instead of TooManyStreamsError tearing the connection down."""
 
     _bypass = False
+    refused = 0  # streams refused on this connection (defect 9 charges them to the bucket)
 
     @property  # type: ignore[override]
     def open_inbound_streams(self) -> int:
@@ -159,6 +179,7 @@ class _RefusingH2Connection(h2.connection.H2Connection):
             self._bypass = False
         self.reset_stream(frame.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
         COUNTS.refused_streams += 1
+        self.refused += 1
         return frames, [e for e in events if getattr(e, "stream_id", None) != frame.stream_id]
 
 
@@ -168,11 +189,11 @@ class _Bucket:
     def __init__(self, rate: float) -> None:
         self.rate, self.tokens, self.at = rate, 2.0 * rate, time.monotonic()
 
-    def take(self) -> bool:
+    def take(self, n: float = 1.0) -> bool:
         now = time.monotonic()
         self.tokens = min(2.0 * self.rate, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        self.tokens -= 1.0
+        self.tokens -= n
         return self.tokens >= 0.0
 
 
@@ -189,13 +210,34 @@ class HardenedH2Protocol(H2Protocol):
         self.connection = conn
         self._bucket = _Bucket(_LIMITS.control_frames_per_s)
         self._counted = True
+        self._calmed = False
+        self._refused_seen = 0
         COUNTS.h2 += 1
 
     async def handle(self, event: Any) -> None:
         if isinstance(event, Closed) and self._counted:
             self._counted = False
             COUNTS.h2 -= 1
+        if isinstance(event, RawData) and len(event.data) > FEED_BYTES:  # defect 9
+            data = event.data
+            for i in range(0, len(data), FEED_BYTES):
+                if self._calmed or self.closed:
+                    return
+                if i:
+                    await asyncio.sleep(0)
+                await super().handle(RawData(data[i : i + FEED_BYTES]))
+            return
         await super().handle(event)
+
+    async def _calm(self) -> None:
+        self._calmed = True
+        COUNTS.calmed += 1
+        peer = self.client[0] if self.client else None
+        if peer:  # defect 8
+            PENALTIES.penalise(peer, _LIMITS.abuse_penalty_s, time.monotonic())
+        self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many control frames")
+        await self._flush()
+        await self.send(Closed())
 
     async def _send_data(self, stream_id: int) -> None:
         # defect 1: a zero window pops nothing (pop(0) would un-pause the writer)
@@ -211,22 +253,22 @@ class HardenedH2Protocol(H2Protocol):
             born = {ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)} & reset
             if born:
                 events = [ev for ev in events if getattr(ev, "stream_id", None) not in born or isinstance(ev, h2.events.StreamReset)]
+        if self._calmed:
+            return
+        refused = self.connection.refused - self._refused_seen  # type: ignore[attr-defined]
+        if refused:  # defect 9: refused streams are charged like control frames
+            self._refused_seen += refused
+            if not self._bucket.take(refused):
+                await self._calm()
+                return
         for ev in events:  # defect 4
             control = isinstance(ev, _CONTROL) or (isinstance(ev, h2.events.DataReceived) and not ev.data and ev.stream_ended is None)
             if control and not self._bucket.take():
-                COUNTS.calmed += 1
-                peer = self.client[0] if self.client else None
-                if peer:  # defect 8
-                    PENALTIES.penalise(peer, _LIMITS.abuse_penalty_s, time.monotonic())
-                self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many control frames")
-                await self._flush()
-                await self.send(Closed())
+                await self._calm()
                 return
         await super()._handle_events(events)
 
     async def stream_send(self, event: Any) -> None:
-        from hypercorn.protocol.events import StreamClosed
-
         if isinstance(event, StreamClosed):  # defect 3
             buf = self.stream_buffers.get(event.stream_id)
             if buf is not None and not buf._complete:
@@ -244,6 +286,23 @@ class HardenedH2Protocol(H2Protocol):
         await super().stream_send(event)
 
 
+class HardenedHTTPStream(HTTPStream):
+    """Defect 10: StreamClosed never blocks on a full app queue."""
+
+    async def handle(self, event: Any) -> None:
+        if isinstance(event, StreamClosed) and self.app_put is not None:
+            q = getattr(self.app_put, "__self__", None)
+            if isinstance(q, asyncio.Queue) and q.full():
+                while not q.empty():  # unread body: the app answered, or is told it is gone
+                    q.get_nowait()
+                self.closed = True
+                if self.state != ASGIHTTPState.CLOSED:
+                    await self.config.log.access(self.scope, None, time.time() - self.start_time)
+                q.put_nowait({"type": "http.disconnect"})
+                return
+        await super().handle(event)
+
+
 class HardenedH11Protocol(H11Protocol):
     """Defect 7: the server's own refusals carry the error envelope (H08, H09)."""
 
@@ -256,6 +315,7 @@ class HardenedH11Protocol(H11Protocol):
         await self._send_h11_event(h11.EndOfMessage())
 
 
+FEED_BYTES = 4096  # defect 9: bytes of one read handed to h2 per loop turn
 CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
 
 
@@ -302,5 +362,7 @@ def install(limits: Limits) -> None:
     global _LIMITS
     _LIMITS = limits
     _protocol.H2Protocol = HardenedH2Protocol  # type: ignore[misc]
+    _h11mod.HTTPStream = HardenedHTTPStream  # type: ignore[misc]
+    _h2mod.HTTPStream = HardenedHTTPStream  # type: ignore[misc]
     _protocol.H11Protocol = HardenedH11Protocol  # type: ignore[misc]
     _run.TCPServer = HardenedTCPServer  # type: ignore[misc]

@@ -10,10 +10,12 @@ bounded in count and time (serving.* limits are shrunk so that a test takes seco
   HTTP/1.1 client that never reads              serving.send_stall_ms               cancelled, engine freed
   FIN after one request (CLOSE-WAIT)            closed at once                      -
   more streams than advertised                  serving.max_streams_per_connection  REFUSED_STREAM, connection kept
+  a flood of streams past the limit             serving.h2_control_frames_per_second GOAWAY ENHANCE_YOUR_CALM
   PING / SETTINGS flood                         serving.h2_control_frames_per_second GOAWAY ENHANCE_YOUR_CALM
   reconnecting after ENHANCE_YOUR_CALM          serving.abuse_penalty_ms            closed at accept
   rapid reset (HEADERS+DATA+RST_STREAM)         never dispatched                    cancelled, no engine request
   body in 1-byte chunks                         one byte of memory per body byte    -
+  an early answer while the body still arrives  never blocks on the app's queue     H07 408, invalid_requests
 """
 
 from __future__ import annotations
@@ -279,6 +281,28 @@ def test_streams_past_the_limit_are_refused_and_the_connection_stays(rr: tuple[R
     router.balanced()
 
 
+def test_a_flood_of_streams_past_the_limit_is_calmed(rr: tuple[RunningRouter, Any]) -> None:
+    # hyper.py defect 9: each refused stream costs the router a RST_STREAM; a client that
+    # keeps opening them past the limit (here 150 at once, the bucket's burst is 100) is
+    # flooding, and gets GOAWAY ENHANCE_YOUR_CALM like a PING flood
+    router, _ = rr
+    c = H2Client(_addr(router), source="127.0.0.5")
+    try:
+        c.pump(0.2)
+        c.conn.remote_settings = h2.settings.Settings(client=False, initial_values={h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 1000})
+        for _ in range(154):
+            sid = c.conn.get_next_available_stream_id()
+            c.conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")])
+        c.flush()
+        evs = c.pump(3.0, until=lambda e: any(isinstance(x, h2.events.ConnectionTerminated) for x in e))
+        term = [e for e in evs if isinstance(e, h2.events.ConnectionTerminated)]
+        assert term and term[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, evs[-5:]
+    finally:
+        c.close()
+    assert router.get("/health").status_code == 200
+    router.balanced()
+
+
 @pytest.mark.parametrize("frame", ["ping", "settings"])
 def test_a_control_frame_flood_gets_goaway_enhance_your_calm(rr: tuple[RunningRouter, Any], frame: str) -> None:
     router, _ = rr
@@ -359,6 +383,33 @@ def test_rapid_reset_never_reaches_an_engine(rr: tuple[RunningRouter, Any]) -> N
     assert router.books()["offered"] - before <= 3
     router.balanced()
     assert mock.requests() == []
+
+
+def test_an_early_answer_to_a_body_still_arriving_does_not_deadlock(rr: tuple[RunningRouter, Any]) -> None:
+    # hyper.py defect 10: 1-byte chunks arrive faster than the app reads them, so the
+    # app's receive queue is full when the read deadline answers 408; hypercorn then put
+    # http.disconnect into that full queue from the app's own task and the request was
+    # held for ever (never a terminal class)
+    router, _ = rr
+    before = _terminal(router, "invalid_requests")
+    host, port = _addr(router)
+    socks = []
+    for _ in range(3):
+        s = socket.create_connection((host, port), timeout=2)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        socks.append(s)
+    piece = b"1\r\nx\r\n" * 4000
+    end = time.monotonic() + READ_MS / 1000.0 + 0.6
+    while time.monotonic() < end:  # past the read deadline, as fast as the router takes it
+        for s in socks:
+            try:
+                s.sendall(piece)
+            except OSError:
+                pass
+    for s in socks:
+        s.close()
+    router.balanced()
+    assert _terminal(router, "invalid_requests") - before >= 1
 
 
 def test_a_body_in_one_byte_chunks_costs_one_byte_per_byte() -> None:

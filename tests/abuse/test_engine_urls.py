@@ -8,9 +8,12 @@ and port only, and the URL is published without it; client-facing messages name 
 engine and say what happened in words, while the log keeps the address and the bytes
 under the request ID (WARNING).
 
-Also here, an engine that accepts no connection within upstream.connect_timeout_ms:
-it was reported with E07's idle-time words (upstream.idle_timeout_ms); now it is a
-connect failure, E06, naming the connect knob."""
+Also here, engine URLs and connections an operator gets wrong: an https:// engine URL
+passed the config schema and failed every request (the engine client has no TLS); now
+the configuration refuses it at start-up, naming the engine. An engine that accepts no
+connection within upstream.connect_timeout_ms was reported with E07's idle-time words
+(upstream.idle_timeout_ms); now it is a connect failure, E06, naming the connect knob.
+(Other engine messages: test_engine_messages.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +22,10 @@ import base64
 import contextlib
 import logging
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +33,7 @@ import pytest
 
 from narwhal.config import ConfigError, parse_config
 from narwhal.engines.runtime import EngineSpec
+from narwhal.http.server import free_port
 from narwhal_generated import errors as E
 from tests.abuse.rawengine import (
     SSE_HEAD,
@@ -224,3 +231,36 @@ def test_a_connect_timeout_is_E06_naming_connect_timeout_ms(warnings_log: pytest
     logged = [rec.getMessage() for rec in warnings_log.records if rid in rec.getMessage()]
     assert any(f"127.0.0.1:{port}" in m and "timed out" in m for m in logged), logged
 
+
+# -- https:// engine URLs are refused when the configuration loads -----------------------
+
+
+def test_an_https_engine_url_is_a_config_error_naming_the_engine() -> None:
+    cfg = {"engines": [
+        {"name": "u0", "url": "http://127.0.0.1:9001", "role": "unified"},
+        {"name": "tls-engine", "url": "https://ann:hunter2@engine.example:8443/v1", "role": "unified"},
+    ]}
+    with pytest.raises(ConfigError) as exc:
+        parse_config(cfg)
+    msg = str(exc.value)
+    assert "engines[1].url" in msg and "'tls-engine'" in msg and "https://" in msg and "cleartext HTTP/1.1" in msg, msg
+    assert "hunter2" not in msg and "ann" not in msg and "engine.example" not in msg, msg
+    with pytest.raises(ConfigError, match="engines\\[0\\].url: String should match pattern"):
+        parse_config({"engines": [{"name": "u0", "url": "ftp://engine:21", "role": "unified"}]})
+
+
+def test_narwhal_serve_refuses_an_https_engine_and_exits_non_zero(tmp_path: Path) -> None:
+    cfg = tmp_path / "narwhal.yaml"
+    cfg.write_text("engines:\n  - {name: secure-0, url: \"https://127.0.0.1:9443\", role: unified}\n")
+    listen = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg), "--listen", listen],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=30)  # refused while the configuration loads
+    except subprocess.TimeoutExpired:
+        proc.kill()  # by its PID: it started serving, so the engine was accepted
+        proc.communicate()
+        pytest.fail("narwhal serve accepted an https:// engine and kept serving")
+    assert proc.returncode != 0, (out, err)
+    assert "secure-0" in err and "https://" in err and "engines[0].url" in err, err
+    assert "serving model" not in out
