@@ -19,7 +19,8 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      empty DATA frames; a flood gets GOAWAY ENHANCE_YOUR_CALM and the connection closes.
      Rapid reset (CVE-2023-44487): a stream whose HEADERS and RST_STREAM arrive in the
      same read is dropped before hypercorn creates it, so it costs no ASGI task and never
-     reaches the app (the app's own check catches a reset that arrives later).
+     reaches the app (the app's own check catches a reset that arrives later); it is
+     charged RAPID_RESET_COST tokens, the frames parsed for it.
   5. After a client's FIN the connection waits for the keep-alive timer (CLOSE-WAIT, a
      file descriptor held up to keep_alive_timeout). Fixed: EOF stops the idle timer.
   6. Not hypercorn's but the kernel's: a client socket's send buffer autotunes up to
@@ -248,13 +249,18 @@ class HardenedH2Protocol(H2Protocol):
         await super()._send_data(stream_id)
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        if self._calmed:
+            return
         reset = {ev.stream_id for ev in events if isinstance(ev, h2.events.StreamReset)}
         if reset:  # defect 4, rapid reset: opened and reset in one read, never created
             born = {ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)} & reset
             if born:
                 events = [ev for ev in events if getattr(ev, "stream_id", None) not in born or isinstance(ev, h2.events.StreamReset)]
-        if self._calmed:
-            return
+                # each was a whole stream parsed for nothing (HEADERS, DATA, RST_STREAM):
+                # charged RAPID_RESET_COST frames, its RST_STREAM event below the third
+                if not self._bucket.take((RAPID_RESET_COST - 1) * len(born)):
+                    await self._calm()
+                    return
         refused = self.connection.refused - self._refused_seen  # type: ignore[attr-defined]
         if refused:  # defect 9: refused streams are charged like control frames
             self._refused_seen += refused
@@ -315,6 +321,7 @@ class HardenedH11Protocol(H11Protocol):
         await self._send_h11_event(h11.EndOfMessage())
 
 
+RAPID_RESET_COST = 3  # control-frame tokens a stream opened and reset in one read costs
 FEED_BYTES = 4096  # defect 9: bytes of one read handed to h2 per loop turn
 CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
 
