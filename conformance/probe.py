@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,7 @@ class Probe:
         self.results: list[ProbeResult] = []
         self.token_ids_seen = False
         self.token_ids_failed = False
+        self.recommended_max_concurrency: int | None = None
 
     def add(self, rule: str, name: str, verdict: str, detail: str = "") -> None:
         self.results.append(ProbeResult(rule, name, verdict, detail))
@@ -261,7 +263,87 @@ class Probe:
         empty = sum(1 for e in s.events for c in e.get("choices") or () if isinstance(c, dict) and not carries_output(c) and c.get("token_ids"))
         if empty:
             self.add("T04", "IDs on events without text", PASS, f"{empty} such events")
+        self.check_concurrency()
         return self.results
+
+    # -- concurrency -------------------------------------------------------------------
+
+    def _timed(self, client: httpx.Client, body: dict[str, Any], first: threading.Event | None = None) -> tuple[int, str | None, float | None, float, float]:
+        """(output events, last finish_reason, first-output time, end time, start time)."""
+        n, finish, t_first = 0, None, None
+        t0 = time.monotonic()
+        p = SSEParser()
+        with client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+            for raw in r.iter_raw():
+                for payload in p.feed(raw):
+                    if payload == DONE:
+                        continue
+                    try:
+                        ev = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        continue
+                    for c in (ev.get("choices") or ()) if isinstance(ev, dict) else ():
+                        if isinstance(c, dict) and carries_output(c):
+                            n += 1
+                            if t_first is None:
+                                t_first = time.monotonic()
+                                if first is not None:
+                                    first.set()
+                        if isinstance(c, dict) and c.get("finish_reason"):
+                            finish = c["finish_reason"]
+        return n, finish, t_first, time.monotonic(), t0
+
+    def check_concurrency(self) -> None:
+        """Two overlapping greedy requests: does the engine serve both at once, serialise
+        them, or cut the first short when the second arrives (llama-cpp-python's server by
+        default)? The last two want `engines[].max_concurrency: 1`."""
+        body = self._body("chat", stream=True, max_tokens=48, messages=[{"role": "user", "content": "Count from 1 to 200, separated by commas."}])
+        if self.dialect in ("vllm", "sglang"):
+            body["ignore_eos"] = True
+        try:
+            alone = self._timed(self.client, body)
+            first = threading.Event()
+            box: dict[str, Any] = {}
+
+            def run_first() -> None:
+                try:
+                    box["a"] = self._timed(self.client, body, first)
+                except httpx.HTTPError as e:
+                    box["err"] = e
+                    first.set()
+
+            with httpx.Client(timeout=self.client.timeout, headers=self.client.headers) as other:
+                th = threading.Thread(target=run_first, daemon=True)
+                th.start()
+                first.wait(timeout=60)
+                b = self._timed(other, body)
+                th.join(timeout=120)
+        except httpx.HTTPError as e:
+            self.add("concurrency", "two overlapping requests", INFO, f"not measured: {e}")
+            return
+        if "a" not in box:
+            self.add("concurrency", "two overlapping requests", INFO, f"not measured: {box.get('err')}")
+            return
+        a = box["a"]
+        if b[4] >= a[3]:
+            self.add("concurrency", "two overlapping requests", INFO, "not measured: the first answer ended before the second was sent (answers too short)")
+        elif a[0] < alone[0]:
+            self.recommended_max_concurrency = 1
+            self.add("concurrency", "a second request leaves the first one whole", FAIL,
+                     f"the first answer was cut to {a[0]} events (alone: {alone[0]}, finish {alone[1]!r} -> {a[1]!r}) when a second arrived: "
+                     "set engines[].max_concurrency: 1 (llama-cpp-python: or start it with --interrupt_requests False)")
+        elif b[2] is not None and alone[2] is not None and b[2] >= a[3] and (b[2] - b[4]) > (alone[2] - alone[4]) + 0.5 * max(0.0, a[3] - b[4]):
+            # the second's first output came only after the first ended, later than its
+            # own time alone by at least half of what remained of the first: serialised
+            self.recommended_max_concurrency = 1
+            self.add("concurrency", "two requests are served at once", INFO,
+                     "the engine serialises requests (the second's first token came after the first ended): set engines[].max_concurrency: 1, "
+                     "so that the router queues them and predicts their waits")
+        else:
+            self.add("concurrency", "two requests are served at once", PASS, f"both whole ({a[0]} and {b[0]} events), overlapping")
 
     @property
     def token_accounting(self) -> str:
@@ -299,11 +381,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"narwhal probe-engine: cannot reach {args.url}: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"results": [dataclasses.asdict(r) for r in p.results], "token_accounting": p.token_accounting}, indent=2))
+        print(json.dumps({"results": [dataclasses.asdict(r) for r in p.results], "token_accounting": p.token_accounting,
+                          "recommended_max_concurrency": p.recommended_max_concurrency}, indent=2))
     else:
         print(f"# narwhal probe-engine {args.url} (dialect {args.dialect}, model {args.model})\n")
         print("| verdict | rule | check | detail |\n|---|---|---|---|")
         for r in p.results:
             print(f"| {r.verdict} | {r.rule} | {r.name} | {r.detail.replace('|', '/')} |")
         print(f"\ntoken_accounting: {p.token_accounting}")
+        if p.recommended_max_concurrency is not None:
+            print(f"recommended: engines[].max_concurrency: {p.recommended_max_concurrency}")
     return 1 if p.failed else 0

@@ -329,10 +329,13 @@ def llamacpp_server(
     env: Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
     start_timeout: float | None = None,
+    interrupt_requests: bool = False,
 ) -> contextlib.AbstractContextManager[RealEngine]:
     """llama-cpp-python's OpenAI-compatible server on SmolLM2 (one request at a time).
 
-    ``--interrupt_requests False`` keeps a new request from aborting the one streaming.
+    ``interrupt_requests=False`` (``--interrupt_requests False``) keeps a new request
+    from aborting the one streaming; True is the server's own default, as a new user
+    starts it (then Narwhal needs engines[].max_concurrency: 1).
     """
     _require_module("llama_cpp", LLAMACPP_SCRIPT)
     if importlib.util.find_spec("llama_cpp.server") is None:  # pragma: no cover
@@ -352,7 +355,7 @@ def llamacpp_server(
         "--n_ctx",
         str(n_ctx),
         "--interrupt_requests",
-        "False",
+        "True" if interrupt_requests else "False",
         "--host",
         host,
         "--port",

@@ -79,6 +79,14 @@ class Engine(BaseModel):
         StrictStr | None,
         Field(description="The engine's served model name when it differs from serving.model."),
     ] = None
+    max_concurrency: Annotated[
+        StrictInt | None,
+        Field(
+            description="The most requests the router has in flight at this engine at once, profiling included; more wait in the router's admission queue (bounded by admission.queue_limit and max_wait_ms). null: unlimited (admission.phase_concurrency alone applies). Set 1 for an engine that serialises requests or cuts a running generation when another arrives (llama-cpp-python's server by default); `narwhal probe-engine` recommends a value.",
+            ge=1,
+            le=100000,
+        ),
+    ] = None
 
 
 class Monitoring(BaseModel):

@@ -75,6 +75,12 @@ class Ready(BaseModel):
     ready: StrictBool
     state: Literal['active', 'standby', 'fenced', 'maintenance', 'monitoring_degraded']
     reason: Literal['standby', 'fenced', 'maintenance', 'monitoring_degraded'] | None = None
+    unprofiled_engines: Annotated[
+        list[StrictStr] | None,
+        Field(
+            description="Present when some engines' profiling failed: predictive admission uses default models for them (their retry backs off; /v1/engines has the reason). Informational: it never makes the router unready."
+        ),
+    ] = None
 
 
 class Engine(BaseModel):

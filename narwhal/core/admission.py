@@ -291,6 +291,9 @@ class Scheduler:
         t.pred_prefill_ms = engine.prefill.predict_ms(n)
         if free:
             return self._dispatch1(t, engine, now)
+        return self._enqueue(t, engine, now)
+
+    def _enqueue(self, t: Ticket, engine: EngineState, now: float) -> Enqueued:
         t.state = "queued"
         t.engine = engine.name
         t.enqueued_at = now
@@ -298,6 +301,19 @@ class Scheduler:
         engine.queued_work_ms += t.pred_prefill_ms
         self.queued += 1
         return Enqueued(t, engine.name)
+
+    def reserve(self, engine: str, work: Work, now: float) -> Dispatch | Enqueued:
+        """A phase-1 slot on one named engine for the router's own traffic (profiling an
+        engine whose engines[].max_concurrency is set, so that it never overlaps client
+        requests past that limit): no refusal row applies; it waits FIFO with client
+        requests and is ended with `finish` like them."""
+        e = self.engines[engine]
+        t = Ticket(self._next_id, work)
+        self._next_id += 1
+        t.pred_prefill_ms = e.prefill.predict_ms(work.prompt_tokens)
+        if self._phase1_free(e) and not e.queue:
+            return self._dispatch1(t, e, now)
+        return self._enqueue(t, e, now)
 
     def project_tpot(self, engine: EngineState) -> tuple[float, float, EngineState] | None:
         """(projected TPOT ms, batch it assumes, decode engine) for a request placed with

@@ -308,6 +308,11 @@ class Assembler:
     # -- result ----------------------------------------------------------------------
 
     @property
+    def engine_usage(self) -> bool:
+        """The engine sent usage (A15): the assembled usage is the engine's own."""
+        return self._usage is not None
+
+    @property
     def output_events(self) -> int:
         """Events that carried output (the output measure when no token IDs exist)."""
         return self._events_with_output

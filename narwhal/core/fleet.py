@@ -74,6 +74,7 @@ class EngineState:
         prefill_slots: int = 4,
         decode_slots: int = 64,
         breaker: Breaker | None = None,
+        max_concurrency: int | None = None,
     ) -> None:
         self.name, self.url, self.role, self.dialect = name, url, role, dialect
         self.wave, self.model = wave, model
@@ -85,6 +86,7 @@ class EngineState:
         self.breaker = breaker or Breaker()
         # slots and queues
         self.prefill_slots, self.decode_slots = prefill_slots, decode_slots
+        self.max_concurrency = max_concurrency  # engines[].max_concurrency (slots are capped by it)
         self.prefill_in_use = 0
         self.decode_in_use = 0
         self.queue: deque[Ticket] = deque()  # phase-1 waiters placed on this engine
@@ -100,6 +102,8 @@ class EngineState:
         self.profile_status = "pending"
         self.profile_attempted: float | None = None  # when profiling last started
         self.profile_error: str | None = None
+        self.profile_failures = 0  # consecutive failed profiles (the retry backs off)
+        self.profile_reported: str | None = None  # the last outcome logged: "ok" | "failed"
         self.profile_samples: dict[str, Any] = {}
         self.completed = 0
         self.failed = 0

@@ -43,6 +43,7 @@ from ..core.relay import StreamRelay, engine_message
 from ..core.requests import ParsedRequest, without_fields
 from .client import H1Error, UpstreamError
 from .runtime import Router
+from .usage import USAGE_SOURCE_HEADER
 
 __all__ = ["Sink", "run_request", "error_event"]
 
@@ -235,7 +236,15 @@ class _Run:
             return "failed"
         self._learn(e, relay, now)
         if assembler is not None:
-            prompt = self.prefill_prompt_tokens if self.prefill_prompt_tokens is not None else self.work.prompt_tokens
+            prompt, source = self._prompt_usage(assembler, e)
+            if source == "estimate" and (pc := r.prompt_counters.get(e.name)) is not None:
+                # the engine omits usage but can count: ask it now, after the stream (an
+                # engine that serialises requests is idle for this one: it still holds
+                # the slot), bounded by usage.COUNT_TIMEOUT_S
+                n = await pc.count(self.req.route, self.req.body)
+                if n is not None:
+                    prompt, source = n, pc.kind
+                    r.sizer.learn(self.req.prompt_bytes, n)
             res = assembler.finish(prompt_tokens=prompt, completion_tokens=relay.token_count if checks_ids else None)
             if isinstance(res, Failure):
                 log.warning("request %s: engine %s: %s %s (%s)%s", self.rid, e.name, res.row, res.detail, res.rule, f": {res.log_detail}" if res.log_detail else "")
@@ -244,13 +253,27 @@ class _Run:
                 _merge_usage(res, self.prefill_prompt_tokens)
             if self.first_token_at is None:
                 self._first_token(t, now)
-            await sink.respond(200, [(b"content-type", b"application/json")], orjson.dumps(res))
+            await sink.respond(200, [(b"content-type", b"application/json"), (USAGE_SOURCE_HEADER, source.encode())], orjson.dumps(res))
         else:
             if not sink.headers_sent:
                 await self._start(buffered)
             await sink.end_stream()
         r.engine_ok(e)
         return "completed"
+
+    def _prompt_usage(self, assembler: Assembler, e: EngineState) -> tuple[int, str]:
+        """The assembled answer's prompt tokens and their source (x-narwhal-usage-source):
+        the prefill engine's count (P/D), the engine's own usage, an exact prompt (token
+        IDs, or serving.tokenizer on a text prompt), else the estimate."""
+        if self.prefill_prompt_tokens is not None:
+            return self.prefill_prompt_tokens, "prefill"
+        if assembler.engine_usage:
+            return self.work.prompt_tokens, "engine"
+        if self.req.prompt_token_count is not None:
+            return self.work.prompt_tokens, "prompt_token_ids"
+        if self.req.route == "completion" and self.req.prompt_text is not None and self.r.sizer.count_tokens is not None:
+            return self.work.prompt_tokens, "tokenizer"  # serving.tokenizer on a text prompt (no chat template)
+        return self.work.prompt_tokens, "estimate"
 
     async def _start(self, buffered: list[bytes]) -> None:
         await self.sink.start_stream()

@@ -1,7 +1,19 @@
 """Engine profiling: on registration and on demand (POST /admin/engines/{name}/profile).
 
 Profiling traffic carries `x-narwhal-profiling: 1` and request IDs `narwhal-profile-...`;
-it is not offered traffic (the books never see it) and takes no phase slot.
+it is not offered traffic (the books never see it). It takes no phase slot, except on an
+engine with engines[].max_concurrency: there each measurement waits for a slot like a
+client request (Scheduler.reserve), so profiling never overlaps live traffic past the
+engine's limit (an engine that serialises requests, or cuts a running generation when
+another arrives, is never sent a second one), and the batch step runs at most that many.
+
+Prompts are words an instruction model answers (a passage and a request to continue it),
+distinct per measurement (a numbered tag first), so that no measurement is a prefix-cache
+hit of another. vLLM and SGLang get `ignore_eos`; an engine that still ends at once (the
+openai dialect has no ignore_eos) gives a TTFT sample from its finishing event.
+
+Logging: the per-request detail at INFO (under the request ID); one WARNING per change of
+an engine's profile status, never one per retry (runtime.py backs retries off).
   * prefill engines: the two-phase prefill leg at each profile_prompt_tokens length;
   * unified engines: a streaming request per length (TTFT ~ prefill) and TPOT at batch 1
     and at batch 4;
@@ -20,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from ..core.admission import Dispatch, Work
 from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.fleet import EngineState
 from ..core.relay import StreamRelay
@@ -34,15 +47,34 @@ class ProfileError(Exception):
     pass
 
 
-def _prompt(tokens: int, bytes_per_token: float) -> str:
-    words = max(1, round(tokens * bytes_per_token / 8))
-    return ("narwhal " * words).strip()
+_PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs at dusk, counting each step as his father had taught him. "
+    "Out on the water a fishing boat was making for the harbour, its single lamp swinging with the swell. "
+    "In the village below, the baker was banking the ovens for the night and the school bell had long gone quiet. "
+    "A storm had been promised for the morning, and the gulls had already gathered on the sea wall to wait for it. "
+    "He trimmed the wick, polished the great lens and wrote the hour in the log in his careful, slanting hand. "
+    "Somewhere beyond the headland a ship he did not recognise was signalling, three short flashes and one long. "
+    "He reached for the old code book, blew the dust from its cover and began to turn the brittle pages. "
+    "The wind rose while he read, rattling the windows and carrying the smell of salt and rain up the tower. "
+)
+_ASK = "Continue this story in detail, in plain prose:"
 
 
-def _body(router: Any, e: EngineState, n: int, max_tokens: int) -> dict[str, Any]:
+def _prompt(tokens: int, bytes_per_token: float, tag: str) -> str:
+    """About `tokens` tokens of text an instruction model answers, distinct by `tag`."""
+    want = max(0, round(tokens * bytes_per_token) - len(tag) - len(_ASK) - 4)
+    reps = want // len(_PASSAGE) + 1
+    text = (_PASSAGE * reps)[:want]
+    cut = text.rfind(". ")
+    if cut > want // 2:
+        text = text[: cut + 1]
+    return f"[{tag}] {text}\n\n{_ASK}" if text else f"[{tag}] {_ASK}"
+
+
+def _body(router: Any, e: EngineState, n: int, max_tokens: int, tag: str = "0") -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": e.model or router.config.serving.model,
-        "messages": [{"role": "user", "content": _prompt(n, router.sizer.bytes_per_token)}],
+        "messages": [{"role": "user", "content": _prompt(n, router.sizer.bytes_per_token, f"{e.name}-{tag}")}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }
@@ -63,10 +95,11 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
         headers["x-request-id"] = rid
     up = await router.client.open("POST", e.url + "/v1/chat/completions", body=orjson.dumps(body), headers=headers)
     first: float | None = None
+    finished: float | None = None  # the first event that carried a finish_reason
     done = False
     try:
         if up.status >= 400:
-            log.warning("engine %s: profiling request %s answered HTTP %d: %r", e.name, rid, up.status, (await up.read(4096))[:200])
+            log.info("engine %s: profiling request %s answered HTTP %d: %r", e.name, rid, up.status, (await up.read(4096))[:200])
             raise ProfileError(f"engine answered HTTP {up.status}")
         while True:
             chunk = await up.next_chunk()
@@ -76,24 +109,34 @@ async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -
             step = relay.feed(chunk, now)
             if step.failure is not None:
                 row, detail = step.failure
-                log.warning("engine %s: profiling request %s: %s %s%s", e.name, rid, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
+                log.info("engine %s: profiling request %s: %s %s%s", e.name, rid, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
                 raise ProfileError(f"{row}: {detail}")  # T07
             if step.first_token and first is None:
                 first = now
+            if finished is None and relay.finish_reason is not None:
+                finished = now
             if step.done:
                 done = True
                 break
     finally:
         await up.aclose(complete=done)
     if relay.engine_error is not None:
-        log.warning("engine %s: profiling request %s: engine error event %r", e.name, rid, relay.engine_error)
+        log.info("engine %s: profiling request %s: engine error event %r", e.name, rid, relay.engine_error)
         raise ProfileError("the engine sent an error event")
     if first is None:
-        raise ProfileError("the engine produced no token")
-    u = relay.usage or {}
-    pt = u.get("prompt_tokens") if isinstance(u.get("prompt_tokens"), int) else None
+        # an answer that ended at once (EOS first): its finishing event still ends the
+        # prefill, so it is a TTFT sample; it has no TPOT
+        if finished is None:
+            raise ProfileError("the engine produced no token and no finish_reason")
+        return finished - t0, None, _prompt_tokens(relay.usage), 0
     tp = relay.arrivals.tpot()
-    return first - t0, tp, pt, relay.token_count
+    return first - t0, tp, _prompt_tokens(relay.usage), relay.token_count
+
+
+def _prompt_tokens(usage: Any) -> int | None:
+    u = usage if isinstance(usage, dict) else {}
+    pt = u.get("prompt_tokens")
+    return pt if isinstance(pt, int) and not isinstance(pt, bool) else None
 
 
 async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: str) -> tuple[float, dict[str, Any] | None, int | None]:
@@ -104,7 +147,7 @@ async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: s
     )
     dt = clock.now() - t0
     if status >= 400:
-        log.warning("engine %s: profiling request %s answered HTTP %d: %r", e.name, rid, status, raw[:200])
+        log.info("engine %s: profiling request %s answered HTTP %d: %r", e.name, rid, status, raw[:200])
         raise ProfileError(f"prefill engine answered HTTP {status}")
     try:
         obj = orjson.loads(raw)
@@ -133,18 +176,72 @@ def _median(samples: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(b, sorted(v)[len(v) // 2]) for b, v in sorted(by.items())]
 
 
+class _Slot:
+    """A phase-1 slot on `e` for one measurement when engines[].max_concurrency is set
+    (Scheduler.reserve; waits FIFO with client requests), else nothing."""
+
+    WAIT_S = 120.0  # the longest a measurement waits for a slot; then the profile fails
+
+    def __init__(self, router: Any, e: EngineState, n: int) -> None:
+        self.router, self.e, self.n = router, e, n
+        self.ticket: Any = None
+
+    async def __aenter__(self) -> None:
+        if self.e.max_concurrency is None or self.e.role == "decode":
+            return
+        r = self.router
+        now = r.clock.now()
+        work = Work(route="profile", prompt_tokens=self.n, max_tokens=None, budget_ms=float("inf"), arrival=now, max_wait_s=self.WAIT_S, deadline_s=None)
+        g = r.scheduler.reserve(self.e.name, work, now)
+        self.ticket = g.ticket
+        if isinstance(g, Dispatch):
+            return
+        got = await r.wait_grant(g.ticket)
+        if not isinstance(got, Dispatch):
+            raise ProfileError(f"no free slot on the engine within {self.WAIT_S:.0f} s (engines[].max_concurrency)")
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.ticket is not None:
+            r = self.router
+            r.wake(r.scheduler.finish(self.ticket, r.clock.now()))
+            self.ticket = None
+
+
+def _outcome(router: Any, e: EngineState, ok: bool, reason: str | None, detail: str | None = None) -> None:
+    """Record a profile's outcome: one WARNING when the status changes (to failed, or back
+    to ok after a failure), INFO otherwise; consecutive failures count for the back-off."""
+    before = e.profile_reported
+    e.profile_status = "ok" if ok else "failed"
+    e.profile_error = None if ok else reason
+    e.profile_reported = e.profile_status
+    if ok:
+        e.profile_failures = 0
+        if before == "failed":
+            log.warning("engine %s: profiled again after %s; predictive admission uses its profile", e.name, "a failure")
+        else:
+            log.info("engine %s profiled: prefill %s decode %s", e.name, e.prefill.snapshot(), e.decode.snapshot())
+        return
+    e.profile_failures += 1
+    retry = router.profile_retry_s(e)
+    if before != "failed":
+        log.warning("engine %s: profiling failed (%s); predictive admission uses default models for it; retrying in %.0f s, backing off to %.0f s",
+                    e.name, detail or reason, retry, router.PROFILE_RETRY_MAX_S)
+    else:
+        log.info("engine %s: profiling failed again (%s, %d in a row); next try in %.0f s", e.name, detail or reason, e.profile_failures, retry)
+
+
 async def profile_engine(router: Any, e: EngineState) -> None:
     cfg = router.config.admission.prediction
     lengths = list(cfg.profile_prompt_tokens)
     reps = cfg.profile_repeats
     out_tokens = cfg.profile_output_tokens
     e.profile_status = "running"
-    e.profile_error = None
     e.profile_attempted = router.clock.now()
     try:
         prefill: list[tuple[float, float]] = []
         decode: list[tuple[float, float]] = []
         starts: list[tuple[float, float]] = []
+        usage_seen = False  # did the engine's streams carry usage?
         k = 0
         # one warm-up measurement, discarded: it pays for connection set-up
         warm = [lengths[0]]
@@ -152,14 +249,18 @@ async def profile_engine(router: Any, e: EngineState) -> None:
             for _ in range(1 if k == 0 else reps):
                 k += 1
                 rid = f"narwhal-profile-{e.name}-{k}"
+                tag = f"{k}-{int(e.profile_attempted * 1000) % 1000000}"  # distinct: no prefix-cache hits
                 keep = k > 1
                 if e.role == "prefill":
-                    dt, _, pt = await _prefill_leg(router, e, _body(router, e, n, 1), rid)
+                    async with _Slot(router, e, n):
+                        dt, _, pt = await _prefill_leg(router, e, _body(router, e, n, 1, tag), rid)
                     if keep:
                         prefill.append((pt or n, dt * 1000.0))
                 elif e.role == "unified":
-                    body = decode_body(_body(router, e, n, out_tokens), dialect=e.dialect, model=e.model)
-                    ttft, tp, pt, _ = await _stream(router, e, body, rid)
+                    body = decode_body(_body(router, e, n, out_tokens, tag), dialect=e.dialect, model=e.model)
+                    async with _Slot(router, e, n):
+                        ttft, tp, pt, _ = await _stream(router, e, body, rid)
+                    usage_seen = usage_seen or pt is not None
                     if keep:
                         prefill.append((pt or n, ttft * 1000.0))
                         if tp is not None:
@@ -168,26 +269,34 @@ async def profile_engine(router: Any, e: EngineState) -> None:
                     p = next((x for x in router.engines.values() if x.role == "prefill" and x.healthy), None)
                     if p is None:
                         raise ProfileError("no healthy prefill engine to profile a decode engine with")
-                    base = _body(router, e, n, out_tokens)
-                    _, kv, pt = await _prefill_leg(router, p, base, rid + "-p")
+                    base = _body(router, e, n, out_tokens, tag)
+                    async with _Slot(router, p, n):
+                        _, kv, pt = await _prefill_leg(router, p, base, rid + "-p")
                     body = decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=True)
                     start, tp, pt2, _ = await _stream(router, e, body, rid)
                     if keep:
                         starts.append((pt or pt2 or n, start * 1000.0))
                         if tp is not None:
                             decode.append((1.0, tp * 1000.0))
-        if e.role in ("unified", "decode"):
-            # TPOT under a small batch, for the slope of the load-conditioned profile
-            batch = 4
+        # TPOT under a small batch, for the slope of the load-conditioned profile; never
+        # more at once than the engine's max_concurrency (at 1 the slope stays a prior)
+        batch = min(4, e.max_concurrency or 4)
+        if e.role in ("unified", "decode") and batch >= 2:
             bodies = []
             for i in range(batch):
-                base = _body(router, e, lengths[0], out_tokens * 2)
+                base = _body(router, e, lengths[0], out_tokens * 2, f"b{i}-{k}-{int(e.profile_attempted * 1000) % 1000000}")
                 kv = None
                 if e.role == "decode":
                     p = next(x for x in router.engines.values() if x.role == "prefill" and x.healthy)
-                    _, kv, _ = await _prefill_leg(router, p, base, f"narwhal-profile-{e.name}-b{i}-p")
+                    async with _Slot(router, p, lengths[0]):
+                        _, kv, _ = await _prefill_leg(router, p, base, f"narwhal-profile-{e.name}-b{i}-p")
                 bodies.append(decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode"))
-            res = await asyncio.gather(*(_stream(router, e, b, f"narwhal-profile-{e.name}-b{i}") for i, b in enumerate(bodies)))
+
+            async def one(i: int, b: dict[str, Any]) -> tuple[float, float | None, int | None, int]:
+                async with _Slot(router, e, lengths[0]):
+                    return await _stream(router, e, b, f"narwhal-profile-{e.name}-b{i}")
+
+            res = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
             for _, tp, _, _ in res:
                 if tp is not None:
                     decode.append((float(batch), tp * 1000.0))
@@ -205,13 +314,19 @@ async def profile_engine(router: Any, e: EngineState) -> None:
             "tpot_ms_by_batch": [[b, round(ms, 3)] for b, ms in decode],
             "decode_start_ms_by_prompt_tokens": [[round(n), round(ms, 3)] for n, ms in starts],
         }
-        e.profile_status = "ok"
-        log.info("engine %s profiled: prefill %s decode %s", e.name, e.prefill.snapshot(), e.decode.snapshot())
+        if e.role == "unified" and not usage_seen and e.name not in router.prompt_counters:
+            # its streams carry no usage: can it count prompts exactly? (usage.py)
+            from .usage import detect
+
+            async with _Slot(router, e, lengths[0]):
+                pc = await detect(router, e)
+            if pc is not None:
+                router.prompt_counters[e.name] = pc
+            log.info("engine %s: its streams carry no usage; prompt tokens of assembled answers: %s", e.name, pc.kind if pc else "an estimate")
+        _outcome(router, e, True, None)
     except (ProfileError, UpstreamError, StopIteration) as x:
-        e.profile_status = "failed"
-        e.profile_error = str(x) or type(x).__name__
-        log.warning("engine %s: profiling failed: %s", e.name, x.log_detail if isinstance(x, UpstreamError) and x.log_detail else e.profile_error)
+        reason = str(x) or type(x).__name__
+        _outcome(router, e, False, reason, x.log_detail if isinstance(x, UpstreamError) and x.log_detail else None)
     except Exception as x:  # a bug: say so where operators look, keep serving
-        e.profile_status = "failed"
-        e.profile_error = f"internal error: {type(x).__name__}: {x}"
-        log.exception("engine %s: profiling failed", e.name)
+        log.exception("engine %s: profiling failed with an internal error", e.name)
+        _outcome(router, e, False, f"internal error: {type(x).__name__}")

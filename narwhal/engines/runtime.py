@@ -43,14 +43,19 @@ class EngineSpec:
     `url` never carries userinfo: credentials in the configured URL move to
     `authorization` (HTTP Basic), which only the engine client sees."""
 
-    __slots__ = ("name", "url", "role", "dialect", "wave", "model", "authorization")
+    __slots__ = ("name", "url", "role", "dialect", "wave", "model", "authorization", "max_concurrency")
 
-    def __init__(self, name: str, url: str, role: str, dialect: str, wave: str | None, model: str | None) -> None:
+    def __init__(self, name: str, url: str, role: str, dialect: str, wave: str | None, model: str | None, *, max_concurrency: int | None = None) -> None:
         public, self.authorization = split_userinfo(url)
         self.name, self.url, self.role, self.dialect, self.wave, self.model = name, public.rstrip("/"), role, dialect, wave, model
+        self.max_concurrency = max_concurrency  # engines[].max_concurrency
 
     def __repr__(self) -> str:
         return f"EngineSpec({self.name!r}, {self.url!r}, {self.role!r}, {self.dialect!r})"
+
+
+def _cap(slots: int, limit: int | None) -> int:
+    return slots if limit is None else min(slots, limit)
 
 
 class Router:
@@ -64,7 +69,12 @@ class Router:
         for s in engines:
             self.engines[s.name] = EngineState(
                 s.name, s.url, role=s.role, dialect=s.dialect, wave=s.wave, model=s.model,
-                prefill_slots=a.phase_concurrency.prefill, decode_slots=a.phase_concurrency.decode,
+                # engines[].max_concurrency caps both phases' slots: a unified request holds
+                # its decode slot from dispatch to its end, so decode slots in use are
+                # exactly the requests in flight at that engine
+                prefill_slots=_cap(a.phase_concurrency.prefill, s.max_concurrency),
+                decode_slots=_cap(a.phase_concurrency.decode, s.max_concurrency),
+                max_concurrency=s.max_concurrency,
                 breaker=Breaker(m.breaker_failures, m.breaker_cooldown_ms / 1000.0),
             )
         p = a.prediction
@@ -100,6 +110,9 @@ class Router:
         self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._profiling: dict[str, asyncio.Task[Any]] = {}
+        # engines whose streams carry no usage but which can count prompts exactly
+        # (usage.py), found at profile time
+        self.prompt_counters: dict[str, Any] = {}
         self._first_poll = asyncio.Event()
         self._started_at = self.clock.now()
         self._refresh_health_state()
@@ -178,6 +191,13 @@ class Router:
         e.breaker.success(self.clock.now(), probe=False)
 
     async def _poll(self, e: EngineState) -> None:
+        if e.max_concurrency is not None and (e.prefill_in_use or e.decode_in_use):
+            # a poll is a request too: an engine limited by engines[].max_concurrency may
+            # serialise it behind, or cut a running generation for it (llama-cpp-python's
+            # server does so for /v1/models); while it has requests in flight their own
+            # progress and failures (E06/E07, the breaker) stand for the poll
+            e.last_observed = self.clock.now()
+            return
         path = D.BY_NAME[e.dialect].health_path
         timeout = self.config.monitoring.poll_timeout_ms / 1000.0
         try:
@@ -237,16 +257,23 @@ class Router:
             if e.role == "decode":
                 await profile_engine(self, e)
 
-    PROFILE_RETRY_S = 30.0
+    PROFILE_RETRY_S = 30.0  # the first retry after a failed profile ...
+    PROFILE_RETRY_MAX_S = 600.0  # ... doubling per consecutive failure up to this
+
+    def profile_retry_s(self, e: EngineState) -> float:
+        """The wait before profiling `e` again after its consecutive failures."""
+        n = max(0, e.profile_failures - 1)
+        return min(self.PROFILE_RETRY_MAX_S, self.PROFILE_RETRY_S * (2.0 ** min(n, 16)))
 
     def _maybe_reprofile(self, e: EngineState, now: float) -> None:
         """A healthy engine without a profile (down at start, or its profiling failed)
-        is profiled again, at most every PROFILE_RETRY_S."""
+        is profiled again: after a failure, with exponential back-off (profile_retry_s)."""
         if not self.config.admission.prediction.profile_on_start or e.profile_status not in ("pending", "failed"):
             return
         if any(not t.done() for t in self._profiling.values()):
             return
-        if e.profile_attempted is not None and now - e.profile_attempted < self.PROFILE_RETRY_S:
+        wait = self.profile_retry_s(e) if e.profile_status == "failed" else self.PROFILE_RETRY_S
+        if e.profile_attempted is not None and now - e.profile_attempted < wait:
             return
         if e.role == "decode" and not any(p.role == "prefill" and p.healthy for p in self.engines.values()):
             return
@@ -287,9 +314,13 @@ class Router:
             "last_health_age_ms": None if e.last_observed is None else round((now - e.last_observed) * 1000.0, 1),
             "last_error": e.last_error,
             "token_accounting": D.BY_NAME[e.dialect].token_accounting,
+            "prompt_count": self.prompt_counters[e.name].kind if e.name in self.prompt_counters else None,
+            "max_concurrency": e.max_concurrency,
             "profile": {
                 "status": e.profile_status,
                 "error": e.profile_error,
+                "consecutive_failures": e.profile_failures,
+                "next_retry_s": round(max(0.0, self.profile_retry_s(e) - (now - e.profile_attempted)), 1) if e.profile_status == "failed" and e.profile_attempted is not None else None,
                 "prefill": e.prefill.snapshot(),
                 "decode": e.decode.snapshot(),
                 "decode_start": {"k0_ms": round(e.start_model.theta[0], 4), "k1_ms_per_ktoken": round(e.start_model.theta[1], 4), "samples": e.start_model.samples},

@@ -57,7 +57,10 @@ class _StateCollector(Collector):
         breaker = GaugeMetricFamily("narwhal_engine_circuit_open", "1 when the engine's circuit breaker is open.", labels=["engine"])
         drift = GaugeMetricFamily("narwhal_engine_drift_score", "Drift score z of measured vs profiled time, per phase.", labels=["engine", "phase"])
         tpot = GaugeMetricFamily("narwhal_engine_profile_tpot_seconds", "Profiled TPOT at batch 1 (with decode correction).", labels=["engine"])
+        prof = GaugeMetricFamily("narwhal_engine_profile_status", "1 for the engine's profile status (failed: predictive admission uses default models for it).", labels=["engine", "status"])
         for e in s["engines"]:
+            for st in PROFILE_STATUSES:
+                prof.add_metric([e["name"], st], 1.0 if e["profile"]["status"] == st else 0.0)
             inflight.add_metric([e["name"], "prefill"], e["load"]["prefill_in_use"])
             inflight.add_metric([e["name"], "decode"], e["load"]["decode_in_use"])
             queued.add_metric([e["name"]], e["load"]["queued"])
@@ -67,7 +70,10 @@ class _StateCollector(Collector):
             drift.add_metric([e["name"], "prefill"], e["drift"]["prefill"]["score"])
             drift.add_metric([e["name"], "decode"], e["drift"]["decode"]["score"])
             tpot.add_metric([e["name"]], e["profile"]["decode"]["tpot_ms_at_batch_1"] / 1000.0)
-        yield from (inflight, queued, healthy, eligible, breaker, drift, tpot)
+        yield from (inflight, queued, healthy, eligible, breaker, drift, tpot, prof)
+
+
+PROFILE_STATUSES = ("pending", "running", "ok", "failed")
 
 
 class Telemetry:

@@ -35,6 +35,13 @@ __all__ = ["create_app"]
 _OPENAPI = resources.files("narwhal_generated").joinpath("openapi.json").read_bytes()
 
 
+def _profiles(router: Router) -> dict[str, object]:
+    """/ready names the engines predictive admission runs on default models for (their
+    profile failed): informational, never a reason to be unready."""
+    failed = sorted(e.name for e in router.engines.values() if e.profile_status == "failed")
+    return {"unprofiled_engines": failed} if failed else {}
+
+
 def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
     # client connections are the server's (hyper.py counts them per process)
     router.telemetry.registry.register(hyper.ConnectionCollector())  # type: ignore[arg-type]
@@ -51,8 +58,8 @@ def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
     async def ready(_: Request) -> Response:
         reason = router.state.reason(router.clock.now())
         if reason is None:
-            return JSONResponse({"ready": True, "state": "active"})
-        return JSONResponse({"ready": False, "state": reason, "reason": reason}, status_code=503)
+            return JSONResponse({"ready": True, "state": "active", **_profiles(router)})
+        return JSONResponse({"ready": False, "state": reason, "reason": reason, **_profiles(router)}, status_code=503)
 
     async def engines(_: Request) -> Response:
         return JSONResponse(

@@ -123,7 +123,7 @@ def build_router(config: NarwhalConfig, engines: list[EngineSpec]) -> Router:
 
 
 def config_engines(config: NarwhalConfig) -> list[EngineSpec]:
-    return [EngineSpec(e.name, e.url, e.role, e.dialect, e.wave, e.model) for e in config.engines or ()]
+    return [EngineSpec(e.name, e.url, e.role, e.dialect, e.wave, e.model, max_concurrency=e.max_concurrency) for e in config.engines or ()]
 
 
 @contextlib.asynccontextmanager

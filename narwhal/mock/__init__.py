@@ -20,7 +20,10 @@ Per-request options (all optional; unknown keys ignored, bad values -> 400):
     fault_after   output token index where a mid-stream fault happens (default 1)
     fault_engines engine names the fault applies on (default: all)
     prefill_ms, tpot_ms, stall_ms   wall-clock overrides (not multiplied by time_scale)
-    quirks        ["tgi_repeat_ids"] (openai dialect: TGI's repeated tool-call id "0")
+    quirks        ["tgi_repeat_ids"] (openai dialect: TGI's repeated tool-call id "0");
+                  ["interrupts"] as an engine quirk (MockConfig.quirks): a request that
+                  arrives cuts every answer streaming at that moment short, as
+                  llama-cpp-python's server does by default
 
 Rules
   * `running_mock`/`running_fleet` bind their sockets (port 0) before yielding, so a

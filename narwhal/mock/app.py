@@ -102,9 +102,10 @@ class _Watch:
     """One request's life: settled once, before its last byte (so a client that has read
     the answer sees the engine's counters already updated) or on the way out."""
 
-    __slots__ = ("gone", "finished", "seated")
+    __slots__ = ("gone", "finished", "seated", "interrupted")
 
     def __init__(self) -> None:
+        self.interrupted = False  # quirk "interrupts": another request cut this answer
         self.gone = False  # the client went away
         self.finished = False  # settled: the answer was handed over, ignore a disconnect
         self.seated = False  # holds a seat in the decode batch
@@ -181,11 +182,13 @@ class MockEngine:
         self.healthy = True
         self.requests = 0
         self.in_flight = 0
+        self.peak_in_flight = 0  # the most requests in flight at once (engines[].max_concurrency tests)
         self.cancelled = 0
         self.completed = 0
         self.refused = 0
         self.faulted = 0
         self._blocks = 0
+        self._streaming: set[_Watch] = set()  # answers streaming now (quirk "interrupts")
         self._port: int | None = config.port
 
     @property
@@ -200,6 +203,7 @@ class MockEngine:
             "model": self.config.model,
             "requests": self.requests,
             "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
             "cancelled": self.cancelled,
             "completed": self.completed,
             "refused": self.refused,
@@ -319,8 +323,12 @@ class MockEngine:
         task = asyncio.current_task()
         assert task is not None
         watch = _Watch()
+        if "interrupts" in self.config.quirks:
+            for w in self._streaming:
+                w.interrupted = True
         watcher = asyncio.create_task(self._watch(receive, task, watch))
         self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             await self._serve(send, route, body, beh, fault, xrid, hdrs, watch, n_prompt, exact_ids, max_tokens, remote, kv)
         except asyncio.CancelledError:
@@ -472,8 +480,24 @@ class MockEngine:
         return cfg.stream_interval
 
     async def _stream(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, body: dict[str, Any]) -> None:
-        loop = asyncio.get_running_loop()
         rend = wire.renderer(reply)
+
+        async def write(ev: bytes) -> None:
+            await send({"type": "http.response.body", "body": ev, "more_body": True})
+
+        for ev in rend.head():
+            await write(ev)
+        self._streaming.add(watch)
+        try:
+            await self._stream_loop(send, reply, beh, fault, watch, body, rend, write)
+        finally:
+            self._streaming.discard(watch)
+
+    async def _stream_loop(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, body: dict[str, Any],
+                           rend: Any, write: Any) -> None:
+        loop = asyncio.get_running_loop()
+        group: list[Any] = []
+        next_t = loop.time()
         pieces = reply.script.pieces
         n = len(pieces)
         at = min(beh.fault_after, n)  # stream faults fire before token `at` is sent
@@ -482,16 +506,14 @@ class MockEngine:
         interval = self._interval(body)
         tpot = beh.tpot_ms
         load = self.load
-
-        async def write(ev: bytes) -> None:
-            await send({"type": "http.response.body", "body": ev, "more_body": True})
-
-        for ev in rend.head():
-            await write(ev)
-        group: list[Any] = []
-        next_t = loop.time()
         i = 0
         while True:
+            if watch.interrupted and 0 < i < n:  # quirk "interrupts": end here, short
+                for ev in rend.group(group, final=True):
+                    await write(ev)
+                group = []
+                n = i
+                break
             if stream_fault is not None and i == at:
                 if group:
                     for ev in rend.group(group, final=False):

@@ -71,7 +71,7 @@ PIECE_FAULTS = frozenset(
 # Faults on the first tool call opened at or after `fault_after`; they imply tool_calls.
 TOOL_FAULTS = frozenset({"tool_call_no_id", "tool_call_no_name"})
 FAULTS = EARLY_FAULTS | STREAM_FAULTS | PIECE_FAULTS | TOOL_FAULTS | {"no_finish_reason"}
-QUIRKS = frozenset({"tgi_repeat_ids"})
+QUIRKS = frozenset({"tgi_repeat_ids", "interrupts"})
 
 DEFAULT_OUTPUT_TOKENS = 16
 

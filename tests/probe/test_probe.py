@@ -57,3 +57,22 @@ def test_cli_report_and_exit_status(mocks: dict[str, Any]) -> None:
     assert ok.stdout.rstrip().endswith("token_accounting: unavailable")
     bad = subprocess.run([sys.executable, "-m", "narwhal.cli", "probe-engine", mocks["vllm"].url, "--dialect", "vllm", "--model", "narwhal-demo", "--extra-body", '{"mock": {"fault": "bool_token_ids"}}', "--json"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and '"verdict": "Fail"' in bad.stdout
+
+
+def test_concurrency_two_overlapping_requests_are_both_whole() -> None:
+    cfg = MockConfig(dialect="openai", name="batching", timing=Timing(time_scale=0.5), output_tokens=48)
+    with running_fleet([cfg]) as (m,):
+        p = probe_engine(m.url, dialect="openai", model="narwhal-demo")
+    (c,) = [r for r in p.results if r.rule == "concurrency"]
+    assert c.verdict == "Pass", c
+    assert p.recommended_max_concurrency is None
+
+
+def test_concurrency_an_engine_that_cuts_the_first_answer_is_reported() -> None:
+    # llama-cpp-python's server by default: a new request aborts the one streaming
+    cfg = MockConfig(dialect="openai", name="llama", timing=Timing(time_scale=0.5), output_tokens=48, quirks=frozenset({"interrupts"}))
+    with running_fleet([cfg]) as (m,):
+        p = probe_engine(m.url, dialect="openai", model="narwhal-demo")
+    (c,) = [r for r in p.results if r.rule == "concurrency"]
+    assert c.verdict == FAIL and "max_concurrency: 1" in c.detail, c
+    assert p.recommended_max_concurrency == 1

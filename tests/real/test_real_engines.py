@@ -78,6 +78,8 @@ def test_llamacpp_probe(llamacpp: Any) -> None:
     fails = [r for r in p.results if r.verdict == FAIL]
     assert not fails, fails
     assert p.token_accounting == "unavailable"
+    # --interrupt_requests False: it serves one request at a time, whole
+    assert p.recommended_max_concurrency == 1
 
 
 def test_narwhal_routes_to_llamacpp(llamacpp: Any) -> None:
@@ -93,6 +95,116 @@ def test_narwhal_routes_to_llamacpp(llamacpp: Any) -> None:
         eng = rr.get("/v1/engines").json()["data"][0]
         assert eng["token_accounting"] == "unavailable" and eng["profile"]["status"] == "ok"
         rr.balanced()
+
+
+# -- llama.cpp as a new user starts it (issue 12) ----------------------------------------
+# llama-cpp-python's server by default cuts a running generation when any other request
+# arrives (health polls and profiling included). Through Narwhal with
+# engines[].max_concurrency: 1 its answers must be the engine's own: the same finish,
+# counts and usage, request by request (its greedy text depends on its own prompt cache,
+# ENGINES.md/STACK.md, so the text is only checked to be there).
+
+PROMPTS = [
+    "Name three colors.",
+    "Write a long story about a lighthouse keeper and a storm.",
+    "List the planets of the solar system, one per line, with a sentence about each.",
+    "What is 12 times 7?",
+    "Explain in detail how a bicycle works.",
+]
+
+
+@pytest.fixture(scope="module")
+def llamacpp_default() -> Iterator[Any]:
+    _need("llama_cpp", "scripts/engines/llamacpp.sh")
+    from narwhal_conformance.real_engines import llamacpp_server
+
+    with llamacpp_server(interrupt_requests=True) as eng:
+        yield eng
+
+
+def _answer(url: str, prompt: str, *, stream: bool, max_tokens: int = 16) -> dict[str, Any]:
+    """finish, output events / completion tokens, usage, text and the usage source of one
+    greedy chat answer, read the way a client reads it."""
+    import httpx
+
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    with httpx.Client(timeout=300) as h:
+        if not stream:
+            r = h.post(url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            j = r.json()
+            c = j["choices"][0]
+            return {"finish": c["finish_reason"], "tokens": j["usage"]["completion_tokens"], "usage": j["usage"], "text": c["message"]["content"] or "",
+                    "source": r.headers.get("x-narwhal-usage-source")}
+        finish, events, text, usage = None, 0, "", None
+        with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                usage = ev.get("usage") or usage
+                for c in ev.get("choices") or ():
+                    if (c.get("delta") or {}).get("content"):
+                        events += 1
+                        text += c["delta"]["content"]
+                    finish = c.get("finish_reason") or finish
+        return {"finish": finish, "tokens": events, "usage": usage, "text": text, "source": None}
+
+
+def test_llamacpp_default_probe_recommends_max_concurrency_1(llamacpp_default: Any) -> None:
+    p = probe_engine(llamacpp_default.url, dialect="openai", model=llamacpp_default.model)
+    (c,) = [r for r in p.results if r.rule == "concurrency"]
+    assert c.verdict == FAIL and "max_concurrency: 1" in c.detail, c
+    assert p.recommended_max_concurrency == 1
+
+
+def test_llamacpp_answers_through_narwhal_are_the_engines_own(llamacpp_default: Any) -> None:
+    specs = [EngineSpec("llama", llamacpp_default.url, "unified", "openai", None, llamacpp_default.model, max_concurrency=1)]
+    cfg = _router_cfg()
+    cfg["admission"]["mode"] = "predictive"
+    with running_router(cfg, specs) as rr:
+        eng = rr.get("/v1/engines").json()["data"][0]
+        assert eng["profile"]["status"] == "ok", eng["profile"]
+        assert eng["prompt_count"] == "tokenize+template"
+        for prompt in PROMPTS:
+            for stream in (False, True):
+                want = _answer(llamacpp_default.url, prompt, stream=stream)
+                got = _answer(rr.url, prompt, stream=stream)
+                where = f"{prompt!r} stream={stream}"
+                assert got["finish"] == want["finish"], where
+                assert got["tokens"] == want["tokens"], where
+                assert got["usage"] == want["usage"], where  # non-streaming: exact; streaming: none, as the engine
+                assert got["text"], where
+                if not stream:
+                    assert got["source"] == "tokenize+template", where
+        rr.balanced()
+
+
+def test_llamacpp_clients_while_the_profile_runs_get_whole_answers(llamacpp_default: Any) -> None:
+    # the reported defect: the profile's own traffic cut live answers short
+    import threading
+
+    prompt = PROMPTS[1]
+    want = _answer(llamacpp_default.url, prompt, stream=False)
+    specs = [EngineSpec("llama", llamacpp_default.url, "unified", "openai", None, llamacpp_default.model, max_concurrency=1)]
+    got: list[dict[str, Any]] = []
+    with running_router(_router_cfg(), specs, wait_profiled=False) as rr:
+
+        def client() -> None:
+            got.append(_answer(rr.url, prompt, stream=False))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        rr.call(rr.router.wait_profiled)
+        assert rr.get("/v1/engines").json()["data"][0]["profile"]["status"] == "ok"
+        rr.balanced()
+    assert len(got) == 4
+    for g in got:
+        assert (g["finish"], g["tokens"]) == (want["finish"], want["tokens"]), g
 
 
 # -- vLLM (vllm dialect: real return_token_ids) ---------------------------------------

@@ -1,0 +1,202 @@
+"""Exact prompt token counts for engines whose streams carry no usage (issue 12).
+
+Narwhal streams every engine request, so an engine that omits usage in streams
+(llama-cpp-python ignores stream_options.include_usage) leaves the assembled answer's
+prompt_tokens to the router (A18). An estimate from bytes leaves out the chat template
+(6 where the engine counts 34), so where the engine can count, the router asks it:
+
+  * `tokenize` — the engine's own tokenizer with its chat template applied:
+      vLLM and SGLang `POST /tokenize {"model", "messages" | "prompt"}` -> {"count"};
+      llama.cpp's server `POST /apply-template {"messages"}` -> {"prompt"}, then
+      `POST /tokenize {"content", "add_special": true}` -> {"tokens"}.
+  * `tokenize+template` — llama-cpp-python: `POST /extras/tokenize/count {"input"}`
+    counts text only; the template's tokens are calibrated at profile time from the
+    engine's own non-streaming usage on four message shapes (a base per conversation,
+    with and without a leading system message, and a cost per user and assistant
+    message), and used only when a fifth shape, held out, comes out exact. Messages the
+    calibration does not cover (tools, names, non-text content, a system message not
+    first) are not counted this way.
+  * otherwise the estimate, and the answer says so.
+
+The source of an assembled answer's usage is the response header
+`x-narwhal-usage-source`: engine | prefill | tokenize | tokenize+template | estimate.
+Every call is bounded (COUNT_TIMEOUT_S, MAX_MESSAGES); a failure falls back to the
+estimate, labelled as one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..core.fleet import EngineState
+
+__all__ = ["PromptCounter", "detect", "COUNT_TIMEOUT_S", "USAGE_SOURCE_HEADER"]
+
+log = logging.getLogger("narwhal")
+
+COUNT_TIMEOUT_S = 2.0  # a count the answer waits for at most this long (then: estimate)
+MAX_MESSAGES = 64  # longer conversations are estimated, not counted call by call
+USAGE_SOURCE_HEADER = b"x-narwhal-usage-source"
+
+# calibration shapes: (role, content); the last is held out to verify the others
+_A = [("user", "What is the capital of France?")]
+_D = [("user", "What is the capital of France?"), ("user", "And of Italy?")]
+_C = [("user", "What is the capital of France?"), ("assistant", "Paris is the capital of France."), ("user", "And of Italy?")]
+_B = [("system", "You answer in one short sentence."), ("user", "What is the capital of France?")]
+_V = [("system", "You answer in one short sentence."), ("user", "Name a river."), ("assistant", "The Nile."), ("user", "And a mountain in Japan?")]
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    base: int  # a conversation without a system message
+    sbase: int  # a conversation opening with a system message (its own tokens included)
+    user: int
+    assistant: int
+    completion: int | None  # /v1/completions: tokens added to the prompt's own
+
+
+class PromptCounter:
+    """How one engine's prompts are counted: `kind` is "tokenize" or "tokenize+template"."""
+
+    def __init__(self, router: Any, e: EngineState, kind: str, path: str, template: _Template | None = None) -> None:
+        self.router, self.e, self.kind, self.path, self.template = router, e, kind, path, template
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        status, raw = await self.router.client.post_json(self.e.url + path, body, headers={"x-narwhal-profiling": "1"})
+        if status != 200:
+            raise ValueError(f"{path} answered HTTP {status}")
+        return orjson.loads(raw)
+
+    async def _text(self, text: str) -> int:
+        obj = await self._post("/extras/tokenize/count", {"input": text})
+        n = obj.get("count") if isinstance(obj, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError("no count")
+        return n
+
+    async def _count(self, route: str, body: dict[str, Any]) -> int | None:
+        model = self.e.model or self.router.config.serving.model
+        if self.kind == "tokenize":
+            if self.path == "/tokenize":
+                req = {"model": model, "messages": body["messages"]} if route == "chat" else {"model": model, "prompt": body.get("prompt")}
+                obj = await self._post("/tokenize", req)
+                n = obj.get("count") if isinstance(obj, dict) else None
+                if n is None and isinstance(obj, dict) and isinstance(obj.get("tokens"), list):
+                    n = len(obj["tokens"])
+                return n if isinstance(n, int) and not isinstance(n, bool) else None
+            # llama.cpp's server: the template, then the tokenizer
+            if route == "chat":
+                obj = await self._post("/apply-template", {"messages": body["messages"]})
+                text = obj.get("prompt") if isinstance(obj, dict) else None
+            else:
+                text = body.get("prompt")
+            if not isinstance(text, str):
+                return None
+            obj = await self._post("/tokenize", {"content": text, "add_special": True})
+            toks = obj.get("tokens") if isinstance(obj, dict) else None
+            return len(toks) if isinstance(toks, list) else None
+        t = self.template
+        assert t is not None
+        if route != "chat":
+            p = body.get("prompt")
+            return (await self._text(p)) + t.completion if isinstance(p, str) and t.completion is not None else None
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or len(msgs) > MAX_MESSAGES:
+            return None
+        total = 0
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
+                return None
+            role = m["role"]
+            if role == "system" and i == 0:
+                continue
+            if role not in ("user", "assistant"):
+                return None
+            total += t.user if role == "user" else t.assistant
+        counts = await asyncio.gather(*(self._text(m["content"]) for m in msgs))
+        first_system = msgs[0]["role"] == "system"
+        return total + sum(counts) + (t.sbase if first_system else t.base)
+
+    async def count(self, route: str, body: dict[str, Any]) -> int | None:
+        """The exact prompt tokens of `body`, or None (then the answer's usage is the
+        estimate, labelled so)."""
+        try:
+            async with asyncio.timeout(COUNT_TIMEOUT_S):
+                return await self._count(route, body)
+        except (TimeoutError, ValueError, KeyError, orjson.JSONDecodeError, OSError) as x:
+            log.info("engine %s: prompt count failed (%s); the usage is an estimate", self.e.name, x)
+            return None
+        except Exception as x:  # noqa: BLE001 - the engine client's errors: an estimate, never a failed request
+            log.info("engine %s: prompt count failed (%s: %s); the usage is an estimate", self.e.name, type(x).__name__, x)
+            return None
+
+
+async def _usage_of(router: Any, e: EngineState, shape: list[tuple[str, str]]) -> int:
+    body = {"model": e.model or router.config.serving.model, "messages": [{"role": r, "content": c} for r, c in shape], "max_tokens": 1, "temperature": 0, "stream": False}
+    status, raw = await router.client.post_json(e.url + "/v1/chat/completions", body, headers={"x-narwhal-profiling": "1"})
+    if status != 200:
+        raise ValueError(f"calibration request answered HTTP {status}")
+    pt = ((orjson.loads(raw) or {}).get("usage") or {}).get("prompt_tokens")
+    if not isinstance(pt, int) or isinstance(pt, bool):
+        raise ValueError("the engine's non-streaming answer has no usage.prompt_tokens")
+    return pt
+
+
+async def _calibrate(router: Any, e: EngineState) -> _Template | None:
+    probe = PromptCounter(router, e, "tokenize+template", "/extras/tokenize/count")
+    try:
+        await probe._text("hello")
+    except Exception:  # noqa: BLE001 - no such endpoint
+        return None
+
+    async def m(shape: list[tuple[str, str]]) -> int:
+        used = await _usage_of(router, e, shape)
+        return used - sum([await probe._text(c) for _, c in shape])
+
+    ma, md, mc, mb, mv = [await m(s) for s in (_A, _D, _C, _B, _V)]
+    user = md - ma
+    base = ma - user
+    assistant = mc - base - 2 * user
+    sbase = mb - user
+    if mv != sbase + 2 * user + assistant or min(user, assistant, base, sbase) < 0:
+        log.info("engine %s: the chat template's tokens do not add up (held-out shape %d, predicted %d); prompt usage stays an estimate", e.name, mv, sbase + 2 * user + assistant)
+        return None
+    completion = None
+    try:
+        body = {"model": e.model or router.config.serving.model, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, "stream": False}
+        status, raw = await router.client.post_json(e.url + "/v1/completions", body, headers={"x-narwhal-profiling": "1"})
+        pt = ((orjson.loads(raw) or {}).get("usage") or {}).get("prompt_tokens") if status == 200 else None
+        if isinstance(pt, int):
+            completion = pt - await probe._text("The capital of France is")
+    except Exception:  # noqa: BLE001 - completions unsupported: chat only
+        completion = None
+    return _Template(base, sbase, user, assistant, completion)
+
+
+async def detect(router: Any, e: EngineState) -> PromptCounter | None:
+    """Which way, if any, this engine can count prompts exactly (run at profile time, for
+    an engine whose streams carried no usage)."""
+    model = e.model or router.config.serving.model
+    msgs = [{"role": r, "content": c} for r, c in _A]
+    try:
+        status, raw = await router.client.post_json(e.url + "/tokenize", {"model": model, "messages": msgs}, headers={"x-narwhal-profiling": "1"})
+        obj = orjson.loads(raw) if status == 200 else None
+        if isinstance(obj, dict) and isinstance(obj.get("count"), int):
+            return PromptCounter(router, e, "tokenize", "/tokenize")
+        status, raw = await router.client.post_json(e.url + "/apply-template", {"messages": msgs}, headers={"x-narwhal-profiling": "1"})
+        obj = orjson.loads(raw) if status == 200 else None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            return PromptCounter(router, e, "tokenize", "/apply-template")
+    except Exception as x:  # noqa: BLE001 - an engine without these endpoints
+        log.debug("engine %s: no tokenize endpoint (%s)", e.name, x)
+    try:
+        t = await _calibrate(router, e)
+    except Exception as x:  # noqa: BLE001
+        log.info("engine %s: template calibration failed (%s); prompt usage stays an estimate", e.name, x)
+        return None
+    return PromptCounter(router, e, "tokenize+template", "/extras/tokenize/count", t) if t is not None else None
