@@ -149,6 +149,9 @@ class CaseRun:
             rids.append(rid)
             if "raw" in s["request"]:
                 raw = s["request"]["raw"].replace("${pad}", "a" * s["request"].get("raw_pad", 0))
+                rep = s["request"].get("raw_repeat")
+                if rep:
+                    raw = raw.replace("${repeat}", rep["text"] * rep["times"])
                 ex = raw_exchange(self.r.target, raw.encode("latin-1"), s["request"].get("timeout_ms", 5000) / 1000.0)
             else:
                 ex = self.r.send(self.build(s["request"], rid))

@@ -7,6 +7,7 @@
     narwhal bench peers [--peers narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy] [--rates 20,200]
     narwhal bench overload [--scenario prefill|decode] [--loads 0.5,1,1.5,2,3,4] [--peers ...]
     narwhal bench abuse [--attacks slow-body,h2-no-read,...] [--duration 15] [--rate 20]
+    narwhal bench prediction --engine URL --model NAME [--dialect openai] [--max-concurrency 1]
 
 Every subcommand prints Markdown tables; --out DIR also saves them with the raw numbers
 as JSON (default out/bench, git-ignored); sweeps write PNG plots to --img (default
@@ -88,6 +89,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ab.add_argument("--rate", type=float, default=20.0, help="normal clients' request rate, req/s (default 20)")
     ab.add_argument("--out", default="out/bench")
 
+    pr = sub.add_parser("prediction", help="projected vs measured TTFT in front of a real engine you run (issue 12)")
+    pr.add_argument("--engine", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8080")
+    pr.add_argument("--dialect", default="openai", choices=["vllm", "sglang", "openai"])
+    pr.add_argument("--model", required=True)
+    pr.add_argument("--max-concurrency", type=int, default=None, help="engines[].max_concurrency (1 for llama-cpp-python's server)")
+    pr.add_argument("--lengths", default="16,64,256,512,1024,1500", help="prompt lengths, tokens of content")
+    pr.add_argument("--repeats", type=int, default=4)
+    pr.add_argument("--depth", type=int, default=3, help="requests at once for the queued condition")
+    pr.add_argument("--out", default="out/bench")
+
     mm = sub.add_parser("memory", help="router memory per open stream")
     mm.add_argument("--streams", type=int, default=5000)
     mm.add_argument("--interval-ms", type=float, default=2000.0)
@@ -139,6 +150,12 @@ def run(args: argparse.Namespace) -> int:
             from .abuse import abuse
 
             abuse(attacks=_names(args.attacks) or None, duration_s=args.duration, rate=args.rate, out=out)
+            return 0
+        if cmd == "prediction":
+            from .prediction import prediction
+
+            prediction(engine_url=args.engine, dialect=args.dialect, model=args.model, max_concurrency=args.max_concurrency,
+                       lengths=[int(x) for x in args.lengths.split(",") if x], repeats=args.repeats, depth=args.depth, out=out)
             return 0
         from . import experiments as X
 

@@ -45,6 +45,10 @@ from .client import H1Error, UpstreamError
 from .runtime import Router
 from .usage import USAGE_SOURCE_HEADER
 
+# the TTFT admission projected for the request (ms, before the confidence margin), on its
+# response: what docs/performance.md compares with the measured TTFT
+PROJECTED_TTFT_HEADER = b"x-narwhal-projected-ttft-ms"
+
 __all__ = ["Sink", "run_request", "error_event"]
 
 log = logging.getLogger("narwhal")
@@ -57,6 +61,7 @@ class Sink(Protocol):
     """Where the response goes (the HTTP shell implements it over ASGI)."""
 
     headers_sent: bool
+    extra_headers: list[tuple[bytes, bytes]]  # added to the response's headers (x-narwhal-projected-ttft-ms)
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
 
@@ -388,6 +393,8 @@ async def run_request(router: Router, req: ParsedRequest, work: Work, sink: Sink
         r.telemetry.refusal.labels(d.row.code).observe(r.clock.now() - work.arrival)
         return cls
     t = d.ticket
+    if t.projected_ttft_ms is not None:  # predictive mode: what admission projected
+        sink.extra_headers.append((PROJECTED_TTFT_HEADER, b"%d" % round(t.projected_ttft_ms)))
     run = _Run(r, req, work, sink, rid)
     try:
         if isinstance(d, Enqueued):

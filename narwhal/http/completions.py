@@ -48,6 +48,15 @@ class _TooSlow(Exception):
     """The request did not arrive whole within serving.read_timeout_ms (H07)."""
 
 
+class _Fragmented(Exception):
+    """The body arrives in absurdly small pieces (H10)."""
+
+
+# H10: past FRAGMENT_PIECES body pieces, their average must reach FRAGMENT_MIN_BYTES
+FRAGMENT_PIECES = 4096
+FRAGMENT_MIN_BYTES = 64
+
+
 class _TooLarge(Exception):
     def __init__(self, ended: bool = False) -> None:
         super().__init__()
@@ -62,7 +71,7 @@ class AsgiSink:
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers")
 
     def __init__(self, send: Send, rid: str, stall_s: float) -> None:
         self._send = send
@@ -71,6 +80,7 @@ class AsgiSink:
         self.finished = False
         self.stall_s = stall_s
         self.sending_since = 0.0  # monotonic time the pending send began; 0: none pending
+        self.extra_headers: list[tuple[bytes, bytes]] = []
 
     async def _out(self, msg: dict[str, Any]) -> None:
         self.sending_since = _monotonic()
@@ -78,7 +88,7 @@ class AsgiSink:
         self.sending_since = 0.0
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        h = [*headers, (b"x-request-id", self.rid.encode()), (b"content-length", str(len(body)).encode())]
+        h = [*headers, *self.extra_headers, (b"x-request-id", self.rid.encode()), (b"content-length", str(len(body)).encode())]
         self.headers_sent = True
         await self._out({"type": "http.response.start", "status": status, "headers": h})
         await self._out({"type": "http.response.body", "body": body, "more_body": False})
@@ -86,7 +96,7 @@ class AsgiSink:
 
     async def start_stream(self) -> None:
         self.headers_sent = True
-        await self._out({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode())]})
+        await self._out({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]})
 
     async def write(self, data: bytes) -> None:
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
@@ -109,6 +119,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int, deadline_s: flo
             break
     buf = bytearray()
     first: bytes | None = None
+    pieces = 0
     try:
         async with asyncio.timeout(deadline_s):
             while True:
@@ -118,6 +129,9 @@ async def _read_body(scope: Scope, receive: Receive, limit: int, deadline_s: flo
                 body = msg.get("body", b"")
                 more = msg.get("more_body", False)
                 if body:
+                    pieces += 1
+                    if pieces > FRAGMENT_PIECES and more and len(buf) < FRAGMENT_MIN_BYTES * pieces:
+                        raise _Fragmented  # H10
                     if len(buf) + len(body) > limit:
                         raise _TooLarge(ended=not more)
                     if first is None and not buf and not more:
@@ -248,6 +262,12 @@ class CompletionEndpoint:
                 return
             except _Gone:
                 cls = "cancelled"
+                return
+            except _Fragmented:  # H10
+                await sink.respond(*_rendered(E.H10, limit=FRAGMENT_PIECES, min_bytes=FRAGMENT_MIN_BYTES))
+                cls = E.H10.counter
+                # a short linger only: draining such a body costs what H10 saves
+                await drain_request(scope, receive, limit=65536, timeout_s=0.2)
                 return
             except _TooSlow:  # H07
                 await sink.respond(*_rendered(E.H07, limit_ms=r.config.serving.read_timeout_ms))

@@ -16,6 +16,7 @@ bounded in count and time (serving.* limits are shrunk so that a test takes seco
   rapid reset (HEADERS+DATA+RST_STREAM)         never dispatched                    cancelled, no engine request
   body in 1-byte chunks                         one byte of memory per body byte    -
   an early answer while the body still arrives  never blocks on the app's queue     H07 408, invalid_requests
+  a body in 1-byte pieces (chunks, DATA frames) past 4,096 pieces under 64 B avg       H10 400, invalid_requests
 """
 
 from __future__ import annotations
@@ -412,6 +413,37 @@ def test_an_early_answer_to_a_body_still_arriving_does_not_deadlock(rr: tuple[Ru
     assert _terminal(router, "invalid_requests") - before >= 1
 
 
+def test_H10_a_body_in_one_byte_chunks_is_refused_long_before_the_read_deadline(rr: tuple[RunningRouter, Any]) -> None:
+    # 8 such uploads kept the router's core parsing chunks (~9 us each) until the read
+    # deadline and slowed every other client (the soak's chunked-1-byte row)
+    router, _ = rr
+    before = _terminal(router, "invalid_requests")
+    with socket.create_connection(_addr(router), timeout=5) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        s.sendall(b"1\r\n \r\n" * 6000 + b"0\r\n\r\n")
+        got = _recv_all(s, 3.0)
+    assert got.startswith(b"HTTP/1.1 400"), got[:200]
+    assert b'"code":"request_body_fragmented"' in got
+    router.balanced()
+    assert _terminal(router, "invalid_requests") - before == 1
+
+
+def test_H10_h2_data_frames_of_one_byte_are_refused(rr: tuple[RunningRouter, Any]) -> None:
+    router, _ = rr
+    c = H2Client(_addr(router))
+    try:
+        c.pump(0.2)
+        sid = c.request(None, end=False)
+        for _ in range(5000):  # 5,000 bytes: within the stream's flow-control window
+            c.conn.send_data(sid, b" ")
+        c.flush()
+        evs = c.pump(5.0, until=lambda e: _status(e, sid) is not None)
+        assert _status(evs, sid) == "400", evs[-5:]
+    finally:
+        c.close()
+    router.balanced()
+
+
 def test_a_body_in_one_byte_chunks_costs_one_byte_per_byte() -> None:
     """Measured in a fresh process (tracemalloc's peak counts every thread of this one)."""
     import subprocess
@@ -420,7 +452,7 @@ def test_a_body_in_one_byte_chunks_costs_one_byte_per_byte() -> None:
     code = (
         "import asyncio, tracemalloc\n"
         "from narwhal.http.completions import _read_body\n"
-        "n = 50_000\n"
+        "n = 4_000\n"
         "msgs = iter([{'type': 'http.request', 'body': b'x', 'more_body': True}] * (n - 1) + [{'type': 'http.request', 'body': b'x', 'more_body': False}])\n"
         "async def receive():\n"
         "    return next(msgs)\n"
@@ -430,8 +462,8 @@ def test_a_body_in_one_byte_chunks_costs_one_byte_per_byte() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout.split()
     n, peak = int(out[0]), int(out[1])
-    assert n == 50_000
-    assert peak < 6 * n, peak  # a list of 1-byte bytes objects is ~35 bytes a byte
+    assert n == 4_000  # (past 4,096 such pieces H10 refuses the body)
+    assert peak < 6 * n + 4096, peak  # a list of 1-byte bytes objects is ~35 bytes a byte
 
 
 def test_metrics_show_open_client_connections_by_state(rr: tuple[RunningRouter, Any]) -> None:
