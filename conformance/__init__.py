@@ -7,7 +7,7 @@ Public surface: `SUITE_VERSION`; narwhal_conformance.cli (add_arguments, run);
 (running_fleet); .runner (Runner); .capabilities (CAPABILITIES).
 """
 
-SUITE_VERSION = "2.0.0"
+SUITE_VERSION = "2.1.0"
 SUITE_MAJOR = 2  # cases carry `since: N`; `--suite-version N` runs the cases of version N
 
 __all__ = ["SUITE_VERSION", "SUITE_MAJOR"]

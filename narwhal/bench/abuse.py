@@ -58,6 +58,14 @@ def _connect(addr: tuple[str, int], timeout: float) -> socket.socket:
     return socket.create_connection(addr, timeout=timeout, source_address=(ATTACKER, 0))
 
 
+def _attack(fn: Callable[..., None], addr: tuple[str, int], stop: Stop) -> None:
+    """An attacker's process: at the lowest CPU priority, because here it shares a core with
+    the normal clients and the engine, which a remote attacker does not; what is left is
+    what the attack costs the router."""
+    os.nice(19)
+    fn(addr, stop)
+
+
 def _addr(url: str) -> tuple[str, int]:
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     return host, int(port)
@@ -261,7 +269,13 @@ def chunked_one_byte(addr: tuple[str, int], stop: Stop, n: int = 8) -> None:
     _uploads(addr, stop, n, head, b"1\r\nx\r\n" * 2000, 0.01)
 
 
+def no_attack(addr: tuple[str, int], stop: Stop) -> None:
+    """Nothing: the quiet window against another quiet window (the noise floor)."""
+    stop.wait()
+
+
 ATTACKS: dict[str, tuple[Callable[..., None], str]] = {
+    "none": (no_attack, "no attack (quiet vs quiet: the machine's noise floor)"),
     "slow-body": (slow_body, "300 HTTP/1.1 bodies at 1 byte/s"),
     "h2-idle-streams": (h2_idle_streams, "2 h2 connections x 520 streams, never END_STREAM"),
     "h2-no-read": (h2_no_read, "16 h2 streams, window 0, 5,000-token answers"),
@@ -358,7 +372,7 @@ def abuse(*, attacks: list[str] | None = None, duration_s: float = 15.0, rate: f
             # process's GIL with the normal clients and inflate their measured TTFT by
             # the interpreter's switch interval (5 ms), which is not the router's doing
             halt = _MP.Event()
-            th = _MP.Process(target=fn, args=(addr, halt), name=f"attack-{name}", daemon=True)
+            th = _MP.Process(target=_attack, args=(fn, addr, halt), name=f"attack-{name}", daemon=True)
             sm = threading.Thread(target=sample, name="sampler", daemon=True)
             th.start()
             sm.start()

@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rl.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode (default open: measure the relay alone)")
 
     ab = sub.add_parser("abuse", help="the attacks of tests/abuse against a live router alongside normal traffic (issue 11's soak)")
-    ab.add_argument("--attacks", default="", help="comma-separated (default: all): " + "slow-body, h2-idle-streams, h2-no-read, h1-no-read, fin-churn, chunked-1-byte, settings-flood, ping-flood, rapid-reset")
+    ab.add_argument("--attacks", default="", help="comma-separated (default: all): " + "none, slow-body, h2-idle-streams, h2-no-read, h1-no-read, fin-churn, chunked-1-byte, settings-flood, ping-flood, rapid-reset")
     ab.add_argument("--duration", type=float, default=15.0, help="seconds of normal traffic under each attack (default 15)")
     ab.add_argument("--rate", type=float, default=20.0, help="normal clients' request rate, req/s (default 20)")
     ab.add_argument("--out", default="out/bench")

@@ -186,6 +186,13 @@ class Scheduler:
                 alone = s
         return best or 0.0, alone or 0.0
 
+    @staticmethod
+    def _slot_wait_ms(e: EngineState, out_len: float) -> float:
+        """A unified engine with every slot taken: until a slot frees for a new request,
+        each request ahead (in flight or queued) decodes about out_len tokens at the
+        engine's TPOT, `decode_slots` at a time (their prefills are in the backlog)."""
+        return (len(e.queue) + 1) * out_len * e.decode.predict_ms(float(e.decode_in_use)) / e.decode_slots
+
     def project(self, n: float, now: float) -> list[tuple[float, float, EngineState]]:
         """(projected TTFT ms, solo TTFT ms, engine) for every eligible phase-1 engine."""
         decoders = self._decode_candidates(set())
@@ -198,6 +205,8 @@ class Scheduler:
                 continue
             pf = e.prefill.predict_ms(n)
             extra, solo_extra = (start, alone) if e.role == "prefill" else (0.0, 0.0)
+            if e.role == "unified" and e.decode_in_use >= e.decode_slots:
+                extra = self._slot_wait_ms(e, self.output_lengths.predict("any", n, None))
             out.append((e.backlog_ms(now) + pf + extra, pf + solo_extra, e))
         return out
 
@@ -230,6 +239,7 @@ class Scheduler:
         proj = 0.0
         m = 1.0
         min_solo = float("inf")
+        out_len: float | None = None
         for e in self._phase1:
             if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
                 continue
@@ -239,6 +249,12 @@ class Scheduler:
                 extra, solo_extra = start, alone
             else:
                 extra = solo_extra = 0.0
+                if e.decode_in_use >= e.decode_slots:
+                    # a unified engine whose slots are all taken (engines[].max_concurrency):
+                    # the request waits for the decodes ahead of it, not only their prefills
+                    if out_len is None:
+                        out_len = self.output_lengths.predict(work.route, n, work.max_tokens)
+                    extra = self._slot_wait_ms(e, out_len)
             th = e.prefill.lin.theta
             pf = th[0] + th[1] * u + th[2] * uu
             pf = (pf if pf > 0.0 else 0.0) * e.prefill.drift.correction

@@ -118,7 +118,7 @@ def test_R08_precedes_R09_only_when_an_engine_is_eligible() -> None:
 
 def test_R10_projected_ttft_over_budget_with_retry_after() -> None:
     clk = ManualClock()
-    e = engine("u0", prefill=8, b0=100, b1=1.0)
+    e = engine("u0", prefill=8, decode=64, b0=100, b1=1.0)  # decode slots not the limit
     s = sched(e)
     # each 400-token request predicts 500 ms; the engine serialises prefill work
     for _ in range(3):
@@ -278,6 +278,23 @@ def test_pd_backpressure_counts_a_failed_decode_as_waiting_again() -> None:
     assert s.pd_pending == 1
     s.finish(a.ticket, clk.now())
     assert s.pd_pending == 0 and (d0.decode_in_use, d1.decode_in_use) == (0, 0)
+
+
+def test_a_full_slot_limited_unified_engine_projects_the_decodes_ahead() -> None:
+    # engines[].max_concurrency 1 (a llama.cpp server): a request behind one in flight
+    # waits for that one's whole answer, not only its prefill (issue 12)
+    clk = ManualClock()
+    e = engine("u0", prefill=1, decode=1, b0=100.0)
+    e.decode.lin.theta = [20.0, 0.0]  # 20 ms a token at any batch
+    s = sched(e, mode="predictive")
+    a = s.admit(work(clk, budget=1e9), clk.now())
+    assert isinstance(a, Dispatch)
+    b = s.admit(work(clk, budget=1e9), clk.now())
+    assert isinstance(b, Enqueued)
+    out = s.output_lengths.predict("chat", 100, 16)
+    # its prefill (100 ms + 100 tokens x 1 ms) after the one in flight's remaining prefill,
+    # plus the decode ahead of it: out tokens x 20 ms
+    assert b.ticket.projected_ttft_ms is not None and b.ticket.projected_ttft_ms >= 200.0 + out * 20.0 - 1e-6
 
 
 def test_retry_excludes_the_failed_decode_engine() -> None:

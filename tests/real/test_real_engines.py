@@ -243,6 +243,23 @@ def test_narwhal_routes_to_vllm_with_real_token_ids(vllm: Any) -> None:
         rr.balanced()
 
 
+def test_vllm_answers_through_narwhal_are_the_engines_own(vllm: Any) -> None:
+    # vLLM is deterministic for greedy requests sent one at a time: the text too
+    specs = [EngineSpec("vllm", vllm.url, "unified", "vllm", None, vllm.model)]
+    cfg = _router_cfg()
+    cfg["admission"]["mode"] = "predictive"
+    with running_router(cfg, specs) as rr:
+        for prompt in PROMPTS:
+            for stream in (False, True):
+                want = _answer(vllm.url, prompt, stream=stream)
+                got = _answer(rr.url, prompt, stream=stream)
+                where = f"{prompt!r} stream={stream}"
+                assert (got["finish"], got["tokens"], got["usage"], got["text"]) == (want["finish"], want["tokens"], want["usage"], want["text"]), where
+                if not stream:
+                    assert got["source"] == "engine", where
+        rr.balanced()
+
+
 def test_vllm_two_phase_prefill_decode_with_the_example_connector(vllm: Any) -> None:
     """Two more vLLM instances, a kv_producer and a kv_consumer sharing a disk KV store
     (vLLM's ExampleConnector, CPU). The connector returns kv_transfer_params: null and
