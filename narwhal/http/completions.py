@@ -27,6 +27,7 @@ from ..core.admission import Work
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
 from ..engines.pipeline import error_event, run_request
 from ..engines.runtime import Router
+from . import hyper
 from .errors import RID_OK, drain_request, send_row
 
 __all__ = ["CompletionEndpoint"]
@@ -266,6 +267,9 @@ class CompletionEndpoint:
             except _Fragmented:  # H10
                 await sink.respond(*_rendered(E.H10, limit=FRAGMENT_PIECES, min_bytes=FRAGMENT_MIN_BYTES))
                 cls = E.H10.counter
+                # no client sends real bodies so: its reconnects are refused at accept
+                # for serving.abuse_penalty_ms, else the next 4,096 pieces cost the same
+                hyper.penalise(scope)
                 # a short linger only: draining such a body costs what H10 saves
                 await drain_request(scope, receive, limit=65536, timeout_s=0.2)
                 return

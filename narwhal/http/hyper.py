@@ -34,7 +34,8 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      connection got ENHANCE_YOUR_CALM reconnects at once, and every frame of the next
      flood is parsed again. Bounded: its address is penalised for
      serving.abuse_penalty_ms; while penalised, its new connections are closed at accept,
-     before any byte is read (at most PENALTY_ADDRESSES addresses, oldest forgotten).
+     before any byte is read (at most PENALTY_ADDRESSES addresses, oldest forgotten). The
+     app penalises the same way for abuse it sees itself (`penalise`: row H10).
   9. hypercorn hands h2 a whole read (up to 64 KiB) at once, and h2 parses every frame in
      it before the loop runs anything else: 520 streams' HEADERS in one read cost ~50 ms of
      pure-Python parsing, a stall for every other client. Fixed: a read is fed to h2 in
@@ -79,7 +80,7 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from narwhal_generated import errors as E
 
-__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector"]
+__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +363,14 @@ class HardenedTCPServer(TCPServer):
         # timer must not hold the connection open (CLOSE-WAIT) until it fires
         await self.idle_task.stop()
         await asyncio.sleep(0)
+
+
+def penalise(scope: dict[str, Any]) -> None:
+    """Penalise the client address of an ASGI scope for serving.abuse_penalty_ms (defect
+    8): for abuse the app sees (H10, a body in 1-byte pieces), as for a calmed flood."""
+    client = scope.get("client")
+    if client:
+        PENALTIES.penalise(client[0], _LIMITS.abuse_penalty_s, time.monotonic())
 
 
 def install(limits: Limits) -> None:

@@ -395,8 +395,8 @@ def test_an_early_answer_to_a_body_still_arriving_does_not_deadlock(rr: tuple[Ru
     before = _terminal(router, "invalid_requests")
     host, port = _addr(router)
     socks = []
-    for _ in range(3):
-        s = socket.create_connection((host, port), timeout=2)
+    for _ in range(3):  # (H10 refuses such a body too, and penalises its address: not ours)
+        s = socket.create_connection((host, port), timeout=2, source_address=("127.0.0.8", 0))
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
         socks.append(s)
     piece = b"1\r\nx\r\n" * 4000
@@ -418,7 +418,7 @@ def test_H10_a_body_in_one_byte_chunks_is_refused_long_before_the_read_deadline(
     # deadline and slowed every other client (the soak's chunked-1-byte row)
     router, _ = rr
     before = _terminal(router, "invalid_requests")
-    with socket.create_connection(_addr(router), timeout=5) as s:
+    with socket.create_connection(_addr(router), timeout=5, source_address=("127.0.0.6", 0)) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
         s.sendall(b"1\r\n \r\n" * 6000 + b"0\r\n\r\n")
         got = _recv_all(s, 3.0)
@@ -426,11 +426,15 @@ def test_H10_a_body_in_one_byte_chunks_is_refused_long_before_the_read_deadline(
     assert b'"code":"request_body_fragmented"' in got
     router.balanced()
     assert _terminal(router, "invalid_requests") - before == 1
+    # its reconnects are closed at accept for serving.abuse_penalty_ms (the attack
+    # reconnected at once, and each new body cost the router the same 4,096 pieces)
+    assert _closed_at_accept(_addr(router), "127.0.0.6")
+    assert router.get("/health").status_code == 200
 
 
 def test_H10_h2_data_frames_of_one_byte_are_refused(rr: tuple[RunningRouter, Any]) -> None:
     router, _ = rr
-    c = H2Client(_addr(router))
+    c = H2Client(_addr(router), source="127.0.0.7")
     try:
         c.pump(0.2)
         sid = c.request(None, end=False)

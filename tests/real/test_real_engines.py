@@ -134,7 +134,11 @@ def _answer(url: str, prompt: str, *, stream: bool, max_tokens: int = 16) -> dic
             assert r.status_code == 200, r.text
             j = r.json()
             c = j["choices"][0]
-            return {"finish": c["finish_reason"], "tokens": j["usage"]["completion_tokens"], "usage": j["usage"], "text": c["message"]["content"] or "",
+            # null and absent alike (D03): vLLM's own non-streaming usage carries
+            # "prompt_tokens_details": null, its stream's usage chunk (what the router
+            # assembles from) does not carry the key
+            usage = {k: v for k, v in j["usage"].items() if v is not None}
+            return {"finish": c["finish_reason"], "tokens": j["usage"]["completion_tokens"], "usage": usage, "text": c["message"]["content"] or "",
                     "source": r.headers.get("x-narwhal-usage-source")}
         finish, events, text, usage = None, 0, "", None
         with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -258,6 +262,31 @@ def test_vllm_answers_through_narwhal_are_the_engines_own(vllm: Any) -> None:
                 if not stream:
                     assert got["source"] == "engine", where
         rr.balanced()
+
+
+def test_vllm_clients_while_the_profile_runs_get_whole_answers(vllm: Any) -> None:
+    import threading
+
+    prompt = PROMPTS[1]
+    want = _answer(vllm.url, prompt, stream=False)
+    specs = [EngineSpec("vllm", vllm.url, "unified", "vllm", None, vllm.model)]
+    got: list[dict[str, Any]] = []
+    with running_router(_router_cfg(), specs, wait_profiled=False) as rr:
+
+        def client() -> None:
+            got.append(_answer(rr.url, prompt, stream=False))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        rr.call(rr.router.wait_profiled)
+        assert rr.get("/v1/engines").json()["data"][0]["profile"]["status"] == "ok"
+        rr.balanced()
+    assert len(got) == 4
+    for g in got:
+        assert (g["finish"], g["tokens"], g["usage"]) == (want["finish"], want["tokens"], want["usage"]), g
 
 
 def test_vllm_two_phase_prefill_decode_with_the_example_connector(vllm: Any) -> None:
