@@ -8,7 +8,9 @@ reproduced at small scale on loopback (bounded in count and time):
   * test_passthrough.py — a client steering engines with fields only the router may set,
     or that the operator denies (upstream.deny_fields);
   * test_engine_urls.py — engine addresses, credentials and engine bytes leaking to
-    clients, /v1/engines, logs or the wire.
+    clients, /v1/engines, logs or the wire;
+  * test_engine_messages.py — engine-supplied values (token IDs, addresses, raw bytes) in
+    the messages of E01-E05 and of a failed profile.
 
 `rawengine.py` is the hostile engine they share.
 """
