@@ -357,10 +357,11 @@ def abuse(*, attacks: list[str] | None = None, duration_s: float = 15.0, rate: f
                      "fds_after": _fds(pid), "rest": True})
         for name in names:
             fn, what = ATTACKS[name]
-            stop = threading.Event()
+            # the attacker and the sampler stop on one event (a process-shared one)
+            halt = _MP.Event()
             peak = {"rss": 0, "fds": 0}
 
-            def sample(stop: Stop = stop, peak: dict[str, int] = peak) -> None:
+            def sample(stop: Stop = halt, peak: dict[str, int] = peak) -> None:
                 while not stop.wait(0.25):
                     peak["rss"] = max(peak["rss"], rss_bytes(pid, tree=False))
                     peak["fds"] = max(peak["fds"], _fds(pid))
@@ -371,7 +372,6 @@ def abuse(*, attacks: list[str] | None = None, duration_s: float = 15.0, rate: f
             # the attacker in a process of its own: as a thread it would share this
             # process's GIL with the normal clients and inflate their measured TTFT by
             # the interpreter's switch interval (5 ms), which is not the router's doing
-            halt = _MP.Event()
             th = _MP.Process(target=_attack, args=(fn, addr, halt), name=f"attack-{name}", daemon=True)
             sm = threading.Thread(target=sample, name="sampler", daemon=True)
             th.start()
@@ -379,7 +379,6 @@ def abuse(*, attacks: list[str] | None = None, duration_s: float = 15.0, rate: f
             time.sleep(1.0)  # let the attack take hold
             res = _normal(url, rate, duration_s)
             halt.set()
-            stop.set()
             th.join(15)
             if th.is_alive():
                 th.kill()

@@ -242,6 +242,7 @@ async def profile_engine(router: Any, e: EngineState) -> None:
         decode: list[tuple[float, float]] = []
         starts: list[tuple[float, float]] = []
         usage_seen = False  # did the engine's streams carry usage?
+        run = int(e.profile_attempted * 1000) % 1000000  # tags distinct across runs too: no prefix-cache hits
         k = 0
         # one warm-up measurement, discarded: it pays for connection set-up
         warm = [lengths[0]]
@@ -249,7 +250,7 @@ async def profile_engine(router: Any, e: EngineState) -> None:
             for _ in range(1 if k == 0 else reps):
                 k += 1
                 rid = f"narwhal-profile-{e.name}-{k}"
-                tag = f"{k}-{int(e.profile_attempted * 1000) % 1000000}"  # distinct: no prefix-cache hits
+                tag = f"{k}-{run}"
                 keep = k > 1
                 if e.role == "prefill":
                     async with _Slot(router, e, n):
@@ -284,7 +285,7 @@ async def profile_engine(router: Any, e: EngineState) -> None:
         if e.role in ("unified", "decode") and batch >= 2:
             bodies = []
             for i in range(batch):
-                base = _body(router, e, lengths[0], out_tokens * 2, f"b{i}-{k}-{int(e.profile_attempted * 1000) % 1000000}")
+                base = _body(router, e, lengths[0], out_tokens * 2, f"b{i}-{k}-{run}")
                 kv = None
                 if e.role == "decode":
                     p = next(x for x in router.engines.values() if x.role == "prefill" and x.healthy)

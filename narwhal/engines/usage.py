@@ -60,6 +60,17 @@ class _Template:
     completion: int | None  # /v1/completions: tokens added to the prompt's own
 
 
+_PROFILING = {"x-narwhal-profiling": "1"}
+
+
+async def _post(router: Any, e: EngineState, path: str, body: dict[str, Any]) -> Any:
+    """One router-owned JSON request to the engine; the parsed answer, or ValueError."""
+    status, raw = await router.client.post_json(e.url + path, body, headers=_PROFILING)
+    if status != 200:
+        raise ValueError(f"{path} answered HTTP {status}")
+    return orjson.loads(raw)
+
+
 class PromptCounter:
     """How one engine's prompts are counted: `kind` is "tokenize" or "tokenize+template"."""
 
@@ -67,10 +78,7 @@ class PromptCounter:
         self.router, self.e, self.kind, self.path, self.template = router, e, kind, path, template
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        status, raw = await self.router.client.post_json(self.e.url + path, body, headers={"x-narwhal-profiling": "1"})
-        if status != 200:
-            raise ValueError(f"{path} answered HTTP {status}")
-        return orjson.loads(raw)
+        return await _post(self.router, self.e, path, body)
 
     async def _text(self, text: str) -> int:
         obj = await self._post("/extras/tokenize/count", {"input": text})
@@ -138,10 +146,7 @@ class PromptCounter:
 
 async def _usage_of(router: Any, e: EngineState, shape: list[tuple[str, str]]) -> int:
     body = {"model": e.model or router.config.serving.model, "messages": [{"role": r, "content": c} for r, c in shape], "max_tokens": 1, "temperature": 0, "stream": False}
-    status, raw = await router.client.post_json(e.url + "/v1/chat/completions", body, headers={"x-narwhal-profiling": "1"})
-    if status != 200:
-        raise ValueError(f"calibration request answered HTTP {status}")
-    pt = ((orjson.loads(raw) or {}).get("usage") or {}).get("prompt_tokens")
+    pt = ((await _post(router, e, "/v1/chat/completions", body) or {}).get("usage") or {}).get("prompt_tokens")
     if not isinstance(pt, int) or isinstance(pt, bool):
         raise ValueError("the engine's non-streaming answer has no usage.prompt_tokens")
     return pt
@@ -169,8 +174,7 @@ async def _calibrate(router: Any, e: EngineState) -> _Template | None:
     completion = None
     try:
         body = {"model": e.model or router.config.serving.model, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, "stream": False}
-        status, raw = await router.client.post_json(e.url + "/v1/completions", body, headers={"x-narwhal-profiling": "1"})
-        pt = ((orjson.loads(raw) or {}).get("usage") or {}).get("prompt_tokens") if status == 200 else None
+        pt = ((await _post(router, e, "/v1/completions", body) or {}).get("usage") or {}).get("prompt_tokens")
         if isinstance(pt, int):
             completion = pt - await probe._text("The capital of France is")
     except Exception:  # noqa: BLE001 - completions unsupported: chat only
@@ -183,17 +187,15 @@ async def detect(router: Any, e: EngineState) -> PromptCounter | None:
     an engine whose streams carried no usage)."""
     model = e.model or router.config.serving.model
     msgs = [{"role": r, "content": c} for r, c in _A]
-    try:
-        status, raw = await router.client.post_json(e.url + "/tokenize", {"model": model, "messages": msgs}, headers={"x-narwhal-profiling": "1"})
-        obj = orjson.loads(raw) if status == 200 else None
-        if isinstance(obj, dict) and isinstance(obj.get("count"), int):
-            return PromptCounter(router, e, "tokenize", "/tokenize")
-        status, raw = await router.client.post_json(e.url + "/apply-template", {"messages": msgs}, headers={"x-narwhal-profiling": "1"})
-        obj = orjson.loads(raw) if status == 200 else None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            return PromptCounter(router, e, "tokenize", "/apply-template")
-    except Exception as x:  # noqa: BLE001 - an engine without these endpoints
-        log.debug("engine %s: no tokenize endpoint (%s)", e.name, x)
+    # (path, body, the answer's field that shows the endpoint works, and its type)
+    for path, body, key, kind in (("/tokenize", {"model": model, "messages": msgs}, "count", int), ("/apply-template", {"messages": msgs}, "prompt", str)):
+        try:
+            obj = await _post(router, e, path, body)
+        except Exception as x:  # noqa: BLE001 - an engine without this endpoint
+            log.debug("engine %s: no %s endpoint (%s)", e.name, path, x)
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get(key), kind):
+            return PromptCounter(router, e, "tokenize", path)
     try:
         t = await _calibrate(router, e)
     except Exception as x:  # noqa: BLE001

@@ -83,6 +83,13 @@ def _recv_all(s: socket.socket, timeout: float) -> bytes:
     return out
 
 
+def _assert_calmed(c: H2Client, timeout: float) -> None:
+    """The router ended `c`'s connection with GOAWAY ENHANCE_YOUR_CALM."""
+    evs = c.pump(timeout, until=lambda e: any(isinstance(x, h2.events.ConnectionTerminated) for x in e))
+    term = [e for e in evs if isinstance(e, h2.events.ConnectionTerminated)]
+    assert term and term[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, evs[-5:]
+
+
 class H2Client:
     """A raw HTTP/2 client on a socket (h2's own state machine), for what httpx will not do."""
 
@@ -295,9 +302,7 @@ def test_a_flood_of_streams_past_the_limit_is_calmed(rr: tuple[RunningRouter, An
             sid = c.conn.get_next_available_stream_id()
             c.conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")])
         c.flush()
-        evs = c.pump(3.0, until=lambda e: any(isinstance(x, h2.events.ConnectionTerminated) for x in e))
-        term = [e for e in evs if isinstance(e, h2.events.ConnectionTerminated)]
-        assert term and term[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, evs[-5:]
+        _assert_calmed(c, 3.0)
     finally:
         c.close()
     assert router.get("/health").status_code == 200
@@ -315,9 +320,7 @@ def test_a_control_frame_flood_gets_goaway_enhance_your_calm(rr: tuple[RunningRo
             else:
                 c.conn.update_settings({h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 65536 + i})
         c.flush()
-        evs = c.pump(2.0, until=lambda e: any(isinstance(x, h2.events.ConnectionTerminated) for x in e))
-        term = [e for e in evs if isinstance(e, h2.events.ConnectionTerminated)]
-        assert term and term[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, evs[-5:]
+        _assert_calmed(c, 2.0)
     finally:
         c.close()
     r = router.get("/health")  # other clients are fine
@@ -353,8 +356,7 @@ def test_a_calmed_address_is_refused_at_accept_for_the_penalty(rr: tuple[Running
         for i in range(400):
             c.conn.ping(i.to_bytes(8, "big"))
         c.flush()
-        evs = c.pump(2.0, until=lambda e: any(isinstance(x, h2.events.ConnectionTerminated) for x in e))
-        assert any(isinstance(e, h2.events.ConnectionTerminated) and e.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM for e in evs)
+        _assert_calmed(c, 2.0)
     finally:
         c.close()
     assert _closed_at_accept(addr, bad)

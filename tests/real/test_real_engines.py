@@ -188,20 +188,20 @@ def test_llamacpp_answers_through_narwhal_are_the_engines_own(llamacpp_default: 
         rr.balanced()
 
 
-def test_llamacpp_clients_while_the_profile_runs_get_whole_answers(llamacpp_default: Any) -> None:
-    # the reported defect: the profile's own traffic cut live answers short
+def _answers_while_profiling(spec: EngineSpec, clients: int = 4) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The engine's own answer to PROMPTS[1], then `clients` answers through a router
+    started in front of it, the clients arriving while its profile runs."""
     import threading
 
     prompt = PROMPTS[1]
-    want = _answer(llamacpp_default.url, prompt, stream=False)
-    specs = [EngineSpec("llama", llamacpp_default.url, "unified", "openai", None, llamacpp_default.model, max_concurrency=1)]
+    want = _answer(spec.url, prompt, stream=False)
     got: list[dict[str, Any]] = []
-    with running_router(_router_cfg(), specs, wait_profiled=False) as rr:
+    with running_router(_router_cfg(), [spec], wait_profiled=False) as rr:
 
         def client() -> None:
             got.append(_answer(rr.url, prompt, stream=False))
 
-        threads = [threading.Thread(target=client) for _ in range(4)]
+        threads = [threading.Thread(target=client) for _ in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -209,7 +209,14 @@ def test_llamacpp_clients_while_the_profile_runs_get_whole_answers(llamacpp_defa
         rr.call(rr.router.wait_profiled)
         assert rr.get("/v1/engines").json()["data"][0]["profile"]["status"] == "ok"
         rr.balanced()
-    assert len(got) == 4
+    assert len(got) == clients
+    return want, got
+
+
+def test_llamacpp_clients_while_the_profile_runs_get_whole_answers(llamacpp_default: Any) -> None:
+    # the reported defect: the profile's own traffic cut live answers short
+    spec = EngineSpec("llama", llamacpp_default.url, "unified", "openai", None, llamacpp_default.model, max_concurrency=1)
+    want, got = _answers_while_profiling(spec)
     for g in got:
         assert (g["finish"], g["tokens"]) == (want["finish"], want["tokens"]), g
 
@@ -268,26 +275,7 @@ def test_vllm_answers_through_narwhal_are_the_engines_own(vllm: Any) -> None:
 
 
 def test_vllm_clients_while_the_profile_runs_get_whole_answers(vllm: Any) -> None:
-    import threading
-
-    prompt = PROMPTS[1]
-    want = _answer(vllm.url, prompt, stream=False)
-    specs = [EngineSpec("vllm", vllm.url, "unified", "vllm", None, vllm.model)]
-    got: list[dict[str, Any]] = []
-    with running_router(_router_cfg(), specs, wait_profiled=False) as rr:
-
-        def client() -> None:
-            got.append(_answer(rr.url, prompt, stream=False))
-
-        threads = [threading.Thread(target=client) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        rr.call(rr.router.wait_profiled)
-        assert rr.get("/v1/engines").json()["data"][0]["profile"]["status"] == "ok"
-        rr.balanced()
-    assert len(got) == 4
+    want, got = _answers_while_profiling(EngineSpec("vllm", vllm.url, "unified", "vllm", None, vllm.model))
     for g in got:
         assert (g["finish"], g["tokens"], g["usage"]) == (want["finish"], want["tokens"], want["usage"]), g
 
