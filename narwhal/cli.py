@@ -67,7 +67,7 @@ _SUBCOMMANDS = {
     "mock-engine": ("narwhal.mock.cli", "a simulated engine (vllm, sglang, openai dialects)"),
     "conformance": ("narwhal_conformance.cli", "run the router conformance suite against a router URL"),
     "probe-engine": ("narwhal_conformance.probe", "check an engine's compatibility with Narwhal"),
-    "bench": ("narwhal.bench.cli", "load generator and experiments"),
+    "bench": ("narwhal_bench.cli", "load generator and experiments"),
 }
 
 

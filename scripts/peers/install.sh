@@ -35,7 +35,7 @@ spec() {
     vllm-router) echo "vllm-router==$VLLM_ROUTER_VERSION|import importlib.metadata as m; assert m.version('vllm-router') == '$VLLM_ROUTER_VERSION'" ;;
     xpyd-proxy) echo "xpyd-proxy==$XPYD_PROXY_VERSION|import importlib.metadata as m; assert m.version('xpyd-proxy') == '$XPYD_PROXY_VERSION'" ;;
     sglang-router) echo "sglang-router==$SGLANG_ROUTER_VERSION|import importlib.metadata as m; assert m.version('sglang-router') == '$SGLANG_ROUTER_VERSION'" ;;
-    granian) echo "granian==$GRANIAN_VERSION -e $REPO|import granian, narwhal, importlib.metadata as m; assert m.version('granian') == '$GRANIAN_VERSION'" ;;
+    granian) echo "granian==$GRANIAN_VERSION -e $REPO|import granian, narwhal, narwhal_bench.granian_app, importlib.metadata as m; assert m.version('granian') == '$GRANIAN_VERSION'" ;;
     *) return 1 ;;
   esac
 }

@@ -1,7 +1,7 @@
 """Narwhal as an ASGI app factory, for ASGI servers other than hypercorn (granian).
 
     NARWHAL_CONFIG=router.yaml granian --interface asgi --factory \
-        narwhal.bench.granian_app:app --host 127.0.0.1 --port 8000 --http auto
+        narwhal_bench.granian_app:app --host 127.0.0.1 --port 8000 --http auto
 
 Rules
   * The config file named by $NARWHAL_CONFIG must list its engines (the embedded
@@ -19,16 +19,16 @@ __all__ = ["app"]
 
 
 def app() -> Any:
-    from ..config import load_config
-    from ..http.app import create_app
-    from ..http.server import build_router, config_engines, settle_heap
+    from narwhal.config import load_config
+    from narwhal.http.app import create_app
+    from narwhal.http.server import build_router, config_engines, settle_heap
 
     path = os.environ.get("NARWHAL_CONFIG")
     if not path:
-        raise SystemExit("narwhal.bench.granian_app: set NARWHAL_CONFIG to a config file with engines")
+        raise SystemExit("narwhal_bench.granian_app: set NARWHAL_CONFIG to a config file with engines")
     cfg = load_config(path)
     if cfg.engines is None:
-        raise SystemExit("narwhal.bench.granian_app: the config must list its engines")
+        raise SystemExit("narwhal_bench.granian_app: the config must list its engines")
     app = create_app(build_router(cfg, config_engines(cfg)))
     settle_heap()
     return app

@@ -26,7 +26,7 @@ __all__ = [
     "Started", "PeerUnavailable", "start_peer", "PEERS",
 ]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # narwhal_bench/harness.py -> the repository
 MASTER_KEY = "sk-narwhal-bench-0123456789abcdef"
 PEERS = ("narwhal", "narwhal-granian", "litellm", "vllm-router", "xpyd-proxy")
 
@@ -60,7 +60,7 @@ def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo"
 
 def ticker_engine(name: str, *, interval_ms: float = 20.0, model: str = "narwhal-demo", cpus: set[int] | None = None) -> Engine:
     port = free_port()
-    p = Proc(f"ticker-{name}", [python(), "-m", "narwhal.bench.ticker", "--port", str(port), "--model", model, "--interval-ms", str(interval_ms)], cpus=cpus).start()
+    p = Proc(f"ticker-{name}", [python(), "-m", "narwhal_bench.ticker", "--port", str(port), "--model", model, "--interval-ms", str(interval_ms)], cpus=cpus).start()
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", proc=p, timeout_s=30)
     return Engine(name, "unified", url, p)
@@ -126,7 +126,7 @@ def _wait_narwhal(url: str, proc: Proc, timeout_s: float, profiled: bool = True)
 
 
 def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: set[int] | None = None, name: str = "narwhal", timeout_s: float = 90.0) -> Started:
-    """Narwhal under hypercorn (`narwhal serve`) or granian (narwhal.bench.granian_app);
+    """Narwhal under hypercorn (`narwhal serve`) or granian (narwhal_bench.granian_app);
     returns once /ready is 200 and engine profiling has ended."""
     port = free_port()
     cfg_path = _write(name, ".yaml", config)
@@ -138,7 +138,7 @@ def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: se
         exe = peers_dir() / "granian" / "bin" / "granian"
         if not exe.exists():
             raise PeerUnavailable(f"granian is not installed ({exe} missing): run scripts/peers/install.sh granian")
-        argv = [str(exe), "--interface", "asgi", "--factory", "narwhal.bench.granian_app:app", "--host", "127.0.0.1", "--port", str(port),
+        argv = [str(exe), "--interface", "asgi", "--factory", "narwhal_bench.granian_app:app", "--host", "127.0.0.1", "--port", str(port),
                 "--http", "auto", "--loop", "uvloop", "--workers", "1", "--no-access-log", "--log-level", "warning", "--backlog", "4096", "--backpressure", "16384",
                 "--http2-max-concurrent-streams", "1024"]
         p = Proc(name, argv, cpus=cpus, env={"NARWHAL_CONFIG": str(cfg_path)})

@@ -388,7 +388,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def _prefill_ms(n: int, t: dict[str, float]) -> float:
-    from ..mock.timing import Timing
+    from narwhal.mock.timing import Timing
 
     base = Timing()
     a = t.get("prefill_base_ms", base.prefill_base_ms)
@@ -407,7 +407,7 @@ def capacity(arrivals: Sequence[Arrival], timing: dict[str, float], engines: int
     TPOT target the largest B allowed is B* = (target/s - d0)/d1, so lambda_dec =
     B* / ((m - 1) * target). The fleet's capacity is the smaller of the two, times engines.
     """
-    from ..mock.timing import Timing
+    from narwhal.mock.timing import Timing
 
     base = Timing()
     s = timing.get("time_scale", 1.0)

@@ -18,7 +18,7 @@ Rules
   * Tokens are due on a fixed schedule (first + i * interval), not interval after the
     previous write, so the offered rate is exact; a late tick is not caught up in a burst.
   * A closed connection cancels its stream's timer at once.
-    python -m narwhal.bench.ticker --port 9100 [--interval-ms 20] [--tokens 64]
+    python -m narwhal_bench.ticker --port 9100 [--interval-ms 20] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ async def serve(host: str, port: int, srv: TickerServer, stop: asyncio.Event) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal.bench.ticker", description="A fast vLLM-dialect SSE source for relay benchmarks.")
+    p = argparse.ArgumentParser(prog="python -m narwhal_bench.ticker", description="A fast vLLM-dialect SSE source for relay benchmarks.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="narwhal-demo")

@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import orjson
 
-from ..engines.profiler import _prompt
+from narwhal.engines.profiler import _prompt
+
 from .harness import start_narwhal
 from .stats import markdown_table
 
