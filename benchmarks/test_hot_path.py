@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from benchmarks.conftest import sse, vllm_chunk
-from narwhal.core.admission import Dispatch, Enqueued, Refuse, Scheduler, Ticket, Work
+from narwhal.core.admission import Scheduler
+from narwhal.core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 from narwhal.core.assembly import Assembler
 from narwhal.core.fleet import EngineState
 from narwhal.core.prediction import Margin

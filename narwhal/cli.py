@@ -13,8 +13,8 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .compose import serve
     from .config import ConfigError, load_config
-    from .http.server import serve
 
     try:
         cfg = load_config(args.config)

@@ -10,7 +10,7 @@ Every key has a default; unknown keys are an error at start-up. Errors name the 
   * upstream.deny_fields names each field once, and none the router cannot do without
     (model, messages, prompt);
   * engines on one host and port carry the same userinfo, if any (the credentials are
-    kept per host and port, see narwhal/engines/http1.py).
+    kept per host and port, see narwhal/upstream/http1.py).
 The schema admits http:// engine URLs only; an https:// one gets its own words, naming
 the engine (the engine client has no TLS).
 """
@@ -71,7 +71,7 @@ def parse_config(data: Any, *, source: str = "config") -> NarwhalConfig:
 
 def _https_engine(data: dict[str, Any], err: Any) -> str | None:
     """The words for an https:// engine URL, which the schema's pattern refuses: the
-    engine client speaks cleartext HTTP/1.1 only (narwhal/engines/http1.py). Names the
+    engine client speaks cleartext HTTP/1.1 only (narwhal/upstream/http1.py). Names the
     engine; None for any other error."""
     loc = tuple(err["loc"])
     url = err.get("input")

@@ -19,9 +19,9 @@ __all__ = ["app"]
 
 
 def app() -> Any:
+    from narwhal.compose import build_router, config_engines
     from narwhal.config import load_config
-    from narwhal.http.app import create_app
-    from narwhal.http.server import build_router, config_engines, settle_heap
+    from narwhal.http.server import settle_heap
 
     path = os.environ.get("NARWHAL_CONFIG")
     if not path:
@@ -29,6 +29,6 @@ def app() -> Any:
     cfg = load_config(path)
     if cfg.engines is None:
         raise SystemExit("narwhal_bench.granian_app: the config must list its engines")
-    app = create_app(build_router(cfg, config_engines(cfg)))
+    app = build_router(cfg, config_engines(cfg)).app()
     settle_heap()
     return app

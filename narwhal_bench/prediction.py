@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import orjson
 
-from narwhal.engines.profiler import _prompt
+from narwhal.authority.profiler import _prompt
 
 from .harness import start_narwhal
 from .stats import markdown_table

@@ -12,10 +12,11 @@ from typing import Any
 
 import httpx
 
+from narwhal.authority.control import ControlPlane
+from narwhal.compose import build_router
 from narwhal.config import parse_config
-from narwhal.engines.runtime import EngineSpec, Router
-from narwhal.http.app import create_app
-from narwhal.http.server import build_router, free_port, serving_config
+from narwhal.http.server import free_port, serving_config
+from narwhal.upstream.engines import EngineSpec
 
 __all__ = ["RunningRouter", "running_router", "wait_until"]
 
@@ -33,7 +34,9 @@ def wait_until(pred: Any, *, timeout: float = 10.0, interval: float = 0.02, what
 
 
 class RunningRouter:
-    def __init__(self, url: str, router: Router, loop: asyncio.AbstractEventLoop) -> None:
+    """`router` is the running router's authority (engines, scheduler, state, books)."""
+
+    def __init__(self, url: str, router: ControlPlane, loop: asyncio.AbstractEventLoop) -> None:
         self.url = url
         self.router = router
         self.loop = loop
@@ -86,8 +89,8 @@ def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = No
         nonlocal stop
         stop = asyncio.Event()
         router = build_router(cfg, engines)
-        holder["router"] = router
-        app = create_app(router, manage_router=False)
+        holder["router"] = router.control
+        app = router.app(manage=False)
         if start:
             await router.start()
         from hypercorn.asyncio import serve
@@ -101,7 +104,7 @@ def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = No
             except OSError:
                 await asyncio.sleep(0.01)
         if start and wait_profiled:
-            await router.wait_profiled(60)
+            await router.control.wait_profiled(60)
         ready.set()
         await task
         await router.stop()

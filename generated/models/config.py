@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictBool, StrictInt, StrictStr
+
+
+class Workers(RootModel[StrictInt]):
+    root: Annotated[
+        StrictInt,
+        Field(
+            description='Data-plane worker processes. 1: the router is one process. N > 1: one admission authority (admission queue, placement, phase slots, prediction, fleet health and profiles, router state, the books) and N worker processes sharing the listening socket (client connections, parsing, engine connections, relay, token checks, assembly), talking over a local channel a few messages per request. auto: the cores this process may use (os.sched_getaffinity). A worker that dies is restarted; its requests in flight end in the failed class.',
+            ge=1,
+            le=256,
+        ),
+    ] = 1
 
 
 class Tls(BaseModel):
@@ -68,7 +79,7 @@ class Engine(BaseModel):
     url: Annotated[
         StrictStr,
         Field(
-            description="The engine's base URL, http:// only: the engine client (narwhal/engines/http1.py) speaks cleartext HTTP/1.1 and has no TLS, so an https:// URL is refused at start-up with an error naming the engine (put engines on a network the router trusts, or a TLS-originating proxy beside the router). Userinfo (http://user:password@host:port, percent-escaped) becomes Authorization: Basic on every request to that engine (completions, health polls, profiling); it is never sent as part of Host and never published: /v1/engines, logs and error messages show the URL without it.",
+            description="The engine's base URL, http:// only: the engine client (narwhal/upstream/http1.py) speaks cleartext HTTP/1.1 and has no TLS, so an https:// URL is refused at start-up with an error naming the engine (put engines on a network the router trusts, or a TLS-originating proxy beside the router). Userinfo (http://user:password@host:port, percent-escaped) becomes Authorization: Basic on every request to that engine (completions, health polls, profiling); it is never sent as part of Host and never published: /v1/engines, logs and error messages show the URL without it.",
             pattern='^http://[^\\s/]+(/[^\\s]*)?$',
         ),
     ]
@@ -232,6 +243,13 @@ class Serving(BaseModel):
             le=3600000,
         ),
     ] = 10000
+    workers: Annotated[
+        Workers | Literal['auto'],
+        Field(
+            description='Data-plane worker processes. 1: the router is one process. N > 1: one admission authority (admission queue, placement, phase slots, prediction, fleet health and profiles, router state, the books) and N worker processes sharing the listening socket (client connections, parsing, engine connections, relay, token checks, assembly), talking over a local channel a few messages per request. auto: the cores this process may use (os.sched_getaffinity). A worker that dies is restarted; its requests in flight end in the failed class.',
+            validate_default=True,
+        ),
+    ] = 1
 
 
 class Admission(BaseModel):

@@ -41,85 +41,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal_generated import errors as E
 
 from .fleet import PHASE1_ROLES, EngineState
 from .prediction import DEPTH_BUCKET_OF, Margin, OutputLengthLearner
+from .tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 
-__all__ = ["Work", "Ticket", "Dispatch", "Enqueued", "Refuse", "Scheduler"]
+__all__ = ["Scheduler"]
 
 _BUCKET = DEPTH_BUCKET_OF  # queue depth -> margin bucket, for depths below _NB
 _NB = len(DEPTH_BUCKET_OF)
-
-
-@dataclass(frozen=True, slots=True)
-class Work:
-    """What admission knows of a request once sized."""
-
-    route: str
-    prompt_tokens: int
-    max_tokens: int | None
-    budget_ms: float
-    arrival: float
-    max_wait_s: float
-    deadline_s: float | None  # relative to arrival
-
-
-@dataclass(frozen=True, slots=True)
-class Dispatch:
-    ticket: Ticket
-    engine: str
-    phase: str  # "prefill" | "unified" | "decode"
-
-
-@dataclass(frozen=True, slots=True)
-class Enqueued:
-    ticket: Ticket
-    engine: str | None  # None: the shared decode queue
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    row: E.ErrorRow
-    overrun_s: float | None = None
-    fields: dict[str, object] = field(default_factory=dict)
-
-
-class Ticket:
-    """One admitted request's place in the scheduler (mutable, owned by it)."""
-
-    __slots__ = (
-        "id", "work", "state", "engine", "decode_engine", "excluded", "enqueued_at", "waited",
-        "pred_prefill_ms", "projected_ttft_ms", "depth", "prefill_dispatched_at",
-        "decode_dispatched_at", "holds_prefill", "holds_decode", "granted", "pd_pending",
-    )
-
-    def __init__(self, tid: int, work: Work) -> None:
-        self.id = tid
-        self.work = work
-        # queued | prefill | unified | decode_queued | decode | done
-        self.state = "new"
-        self.engine: str | None = None
-        self.decode_engine: str | None = None
-        self.excluded: set[str] = set()
-        self.enqueued_at: float | None = None
-        self.waited = 0.0  # seconds spent in the admission queue so far
-        self.pred_prefill_ms = 0.0
-        self.projected_ttft_ms: float | None = None
-        self.depth = 0
-        self.prefill_dispatched_at: float | None = None
-        self.decode_dispatched_at: float | None = None
-        self.holds_prefill: str | None = None
-        self.holds_decode: str | None = None
-        self.granted: Dispatch | None = None
-        self.pd_pending = False  # counted in Scheduler.pd_pending (P/D backpressure)
-
-    @property
-    def waiting(self) -> bool:
-        return self.state in ("queued", "decode_queued")
 
 
 class Scheduler:

@@ -12,12 +12,10 @@ poll after that (half-open in between). A success before the threshold resets th
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .prediction import DecodeModel, LinearModel, PrefillModel
-
-if TYPE_CHECKING:
-    from .admission import Ticket
+from .tickets import Ticket
 
 __all__ = ["EngineState", "Breaker", "PHASE1_ROLES"]
 

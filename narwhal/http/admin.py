@@ -1,5 +1,8 @@
 """The admin API under /admin/ (bearer token from the variable admin.token_env names,
-compared in constant time; with no token configured the routes answer 404, H01)."""
+compared in constant time; with no token configured the routes answer 404, H01).
+
+Requests are checked here (H03-H05: engine and wave names are the configuration's); the
+operation itself is the authority's (`plane.controls`), whichever worker took the call."""
 
 from __future__ import annotations
 
@@ -14,24 +17,27 @@ from starlette.routing import Route
 
 from narwhal_generated import errors as E
 
-from ..engines.runtime import Router
+from ..worker.plane import DataPlane
 from .errors import row_response
 
 __all__ = ["admin_routes", "admin_token"]
 
 
-def admin_token(router: Router) -> str | None:
+def admin_token(plane: DataPlane) -> str | None:
     """The admin bearer token, from the variable admin.token_env names; None: admin off."""
-    return os.environ.get(router.config.admin.token_env) or None
+    return os.environ.get(plane.config.admin.token_env) or None
 
 
 def _ok(**extra: Any) -> Response:
     return JSONResponse({"ok": True, **extra})
 
 
-def admin_routes(router: Router) -> list[Route]:
+def admin_routes(plane: DataPlane) -> list[Route]:
+    controls = plane.controls
+    known_waves = {e.wave for e in plane.engines.values()} | {plane.config.serving.wave}
+
     async def guard(request: Request) -> Response | None:
-        want = admin_token(router)
+        want = admin_token(plane)
         if want is None:
             return row_response(E.H01, method=request.method, path=request.url.path)
         got = request.headers.get("authorization", "")
@@ -63,8 +69,7 @@ def admin_routes(router: Router) -> list[Route]:
             return v
         if v not in ("active", "standby"):
             return row_response(E.H04, param="state", detail="state must be 'active' or 'standby'")
-        router.state.set_operator(v)
-        return _ok(state=router.state.reason(router.clock.now()) or "active")
+        return _ok(state=await controls.set_state(v))
 
     async def wave(request: Request) -> Response:
         if (g := await guard(request)) is not None:
@@ -73,34 +78,30 @@ def admin_routes(router: Router) -> list[Route]:
         v = await body(request, "maintenance", bool)
         if isinstance(v, Response):
             return v
-        known = {e.wave for e in router.engines.values()} | {router.config.serving.wave}
-        if name not in known:
+        if name not in known_waves:
             return row_response(E.H05, param="wave", detail=f"no engine and not this router is in wave {name!r}")
-        router.state.set_wave_maintenance(name, v)
-        router.reconcile()
+        await controls.set_wave(name, v)
         return _ok(wave=name, maintenance=v)
 
     async def drain(request: Request) -> Response:
         if (g := await guard(request)) is not None:
             return g
-        e = router.engines.get(request.path_params["name"])
+        e = plane.engines.get(request.path_params["name"])
         if e is None:
             return row_response(E.H05, param="name", detail=f"no engine named {request.path_params['name']!r}")
         v = await body(request, "drain", bool)
         if isinstance(v, Response):
             return v
-        e.draining = v
-        router.reconcile()
+        await controls.drain(e.name, v)
         return _ok(engine=e.name, draining=v)
 
     async def profile(request: Request) -> Response:
         if (g := await guard(request)) is not None:
             return g
-        e = router.engines.get(request.path_params["name"])
+        e = plane.engines.get(request.path_params["name"])
         if e is None:
             return row_response(E.H05, param="name", detail=f"no engine named {request.path_params['name']!r}")
-        router.profile(e.name)
-        return _ok(engine=e.name, profile=e.profile_status)
+        return _ok(engine=e.name, profile=await controls.profile(e.name))
 
     return [
         Route("/admin/state", set_state, methods=["POST"]),

@@ -1,4 +1,7 @@
-"""The application factory: one Starlette app over one Router.
+"""The application factory: one Starlette app over one data plane.
+
+The completion routes run on the data plane; /ready, /v1/engines, /metrics and the admin
+API ask the authority (`plane.controls`), so they answer the same from every worker.
 
 Routes (NARWHAL.md "HTTP surface"): the two completion routes (raw ASGI, see
 completions.py), /v1/models, /health, /ready, /v1/engines, /metrics, the admin API, and
@@ -14,7 +17,7 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -24,7 +27,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
-from ..engines.runtime import Router
+from ..worker.plane import DataPlane
 from . import hyper
 from .admin import admin_routes, admin_token
 from .completions import CompletionEndpoint
@@ -35,56 +38,36 @@ __all__ = ["create_app"]
 _OPENAPI = resources.files("narwhal_generated").joinpath("openapi.json").read_bytes()
 
 
-def _profiles(router: Router) -> dict[str, object]:
-    """/ready names the engines predictive admission runs on default models for (their
-    profile failed): informational, never a reason to be unready."""
-    failed = sorted(e.name for e in router.engines.values() if e.profile_status == "failed")
-    return {"unprofiled_engines": failed} if failed else {}
-
-
-def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
+def create_app(plane: DataPlane, *, lifespan_hooks: tuple[Any, Any] | None = None) -> Starlette:
+    """The ASGI app. `lifespan_hooks`: (start, stop) coroutines the app's lifespan runs
+    (a router's background tasks, when the app owns them)."""
     # client connections are the server's (hyper.py counts them per process)
-    router.telemetry.registry.register(hyper.ConnectionCollector())  # type: ignore[arg-type]
-    """The ASGI app. With manage_router, the app's lifespan starts and stops the router's
-    background tasks (health polling, profiling)."""
+    plane.telemetry.registry.register(hyper.ConnectionCollector())  # type: ignore[arg-type]
     created = int(time.time())
+    controls = plane.controls
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": router.config.serving.model, "object": "model", "created": created, "owned_by": "narwhal"}]})
+        return JSONResponse({"object": "list", "data": [{"id": plane.config.serving.model, "object": "model", "created": created, "owned_by": "narwhal"}]})
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def ready(_: Request) -> Response:
-        reason = router.state.reason(router.clock.now())
-        if reason is None:
-            return JSONResponse({"ready": True, "state": "active", **_profiles(router)})
-        return JSONResponse({"ready": False, "state": reason, "reason": reason, **_profiles(router)}, status_code=503)
+        status, body = await controls.ready()
+        return JSONResponse(body, status_code=status)
 
     async def engines(_: Request) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [router.engine_view(e) for e in router.engines.values()],
-                "router": {
-                    "state": router.state.reason(router.clock.now()) or "active",
-                    "scheduler": router.scheduler.snapshot(),
-                    "sizing": router.sizer.snapshot(),
-                    "books": router.books.snapshot(),
-                    "held": router.held,
-                },
-            }
-        )
+        return JSONResponse(await controls.engines(plane.sizing()))
 
     async def metrics(_: Request) -> Response:
-        return Response(generate_latest(router.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await controls.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(_: Request) -> Response:
         return Response(_OPENAPI, media_type="application/json")
 
     async def not_found(request: Request, exc: Exception) -> Response:
         # H01 note: with no admin token configured the admin surface is off, every method
-        if request.url.path.startswith("/admin/") and admin_token(router) is None:
+        if request.url.path.startswith("/admin/") and admin_token(plane) is None:
             return row_response(E.H01, method=request.method, path=request.url.path)
         if isinstance(exc, HTTPException) and exc.status_code == 405:
             return row_response(E.H02, method=request.method, path=request.url.path)
@@ -95,31 +78,31 @@ def create_app(router: Router, *, manage_router: bool = True) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[dict[str, Any]]:
-        if manage_router:
-            await router.start()
+        if lifespan_hooks is not None:
+            await lifespan_hooks[0]()
         try:
             yield {}
         finally:
-            if manage_router:
-                await router.stop()
+            if lifespan_hooks is not None:
+                await lifespan_hooks[1]()
 
     routes = [
-        Route("/v1/chat/completions", CompletionEndpoint(router, "chat")),
-        Route("/v1/completions", CompletionEndpoint(router, "completion")),
+        Route("/v1/chat/completions", CompletionEndpoint(plane, "chat")),
+        Route("/v1/completions", CompletionEndpoint(plane, "completion")),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/v1/engines", engines, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
-        *admin_routes(router),
+        *admin_routes(plane),
     ]
     app = Starlette(
         routes=routes,
         exception_handlers={404: not_found, 405: not_found, 500: server_error},
         lifespan=lifespan,
     )
-    app.state.router = router
+    app.state.plane = plane
     # no 307 to a `Location` built from the client's Host for a trailing slash: an unknown
     # path is H01, whatever its slashes
     app.router.redirect_slashes = False
@@ -165,7 +148,7 @@ class _Front:
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
             elif msg["type"] == "http.response.body" and not msg.get("more_body", False) and not ended:
                 # answer only once the request body is in (see drain_request)
-                await drain_request(scope, recv, limit=8 * self.state.router.config.serving.max_request_bytes)
+                await drain_request(scope, recv, limit=8 * self.state.plane.config.serving.max_request_bytes)
             await send(msg)
 
         await self.app(scope, recv, send_with_id)

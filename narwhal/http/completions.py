@@ -5,9 +5,10 @@ Order of decisions, as the refusal table orders them:
   R03 while it is read (a Content-Length over the limit is refused before reading, and
   reading stops at the first byte past the limit, so nothing past it is buffered);
   R04-R07 on the parsed body (narwhal/core/requests.py); then workload sizing, and
-  R08-R13 in narwhal/engines/pipeline.py.
-Books: one `offered` per request here and exactly one terminal class when it ends,
-whatever happens (the `finally` below is the only place a request is closed).
+  R08-R13 in narwhal/worker/request.py.
+Books: the authority's. `door.arrive` offers the request (and decides R01/R02, closing
+the books itself when it refuses); from then on exactly one terminal class when it ends,
+whatever happens (the `finally` below is the only place an admitted entry is closed).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
-from ..core.admission import Work
+from ..core.lease import Order
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
-from ..engines.pipeline import error_event, run_request
-from ..engines.runtime import Router
+from ..core.tickets import Refuse
+from ..worker.plane import DataPlane
+from ..worker.request import error_event, run_request
 from . import hyper
 from .errors import RID_OK, drain_request, send_row
 
@@ -219,12 +221,12 @@ def _headers(scope: Scope) -> dict[bytes, bytes]:
 class CompletionEndpoint:
     """POST /v1/chat/completions or /v1/completions."""
 
-    def __init__(self, router: Router, route: str) -> None:
-        self.router = router
+    def __init__(self, plane: DataPlane, route: str) -> None:
+        self.plane = plane
         self.route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        r = self.router
+        r = self.plane
         hdr = _headers(scope)
         raw_rid = hdr.get(b"x-request-id")
         rid = raw_rid.decode() if raw_rid is not None and RID_OK.fullmatch(raw_rid) else uuid.uuid4().hex
@@ -232,26 +234,20 @@ class CompletionEndpoint:
             await send_row(send, E.H02, rid=rid, method=scope["method"], path=scope["path"])
             return
         arrival = r.clock.now()
-        entry = r.books.offer()
+        drain = 8 * r.config.serving.max_request_bytes
+        got = await r.door.arrive(arrival)
+        if isinstance(got, Refuse):  # R01, R02: the authority has closed the books
+            try:
+                await drain_request(scope, receive, limit=drain)
+                await send_row(send, got.row, rid=rid, **got.fields)
+            finally:
+                r.telemetry.e2e.labels(got.row.counter).observe(r.clock.now() - arrival)
+            return
+        entry = got
         sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0)
         cls: str | None = None
-        held = False
         try:
-            reason = r.state.reason(arrival)
-            drain = 8 * r.config.serving.max_request_bytes
-            if reason is not None:  # R01
-                await drain_request(scope, receive, limit=drain)
-                await send_row(send, E.R01, rid=rid, reason=reason)
-                cls = E.R01.counter
-                return
             adm = r.config.admission
-            if r.held >= adm.http_retention_limit:  # R02
-                await drain_request(scope, receive, limit=drain)
-                await send_row(send, E.R02, rid=rid, limit=adm.http_retention_limit)
-                cls = E.R02.counter
-                return
-            r.held += 1
-            held = True
             limit = r.config.serving.max_request_bytes
             try:
                 body = await _read_body(scope, receive, limit, r.config.serving.read_timeout_ms / 1000.0)
@@ -294,19 +290,21 @@ class CompletionEndpoint:
                 cls = parsed.row.counter
                 return
             assert not isinstance(hv, Rejection)
-            # workload sizing: from here on the request is sized (C02 no longer applies)
-            r.books.sized(entry)
-            prompt_tokens = r.sizer.size(parsed.prompt_bytes, parsed.prompt_token_count, parsed.prompt_text)
-            work = Work(
+            # workload sizing: an exact count here (token IDs, or serving.tokenizer on the
+            # text), else the authority's learned estimate from the prompt's bytes
+            exact = parsed.prompt_token_count
+            if exact is None and r.count_tokens is not None and parsed.prompt_text is not None:
+                exact = r.count_tokens(parsed.prompt_text)
+            order = Order(
                 route=self.route,
-                prompt_tokens=prompt_tokens,
+                prompt_bytes=parsed.prompt_bytes,
+                exact_prompt_tokens=exact,
                 max_tokens=parsed.max_tokens,
                 budget_ms=float(hv.ttft_target_ms if hv.ttft_target_ms is not None else adm.ttft_budget_ms),
                 arrival=arrival,
-                max_wait_s=adm.max_wait_ms / 1000.0,
                 deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
             )
-            cls = await _until_disconnect(run_request(r, parsed, work, sink, rid), receive, sink)
+            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid), receive, sink)
         except asyncio.CancelledError:
             cls = "cancelled"
             raise
@@ -324,8 +322,5 @@ class CompletionEndpoint:
             except Exception:  # noqa: BLE001 - the client may be gone too
                 pass
         finally:
-            if held:
-                r.held -= 1
-            r.books.end(entry, cls or "cancelled")
+            entry.end(cls or "cancelled")
             r.telemetry.e2e.labels(cls or "cancelled").observe(r.clock.now() - arrival)
-

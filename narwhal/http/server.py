@@ -1,4 +1,4 @@
-"""Serving under hypercorn: HTTP/1.1 and HTTP/2 cleartext (prior knowledge and h2c
+"""Serving under hypercorn (the settings; narwhal/compose.py runs it): HTTP/1.1 and HTTP/2 cleartext (prior knowledge and h2c
 upgrade) on one port; HTTPS with HTTP/2 negotiated by ALPN when serving.tls is set.
 
 hypercorn closes a connection after keep_alive_max_requests requests (HTTP/2: GOAWAY)
@@ -8,25 +8,17 @@ limit is raised far out of reach.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import logging
 import os
-import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
-from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HyperConfig
 
-from ..config import EMBEDDED_FLEET, NarwhalConfig
-from ..engines.runtime import EngineSpec, Router
+from ..config import NarwhalConfig
 from . import hyper
-from .app import create_app
 
-__all__ = ["hypercorn_config", "serve", "embedded_fleet", "split_listen", "free_port", "build_router", "settle_heap", "raise_nofile", "serving_config"]
+__all__ = ["hypercorn_config", "split_listen", "free_port", "settle_heap", "raise_nofile", "serving_config"]
 
 log = logging.getLogger("narwhal")
 
@@ -105,70 +97,3 @@ def serving_config(config: NarwhalConfig, listen: str) -> HyperConfig:
     sv = config.serving
     hyper.install(hyper.Limits(control_frames_per_s=sv.h2_control_frames_per_second, abuse_penalty_s=sv.abuse_penalty_ms / 1000.0))
     return hypercorn_config(listen, certfile=sv.tls.certfile, keyfile=sv.tls.keyfile, keep_alive_ms=sv.keep_alive_ms, max_streams=sv.max_streams_per_connection)
-
-
-def build_router(config: NarwhalConfig, engines: list[EngineSpec]) -> Router:
-    count_tokens = None
-    if config.serving.tokenizer:
-        try:
-            from tokenizers import Tokenizer  # type: ignore[import-not-found]
-        except ImportError:
-            raise SystemExit("serving.tokenizer is set but the 'tokenizers' package is not installed (pip install tokenizers)") from None
-        tok = Tokenizer.from_file(config.serving.tokenizer)
-
-        def count_tokens(text: str) -> int:
-            return len(tok.encode(text).ids)
-
-    return Router(config, engines, count_tokens=count_tokens)
-
-
-def config_engines(config: NarwhalConfig) -> list[EngineSpec]:
-    return [EngineSpec(e.name, e.url, e.role, e.dialect, e.wave, e.model, max_concurrency=e.max_concurrency) for e in config.engines or ()]
-
-
-@contextlib.asynccontextmanager
-async def embedded_fleet(config: NarwhalConfig, host: str = "127.0.0.1") -> AsyncIterator[list[EngineSpec]]:
-    """NARWHAL.md: the embedded default's simulated fleet (one prefill and one decode
-    engine of the vllm dialect), served in this process on free loopback ports."""
-    from ..mock import MockConfig, serve_mock
-
-    stop = asyncio.Event()
-    tasks = []
-    specs = []
-    for spec in EMBEDDED_FLEET:
-        port = free_port(host)
-        mc = MockConfig(dialect=spec["dialect"], role=spec["role"], model=config.serving.model, name=spec["name"])
-        tasks.append(asyncio.create_task(serve_mock(mc, host, port, shutdown_trigger=stop.wait)))
-        specs.append(EngineSpec(spec["name"], f"http://{host}:{port}", spec["role"], spec["dialect"], spec["wave"], None))
-    try:
-        yield specs
-    finally:
-        stop.set()
-        await asyncio.wait(tasks, timeout=10)
-
-
-async def serve(config: NarwhalConfig, *, listen: str | None = None, shutdown_trigger: Callable[[], Awaitable[Any]] | None = None, ready: Callable[[str], None] | None = None) -> None:
-    """Run the router until shutdown_trigger resolves (default: SIGINT/SIGTERM)."""
-    listen = listen or config.serving.listen
-    stop = asyncio.Event()
-    if shutdown_trigger is None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        shutdown_trigger = stop.wait
-    async with contextlib.AsyncExitStack() as stack:
-        if config.engines is None:
-            engines = await stack.enter_async_context(embedded_fleet(config))
-        else:
-            engines = config_engines(config)
-        router = build_router(config, engines)
-        app = create_app(router)
-        hc = serving_config(config, listen)
-        raise_nofile()
-        scheme = "https" if config.serving.tls.certfile else "http"
-        log.info("narwhal serving %s://%s (engines: %s)", scheme, listen, ", ".join(f"{e.name}={e.url}" for e in engines))
-        settle_heap()
-        if ready is not None:
-            ready(f"{scheme}://{listen}")
-        await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]

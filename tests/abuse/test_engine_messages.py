@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from narwhal.core.relay import MAX_ENGINE_MESSAGE, engine_message
-from narwhal.engines.runtime import EngineSpec
+from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 from tests.abuse.rawengine import SSE_HEAD, Answer, Request, chunk, raw_engine, token_event
 from tests.helpers import running_router, sse

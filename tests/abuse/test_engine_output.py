@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from narwhal.core.sse import SSEParser
-from narwhal.engines.http1 import BodyTooLarge, ConnectionFailed, H1Pool
-from narwhal.engines.runtime import EngineSpec
+from narwhal.upstream.engines import EngineSpec
+from narwhal.upstream.http1 import BodyTooLarge, ConnectionFailed, H1Pool
 from narwhal_generated import errors as E
 from tests.abuse.rawengine import (
     SSE_HEAD,

@@ -32,8 +32,8 @@ import httpx
 import pytest
 
 from narwhal.config import ConfigError, parse_config
-from narwhal.engines.runtime import EngineSpec
 from narwhal.http.server import free_port
+from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 from tests.abuse.rawengine import (
     SSE_HEAD,

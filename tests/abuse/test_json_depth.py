@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from narwhal.core.requests import MAX_DEPTH, ParsedRequest, Rejection, parse_request
-from narwhal.engines.runtime import EngineSpec
+from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 from tests.abuse.rawengine import raw_engine
 from tests.helpers import running_router

@@ -17,8 +17,9 @@ import pytest
 from narwhal.config import ConfigError, parse_config
 from narwhal.core.dialects import PREFILL_KV_REQUEST
 from narwhal.core.requests import ROUTER_ONLY
-from narwhal.engines.runtime import ENGINE_REQUEST_IDS, EngineSpec
 from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream.engines import EngineSpec
+from narwhal.worker.plane import ENGINE_REQUEST_IDS
 from tests.helpers import RunningRouter, running_router, sse
 
 FAST = Timing(time_scale=0.25)

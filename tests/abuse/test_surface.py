@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from narwhal.engines.runtime import EngineSpec
 from narwhal.http.errors import RID_OK
 from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream.engines import EngineSpec
 from tests.helpers import RunningRouter, running_router
 
 

@@ -13,9 +13,8 @@ import pytest
 import schemathesis
 from schemathesis.python import asgi
 
+from narwhal.compose import build_router, config_engines
 from narwhal.config import parse_config
-from narwhal.http.app import create_app
-from narwhal.http.server import build_router, config_engines
 from narwhal_conformance.fleet import running_fleet
 from narwhal_conformance.fuzz import books_balance, fuzz_schema
 from narwhal_conformance.profiles import get_profile, router_config
@@ -38,7 +37,7 @@ def app() -> Iterator[Any]:
     os.environ[TOKEN_ENV] = "fuzz-token"  # admin routes answer 401 to the fuzzer, not 404
     with running_fleet([profile], base):
         config = parse_config(cfg, source="fuzz config")
-        application = create_app(build_router(config, config_engines(config)))
+        application = build_router(config, config_engines(config)).app()
         try:
             yield application
         finally:

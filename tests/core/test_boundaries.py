@@ -1,5 +1,14 @@
-"""The sans-IO core imports no web framework, no socket, no event loop (STYLE.md P4), and
-the layers import only downwards (NARWHAL.md's house)."""
+"""The house's rules, read from the imports (every import counts, those under
+TYPE_CHECKING and inside functions too):
+
+  * the sans-IO core imports no web framework, no socket, no event loop (STYLE.md P4);
+  * the layers import only downwards, and the two planes meet only at the seam
+    (narwhal/core/lease.py): the data plane (narwhal/worker) never reaches the authority's
+    scheduler or fleet state, the authority never the data plane or HTTP;
+  * the engine client (narwhal/upstream) stands on nothing of the router's;
+  * the router's package imports neither the benchmark harness nor the conformance suite;
+  * no module of the router imports itself back through others (no import circle).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +18,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN_IN_CORE = {"starlette", "hypercorn", "httpx", "anyio", "asyncio", "socket", "h11", "h2", "prometheus_client", "uvloop", "narwhal.http", "narwhal.engines", "narwhal.mock", "narwhal.bench", "narwhal_conformance"}
+TOOLS = {"narwhal_bench", "narwhal_conformance"}
+FORBIDDEN_IN_CORE = {"starlette", "hypercorn", "httpx", "anyio", "asyncio", "socket", "h11", "h2", "prometheus_client", "uvloop",
+                     "narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.compose", "narwhal.workers", "narwhal.ipc",
+                     "narwhal.mock", *TOOLS}
+# the composition modules (narwhal/compose.py, narwhal/workers.py, narwhal/cli.py) may import anything of the router
+ABOVE = {"narwhal.compose", "narwhal.workers", "narwhal.cli"}
 LAYERS = {
-    "narwhal/core": {"narwhal.http", "narwhal.engines", "narwhal.mock", "narwhal.bench", "narwhal.cli", "narwhal_conformance"},
-    "narwhal/engines": {"narwhal.http", "narwhal.bench", "narwhal.cli", "narwhal_conformance"},
-    "narwhal/mock": {"narwhal.http", "narwhal.engines", "narwhal.bench", "narwhal.cli", "narwhal_conformance"},
+    "narwhal/core": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.ipc", "narwhal.mock", *ABOVE, *TOOLS},
+    "narwhal/upstream": {"narwhal.core", "narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.ipc", "narwhal.mock", "narwhal.config", *ABOVE, *TOOLS},
+    # the authority: fleet truth and admission; never the data plane, HTTP or the mock engines
+    "narwhal/authority": {"narwhal.http", "narwhal.worker", "narwhal.mock", *ABOVE, *TOOLS},
+    # the data plane: admission only through the Lease (no scheduler, no EngineState)
+    "narwhal/worker": {"narwhal.authority", "narwhal.http", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.core.prediction", "narwhal.mock", *ABOVE, *TOOLS},
+    # the ASGI shell: over the data plane only
+    "narwhal/http": {"narwhal.authority", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.mock", *ABOVE, *TOOLS},
+    "narwhal/mock": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", *ABOVE, *TOOLS},
+    "narwhal/specgen": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
+    "narwhal/config.py": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
+    "narwhal/compose.py": TOOLS,
     "generated": {"narwhal"},
 }
+
+
+def module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
 
 
 def imports(path: Path) -> set[str]:
@@ -28,14 +58,25 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                out.add(".".join([*base, node.module or ""]).strip("."))
+                mod = ".".join([*base, node.module or ""]).strip(".")
+                if node.module is None:  # `from . import x`: the sibling modules, not the package face
+                    out.update(f"{mod}.{a.name}" for a in node.names)
+                else:
+                    out.add(mod)
+                    out.update(f"{mod}.{a.name}" for a in node.names)
             elif node.module:
                 out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
     return out
 
 
 def _hits(names: set[str], banned: set[str]) -> set[str]:
     return {n for n in names for b in banned if n == b or n.startswith(b + ".")}
+
+
+def _files(layer: str) -> list[Path]:
+    p = ROOT / layer
+    return [p] if p.suffix == ".py" else sorted(p.rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "narwhal" / "core").glob("*.py")), ids=lambda p: p.name)
@@ -45,6 +86,57 @@ def test_core_is_sans_io(path: Path) -> None:
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_layers_import_downwards(layer: str) -> None:
-    for path in sorted((ROOT / layer).rglob("*.py")):
+    files = _files(layer)
+    assert files, f"{layer} is gone: update LAYERS"
+    for path in files:
         bad = _hits(imports(path), LAYERS[layer])
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_router_imports_no_tool() -> None:
+    for path in sorted((ROOT / "narwhal").rglob("*.py")):
+        bad = _hits(imports(path), TOOLS)
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_no_import_circle() -> None:
+    """Module graph of narwhal/ (a module importing a package counts as importing its
+    face, __init__): no strongly connected component of more than one module."""
+    mods = {module_of(p): p for p in (ROOT / "narwhal").rglob("*.py")}
+    graph = {m: {i for i in imports(p) if i in mods and i != m} for m, p in mods.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_circle_that_was_cut_stays_cut() -> None:
+    """core/fleet.py held a TYPE_CHECKING import of core/admission.py (Ticket)."""
+    assert not _hits(imports(ROOT / "narwhal" / "core" / "fleet.py"), {"narwhal.core.admission"})

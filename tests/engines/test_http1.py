@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from narwhal.engines.http1 import ConnectionFailed, H1Pool, ReadTimeout
+from narwhal.upstream.http1 import ConnectionFailed, H1Pool, ReadTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -15,9 +15,9 @@ import httpx
 import orjson
 import pytest
 
-from narwhal.engines.profiler import _prompt
-from narwhal.engines.runtime import EngineSpec
+from narwhal.authority.profiler import _prompt
 from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream.engines import EngineSpec
 from tests.abuse.rawengine import SSE_HEAD, Request, chunk, raw_engine
 from tests.helpers import running_router, wait_until
 
@@ -95,7 +95,7 @@ def test_a_failing_profile_backs_off_and_warns_once_per_status_change(narwhal_lo
 
 
 async def _profile(router: Any, e: Any) -> None:
-    from narwhal.engines.profiler import profile_engine
+    from narwhal.authority.profiler import profile_engine
 
     await profile_engine(router, e)
 

@@ -1,4 +1,4 @@
-"""Router.wait_grant: expiries are decided by the scheduler's clock, never by an event-loop
+"""Authority.wait_grant: expiries are decided by the scheduler's clock, never by an event-loop
 timer that may fire a little early (R13 must not come out as R12)."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from narwhal.authority.authority import Authority
 from narwhal.config import parse_config
-from narwhal.core.admission import Enqueued, Work
-from narwhal.engines.runtime import EngineSpec, Router
+from narwhal.core.tickets import Enqueued, Work
+from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 
 
@@ -26,7 +27,7 @@ class LaggingClock:
 def test_deadline_expiry_waits_for_the_scheduler_clock() -> None:
     async def main() -> None:
         cfg = parse_config({"admission": {"mode": "open", "phase_concurrency": {"prefill": 1, "decode": 1}, "prediction": {"profile_on_start": False}}})
-        r = Router(cfg, [EngineSpec("u0", "http://127.0.0.1:9", "unified", "vllm", None, None)], clock=LaggingClock())
+        r = Authority(cfg, [EngineSpec("u0", "http://127.0.0.1:9", "unified", "vllm", None, None)], clock=LaggingClock())
         now = r.clock.now()
         hold = r.scheduler.admit(Work("chat", 10, 4, 2000.0, now, 10.0, None), now)
         q = r.scheduler.admit(Work("chat", 10, 4, 2000.0, now, 10.0, 0.2), now)

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.engines.runtime import EngineSpec
 from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 from tests.helpers import RunningRouter, running_router, sse, wait_until
 

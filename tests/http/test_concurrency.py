@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from narwhal.engines.runtime import EngineSpec
 from narwhal.http.server import free_port
 from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream.engines import EngineSpec
 from tests.helpers import running_router, wait_until
 
 MODEL = "narwhal-demo"

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from narwhal.engines.runtime import EngineSpec
 from narwhal.http.server import free_port
 from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 from tests.helpers import running_router, wait_until
 

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.engines.runtime import EngineSpec
 from narwhal.mock import MockConfig, Timing, expected_content, expected_token_ids, running_fleet
+from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 from tests.helpers import RunningRouter, accumulate, running_router, sse
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.engines.runtime import EngineSpec
+from narwhal.upstream.engines import EngineSpec
 from narwhal_conformance.probe import FAIL, probe_engine
 from tests.helpers import running_router
 

@@ -32,13 +32,15 @@ from typing import Any
 
 import orjson
 
-from ..core.admission import Dispatch, Work
 from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.fleet import EngineState
 from ..core.relay import StreamRelay
-from .client import UpstreamError
+from ..core.tickets import Dispatch, Ticket, Work
+from ..upstream.client import UpstreamError
+from ..upstream.usage import CountTarget, detect
+from .authority import Authority
 
-__all__ = ["profile_engine", "ProfileError"]
+__all__ = ["profile_engine", "profile_all", "profile", "maybe_reprofile", "retry_s", "ProfileError", "PROFILE_RETRY_S", "PROFILE_RETRY_MAX_S"]
 
 log = logging.getLogger("narwhal")
 
@@ -71,10 +73,10 @@ def _prompt(tokens: int, bytes_per_token: float, tag: str) -> str:
     return f"[{tag}] {text}\n\n{_ASK}" if text else f"[{tag}] {_ASK}"
 
 
-def _body(router: Any, e: EngineState, n: int, max_tokens: int, tag: str = "0") -> dict[str, Any]:
+def _body(a: Authority, e: EngineState, n: int, max_tokens: int, tag: str = "0") -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": e.model or router.config.serving.model,
-        "messages": [{"role": "user", "content": _prompt(n, router.sizer.bytes_per_token, f"{e.name}-{tag}")}],
+        "model": e.model or a.config.serving.model,
+        "messages": [{"role": "user", "content": _prompt(n, a.sizer.bytes_per_token, f"{e.name}-{tag}")}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }
@@ -83,17 +85,17 @@ def _body(router: Any, e: EngineState, n: int, max_tokens: int, tag: str = "0") 
     return body
 
 
-async def _stream(router: Any, e: EngineState, body: dict[str, Any], rid: str) -> tuple[float, float | None, int | None, int]:
+async def _stream(a: Authority, e: EngineState, body: dict[str, Any], rid: str) -> tuple[float, float | None, int | None, int]:
     """(first token s, TPOT s, prompt tokens, tokens) of one streaming measurement."""
     d = DIALECTS[e.dialect]
     checks = d.token_accounting == "token_ids"
-    relay = StreamRelay(checks_ids=checks, client_ids=False, client_usage=True, max_event_bytes=router.config.upstream.max_event_bytes)
-    clock = router.clock
+    relay = StreamRelay(checks_ids=checks, client_ids=False, client_usage=True, max_event_bytes=a.config.upstream.max_event_bytes)
+    clock = a.clock
     t0 = clock.now()
     headers = {"x-narwhal-profiling": "1"}
     if d.propagate_request_id:
         headers["x-request-id"] = rid
-    up = await router.client.open("POST", e.url + "/v1/chat/completions", body=orjson.dumps(body), headers=headers)
+    up = await a.client.open("POST", e.url + "/v1/chat/completions", body=orjson.dumps(body), headers=headers)
     first: float | None = None
     finished: float | None = None  # the first event that carried a finish_reason
     done = False
@@ -139,10 +141,10 @@ def _prompt_tokens(usage: Any) -> int | None:
     return pt if isinstance(pt, int) and not isinstance(pt, bool) else None
 
 
-async def _prefill_leg(router: Any, e: EngineState, body: dict[str, Any], rid: str) -> tuple[float, dict[str, Any] | None, int | None]:
-    clock = router.clock
+async def _prefill_leg(a: Authority, e: EngineState, body: dict[str, Any], rid: str) -> tuple[float, dict[str, Any] | None, int | None]:
+    clock = a.clock
     t0 = clock.now()
-    status, raw = await router.client.post_json(
+    status, raw = await a.client.post_json(
         e.url + "/v1/chat/completions", prefill_body(body, route="chat"), headers={"x-request-id": rid, "x-narwhal-profiling": "1"}
     )
     dt = clock.now() - t0
@@ -182,14 +184,14 @@ class _Slot:
 
     WAIT_S = 120.0  # the longest a measurement waits for a slot; then the profile fails
 
-    def __init__(self, router: Any, e: EngineState, n: int) -> None:
-        self.router, self.e, self.n = router, e, n
-        self.ticket: Any = None
+    def __init__(self, a: Authority, e: EngineState, n: int) -> None:
+        self.a, self.e, self.n = a, e, n
+        self.ticket: Ticket | None = None
 
     async def __aenter__(self) -> None:
         if self.e.max_concurrency is None or self.e.role == "decode":
             return
-        r = self.router
+        r = self.a
         now = r.clock.now()
         work = Work(route="profile", prompt_tokens=self.n, max_tokens=None, budget_ms=float("inf"), arrival=now, max_wait_s=self.WAIT_S, deadline_s=None)
         g = r.scheduler.reserve(self.e.name, work, now)
@@ -202,12 +204,12 @@ class _Slot:
 
     async def __aexit__(self, *exc: object) -> None:
         if self.ticket is not None:
-            r = self.router
+            r = self.a
             r.wake(r.scheduler.finish(self.ticket, r.clock.now()))
             self.ticket = None
 
 
-def _outcome(router: Any, e: EngineState, ok: bool, reason: str | None, detail: str | None = None) -> None:
+def _outcome(a: Authority, e: EngineState, ok: bool, reason: str | None, detail: str | None = None) -> None:
     """Record a profile's outcome: one WARNING when the status changes (to failed, or back
     to ok after a failure), INFO otherwise; consecutive failures count for the back-off."""
     before = e.profile_reported
@@ -222,21 +224,21 @@ def _outcome(router: Any, e: EngineState, ok: bool, reason: str | None, detail: 
             log.info("engine %s profiled: prefill %s decode %s", e.name, e.prefill.snapshot(), e.decode.snapshot())
         return
     e.profile_failures += 1
-    retry = router.profile_retry_s(e)
+    retry = retry_s(e)
     if before != "failed":
         log.warning("engine %s: profiling failed (%s); predictive admission uses default models for it; retrying in %.0f s, backing off to %.0f s",
-                    e.name, detail or reason, retry, router.PROFILE_RETRY_MAX_S)
+                    e.name, detail or reason, retry, PROFILE_RETRY_MAX_S)
     else:
         log.info("engine %s: profiling failed again (%s, %d in a row); next try in %.0f s", e.name, detail or reason, e.profile_failures, retry)
 
 
-async def profile_engine(router: Any, e: EngineState) -> None:
-    cfg = router.config.admission.prediction
+async def profile_engine(a: Authority, e: EngineState) -> None:
+    cfg = a.config.admission.prediction
     lengths = list(cfg.profile_prompt_tokens)
     reps = cfg.profile_repeats
     out_tokens = cfg.profile_output_tokens
     e.profile_status = "running"
-    e.profile_attempted = router.clock.now()
+    e.profile_attempted = a.clock.now()
     try:
         prefill: list[tuple[float, float]] = []
         decode: list[tuple[float, float]] = []
@@ -253,28 +255,28 @@ async def profile_engine(router: Any, e: EngineState) -> None:
                 tag = f"{k}-{run}"
                 keep = k > 1
                 if e.role == "prefill":
-                    async with _Slot(router, e, n):
-                        dt, _, pt = await _prefill_leg(router, e, _body(router, e, n, 1, tag), rid)
+                    async with _Slot(a, e, n):
+                        dt, _, pt = await _prefill_leg(a, e, _body(a, e, n, 1, tag), rid)
                     if keep:
                         prefill.append((pt or n, dt * 1000.0))
                 elif e.role == "unified":
-                    body = decode_body(_body(router, e, n, out_tokens, tag), dialect=e.dialect, model=e.model)
-                    async with _Slot(router, e, n):
-                        ttft, tp, pt, _ = await _stream(router, e, body, rid)
+                    body = decode_body(_body(a, e, n, out_tokens, tag), dialect=e.dialect, model=e.model)
+                    async with _Slot(a, e, n):
+                        ttft, tp, pt, _ = await _stream(a, e, body, rid)
                     usage_seen = usage_seen or pt is not None
                     if keep:
                         prefill.append((pt or n, ttft * 1000.0))
                         if tp is not None:
                             decode.append((1.0, tp * 1000.0))
                 else:
-                    p = next((x for x in router.engines.values() if x.role == "prefill" and x.healthy), None)
+                    p = next((x for x in a.engines.values() if x.role == "prefill" and x.healthy), None)
                     if p is None:
                         raise ProfileError("no healthy prefill engine to profile a decode engine with")
-                    base = _body(router, e, n, out_tokens, tag)
-                    async with _Slot(router, p, n):
-                        _, kv, pt = await _prefill_leg(router, p, base, rid + "-p")
+                    base = _body(a, e, n, out_tokens, tag)
+                    async with _Slot(a, p, n):
+                        _, kv, pt = await _prefill_leg(a, p, base, rid + "-p")
                     body = decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=True)
-                    start, tp, pt2, _ = await _stream(router, e, body, rid)
+                    start, tp, pt2, _ = await _stream(a, e, body, rid)
                     if keep:
                         starts.append((pt or pt2 or n, start * 1000.0))
                         if tp is not None:
@@ -285,17 +287,17 @@ async def profile_engine(router: Any, e: EngineState) -> None:
         if e.role in ("unified", "decode") and batch >= 2:
             bodies = []
             for i in range(batch):
-                base = _body(router, e, lengths[0], out_tokens * 2, f"b{i}-{k}-{run}")
+                base = _body(a, e, lengths[0], out_tokens * 2, f"b{i}-{k}-{run}")
                 kv = None
                 if e.role == "decode":
-                    p = next(x for x in router.engines.values() if x.role == "prefill" and x.healthy)
-                    async with _Slot(router, p, lengths[0]):
-                        _, kv, _ = await _prefill_leg(router, p, base, f"narwhal-profile-{e.name}-b{i}-p")
+                    p = next(x for x in a.engines.values() if x.role == "prefill" and x.healthy)
+                    async with _Slot(a, p, lengths[0]):
+                        _, kv, _ = await _prefill_leg(a, p, base, f"narwhal-profile-{e.name}-b{i}-p")
                 bodies.append(decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode"))
 
             async def one(i: int, b: dict[str, Any]) -> tuple[float, float | None, int | None, int]:
-                async with _Slot(router, e, lengths[0]):
-                    return await _stream(router, e, b, f"narwhal-profile-{e.name}-b{i}")
+                async with _Slot(a, e, lengths[0]):
+                    return await _stream(a, e, b, f"narwhal-profile-{e.name}-b{i}")
 
             res = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
             for _, tp, _, _ in res:
@@ -315,19 +317,67 @@ async def profile_engine(router: Any, e: EngineState) -> None:
             "tpot_ms_by_batch": [[b, round(ms, 3)] for b, ms in decode],
             "decode_start_ms_by_prompt_tokens": [[round(n), round(ms, 3)] for n, ms in starts],
         }
-        if e.role == "unified" and not usage_seen and e.name not in router.prompt_counters:
+        if e.role == "unified" and not usage_seen and e.name not in a.prompt_counters:
             # its streams carry no usage: can it count prompts exactly? (usage.py)
-            from .usage import detect
-
-            async with _Slot(router, e, lengths[0]):
-                pc = await detect(router, e)
+            async with _Slot(a, e, lengths[0]):
+                pc = await detect(CountTarget(a.client, e.url, e.name, e.model or a.config.serving.model))
             if pc is not None:
-                router.prompt_counters[e.name] = pc
+                a.add_prompt_counter(e.name, pc)
             log.info("engine %s: its streams carry no usage; prompt tokens of assembled answers: %s", e.name, pc.kind if pc else "an estimate")
-        _outcome(router, e, True, None)
+        _outcome(a, e, True, None)
     except (ProfileError, UpstreamError, StopIteration) as x:
         reason = str(x) or type(x).__name__
-        _outcome(router, e, False, reason, x.log_detail if isinstance(x, UpstreamError) and x.log_detail else None)
+        _outcome(a, e, False, reason, x.log_detail if isinstance(x, UpstreamError) and x.log_detail else None)
     except Exception as x:  # a bug: say so where operators look, keep serving
         log.exception("engine %s: profiling failed with an internal error", e.name)
-        _outcome(router, e, False, f"internal error: {type(x).__name__}")
+        _outcome(a, e, False, f"internal error: {type(x).__name__}")
+
+
+# -- when to profile ---------------------------------------------------------------------
+
+PROFILE_RETRY_S = 30.0  # the first retry after a failed profile ...
+PROFILE_RETRY_MAX_S = 600.0  # ... doubling per consecutive failure up to this
+
+
+def retry_s(e: EngineState) -> float:
+    """The wait before profiling `e` again after its consecutive failures."""
+    n = max(0, e.profile_failures - 1)
+    return min(PROFILE_RETRY_MAX_S, PROFILE_RETRY_S * (2.0 ** min(n, 16)))
+
+
+async def profile_all(a: Authority, *, only_healthy: bool = False) -> None:
+    """Profile the fleet: prefill and unified engines together, then decode engines one
+    at a time (their measurements send prefill legs, which must not queue behind one
+    another's or behind a prefill engine's own profiling)."""
+    todo = [e for e in a.engines.values() if e.healthy or not only_healthy]
+    for e in todo:
+        e.profile_status = "running"
+    await asyncio.gather(*(profile_engine(a, e) for e in todo if e.role != "decode"))
+    for e in todo:
+        if e.role == "decode":
+            await profile_engine(a, e)
+
+
+def maybe_reprofile(a: Authority, e: EngineState, now: float) -> None:
+    """A healthy engine without a profile (down at start, or its profiling failed)
+    is profiled again: after a failure, with exponential back-off (retry_s)."""
+    if not a.config.admission.prediction.profile_on_start or e.profile_status not in ("pending", "failed"):
+        return
+    if any(not t.done() for t in a.profiling.values()):
+        return
+    wait = retry_s(e) if e.profile_status == "failed" else PROFILE_RETRY_S
+    if e.profile_attempted is not None and now - e.profile_attempted < wait:
+        return
+    if e.role == "decode" and not any(p.role == "prefill" and p.healthy for p in a.engines.values()):
+        return
+    profile(a, e.name)
+
+
+def profile(a: Authority, name: str) -> None:
+    """Profile one engine now, unless it is being profiled."""
+    old = a.profiling.get(name)
+    if old is not None and not old.done():
+        return
+    e = a.engines[name]
+    e.profile_status = "running"
+    a.profiling[name] = asyncio.create_task(profile_engine(a, e), name=f"narwhal-profile-{name}")

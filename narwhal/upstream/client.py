@@ -1,4 +1,4 @@
-"""One pooled, keep-alive HTTP client for every engine call (narwhal/engines/http1.py).
+"""One pooled, keep-alive HTTP client for every engine call (narwhal/upstream/http1.py).
 
 The router talks HTTP/1.1 to engines: closing an HTTP/1.1 connection aborts the engine
 request, which is how a client's disconnect reaches the engine (httpx over HTTP/2 never

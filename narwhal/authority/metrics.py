@@ -1,22 +1,33 @@
-"""Prometheus instruments of one router (its own registry, so many routers can live in
-one process, as tests do). Counters of the books are exported by a collector that reads
-them at scrape time, so the request path increments plain integers only."""
+"""The authority's metrics, and one exposition for the whole router.
+
+The books, queues, router state and engine gauges are read from the authority at scrape
+time (a collector: the request path only increments plain integers). Each data plane
+(in process, or a worker process) sends its own families (`plane_families`: request
+histograms, client connections), every sample labelled with its `worker`; `render`
+merges them family by family, so a scrape shows each metric once (one HELP and TYPE)
+with one series per worker.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from narwhal_generated import accounting as A
 
-__all__ = ["Telemetry"]
+__all__ = ["render", "plane_families", "PROFILE_STATUSES"]
 
-_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+PROFILE_STATUSES = ("pending", "running", "ok", "failed")
+
+# one family as plain data: [name, help, type, unit, [[sample name, labels, value], ...]]
+Family = list[Any]
+
+
 
 
 class _StateCollector(Collector):
@@ -73,14 +84,30 @@ class _StateCollector(Collector):
         yield from (inflight, queued, healthy, eligible, breaker, drift, tpot, prof)
 
 
-PROFILE_STATUSES = ("pending", "running", "ok", "failed")
+class _Merged(Collector):
+    def __init__(self, families: Iterable[Family]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for name, doc, typ, unit, samples in self._families:
+            m = merged.get(name)
+            if m is None:
+                m = merged[name] = Metric(name, doc, typ, unit)
+            for sname, labels, value in samples:
+                m.add_sample(sname, labels, value)
+        yield from merged.values()
 
 
-class Telemetry:
-    def __init__(self, read_state: Callable[[], dict[str, Any]]) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.ttft = Histogram("narwhal_ttft_seconds", "Time from arrival to the first token sent to the client.", ["route"], buckets=_LAT, registry=self.registry)
-        self.tpot = Histogram("narwhal_tpot_seconds", "Time per output token, measured from token IDs (T11).", ["engine"], buckets=_TPOT, registry=self.registry)
-        self.e2e = Histogram("narwhal_request_duration_seconds", "Time from arrival to the response's end, by terminal class.", ["class"], buckets=_LAT, registry=self.registry)
-        self.refusal = Histogram("narwhal_refusal_seconds", "Time from arrival to a refusal's answer.", ["code"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0), registry=self.registry)
-        self.registry.register(_StateCollector(read_state))
+def plane_families(registry: CollectorRegistry, worker: int) -> list[Family]:
+    """One data plane's families, each sample labelled with its worker."""
+    w = str(worker)
+    return [[m.name, m.documentation, m.type, m.unit, [[s.name, {**s.labels, "worker": w}, s.value] for s in m.samples]] for m in registry.collect()]
+
+
+def render(read_state: Callable[[], dict[str, Any]], planes: Iterable[list[Family]]) -> bytes:
+    """The Prometheus text exposition of the authority and every data plane."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_StateCollector(read_state))
+    reg.register(_Merged([f for fams in planes for f in fams]))
+    return generate_latest(reg)

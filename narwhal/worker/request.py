@@ -1,6 +1,9 @@
 """One admitted request, from placement to its last byte: admission (R08-R13), the prefill
 and decode legs, retries, relay or assembly, and what the router learns from it.
 
+It sees admission only through its `Lease` (narwhal/core/lease.py): every grant, wait,
+retry and phase event is one call on it, and the engines only as their static specs.
+
 Rules
   * Response headers go out with the first token (or at the end of a stream without
     tokens). "Before response headers" therefore means "before the first token".
@@ -12,7 +15,7 @@ Rules
   * P/D usage: input counts from prefill, output counts from decode.
   * Pass-through policy (docs/passthrough.md): every leg's body is the client's without
     the engine-side request IDs (request_id, rid) and upstream.deny_fields
-    (`Router.strip_fields`; the other router-only fields are gone since parse_request).
+    (`DataPlane.strip_fields`; the other router-only fields are gone since parse_request).
   * Engine output is bounded by upstream.max_event_bytes (an event, a line, a whole
     prefill or error body): more fails the attempt as E02; a non-streaming answer by
     upstream.max_answer_bytes in all (E02).
@@ -35,15 +38,16 @@ import orjson
 
 from narwhal_generated import errors as E
 
-from ..core.admission import Dispatch, Enqueued, Refuse, Ticket, Work
 from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body, prefill_body
-from ..core.fleet import EngineState
+from ..core.lease import Entry, Grant, Lease, Order, Outcome
 from ..core.relay import StreamRelay, engine_message
 from ..core.requests import ParsedRequest, without_fields
-from .client import H1Error, UpstreamError
-from .runtime import Router
-from .usage import USAGE_SOURCE_HEADER
+from ..core.tickets import Refuse
+from ..upstream.client import H1Error, UpstreamError
+from ..upstream.engines import EngineSpec
+from ..upstream.usage import USAGE_SOURCE_HEADER
+from .plane import DataPlane
 
 # the TTFT admission projected for the request (ms, before the confidence margin), on its
 # response: what docs/performance.md compares with the measured TTFT
@@ -73,9 +77,13 @@ class Sink(Protocol):
 
 
 class _Failed(Exception):
-    def __init__(self, row: str, detail: str, *, param: str | None = None, engine: EngineState | None = None) -> None:
+    def __init__(self, row: str, detail: str, *, param: str | None = None, engine: EngineSpec | None = None) -> None:
         super().__init__(detail)
-        self.row, self.detail, self.param, self.engine = row, detail, param, engine
+        self.row = row
+        self.detail = detail
+        self.param = param
+        self.engine = engine
+        self.reported = False  # the engine's breaker has been told (Lease.retry)
 
 
 def error_event(row: E.ErrorRow, **fields: object) -> bytes:
@@ -116,26 +124,51 @@ def _engine_error_detail(status: int, body: bytes, hosts: tuple[str, ...] = ()) 
 class _Run:
     """State of one request across its legs and attempts."""
 
-    def __init__(self, router: Router, req: ParsedRequest, work: Work, sink: Sink, rid: str) -> None:
-        self.r, self.req, self.work, self.sink, self.rid = router, req, work, sink, rid
+    def __init__(self, plane: DataPlane, req: ParsedRequest, order: Order, lease: Lease, sink: Sink, rid: str) -> None:
+        self.r = plane
+        self.req = req
+        self.order = order
+        self.lease = lease
+        self.sink = sink
+        self.rid = rid
         self.headers = {"x-request-id": rid}
         self.prefill_prompt_tokens: int | None = None
         self.first_token_at: float | None = None
-        self.body = without_fields(req.body, router.strip_fields)  # the pass-through policy
+        self.body = without_fields(req.body, plane.strip_fields)  # the pass-through policy
+        # what the lease is told when it closes (Outcome)
+        self.ok_engine: str | None = None
+        self.tpot: tuple[str, float] | None = None
+        self.output_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.reported_prompt: int | None = None
 
-    def _upstream(self, x: UpstreamError, e: EngineState, leg: str = "engine") -> _Failed:
+    def outcome(self, failed: _Failed | None = None) -> Outcome:
+        fe = failed.engine.name if failed is not None and failed.engine is not None and not failed.reported else None
+        return Outcome(
+            at=self.r.clock.now(),
+            ok_engine=self.ok_engine,
+            failed_engine=fe,
+            failed_row=failed.row if fe is not None and failed is not None else None,
+            tpot_s=self.tpot[1] if self.tpot else None,
+            tpot_engine=self.tpot[0] if self.tpot else None,
+            output_tokens=self.output_tokens,
+            finish_reason=self.finish_reason,
+            reported_prompt_tokens=self.reported_prompt,
+        )
+
+    def _upstream(self, x: UpstreamError, e: EngineSpec, leg: str = "engine") -> _Failed:
         """A transport failure: the words for the client, the detail for the log."""
         log.warning("request %s: %s %s: %s %s", self.rid, leg, e.name, x.row, x.log_detail or x.detail)
         return _Failed(x.row, f"{leg} {e.name}: {x.detail}", engine=e)
 
-    def _http_error(self, status: int, raw: bytes, e: EngineState, leg: str = "engine") -> _Failed:
+    def _http_error(self, status: int, raw: bytes, e: EngineSpec, leg: str = "engine") -> _Failed:
         msg, param = _engine_error_detail(status, raw, self.r.engine_hosts)
         log.log(logging.WARNING if status >= 500 else logging.INFO, "request %s: %s %s answered HTTP %d: %r", self.rid, leg, e.name, status, raw[:500])
         return _Failed("E05" if status < 500 else "E04", f"{leg} {e.name}: {msg}", param=param, engine=e)
 
     # -- legs --------------------------------------------------------------------------
 
-    async def prefill(self, t: Ticket, e: EngineState) -> dict[str, Any] | None:
+    async def prefill(self, e: EngineSpec) -> dict[str, Any] | None:
         """The prefill leg of the vLLM two-phase protocol; returns kv_transfer_params."""
         body = prefill_body(self.body, route=self.req.route, model=e.model)
         ok = False
@@ -162,9 +195,9 @@ class _Run:
             ok = True
             return kv
         finally:
-            self.r.wake(self.r.scheduler.prefill_done(t, self.r.clock.now(), ok=ok))
+            self.lease.prefill_done(self.r.clock.now(), ok=ok)
 
-    async def decode(self, t: Ticket, e: EngineState, kv: dict[str, Any] | None) -> str:
+    async def decode(self, e: EngineSpec, kv: dict[str, Any] | None) -> str:
         """Stream from a unified or decode engine; relay or assemble. Returns the class."""
         r, req = self.r, self.req
         dialect = DIALECTS[e.dialect]
@@ -213,7 +246,7 @@ class _Run:
                     log.warning("request %s: engine %s: %s %s%s", self.rid, e.name, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
                     raise _Failed(row, f"engine {e.name}: {detail}", engine=e)
                 if step.first_token:
-                    self._first_token(t, now)
+                    self._first_token(now)
                 if assembler is None:
                     if sink.headers_sent:
                         if step.out:
@@ -237,9 +270,9 @@ class _Run:
                 log.warning("request %s: engine %s: E04 error event %r", self.rid, e.name, orjson.dumps(relay.engine_error)[:500])
                 raise _Failed("E04", f"engine {e.name}: {_err_msg(relay.engine_error, r.engine_hosts)}", engine=e)
             await sink.end_stream()
-            r.engine_failed(e, "E04")
-            return "failed"
-        self._learn(e, relay, now)
+            f = _Failed("E04", "error event", engine=e)
+            raise _Ended("failed", f)
+        self._learn(e, relay)
         if assembler is not None:
             prompt, source = self._prompt_usage(assembler, e)
             if source == "estimate" and (pc := r.prompt_counters.get(e.name)) is not None:
@@ -249,7 +282,7 @@ class _Run:
                 n = await pc.count(self.req.route, self.req.body)
                 if n is not None:
                     prompt, source = n, pc.kind
-                    r.sizer.learn(self.req.prompt_bytes, n)
+                    self.reported_prompt = n
             res = assembler.finish(prompt_tokens=prompt, completion_tokens=relay.token_count if checks_ids else None)
             if isinstance(res, Failure):
                 log.warning("request %s: engine %s: %s %s (%s)%s", self.rid, e.name, res.row, res.detail, res.rule, f": {res.log_detail}" if res.log_detail else "")
@@ -257,28 +290,29 @@ class _Run:
             if self.prefill_prompt_tokens is not None:
                 _merge_usage(res, self.prefill_prompt_tokens)
             if self.first_token_at is None:
-                self._first_token(t, now)
+                self._first_token(now)
             await sink.respond(200, [(b"content-type", b"application/json"), (USAGE_SOURCE_HEADER, source.encode())], orjson.dumps(res))
         else:
             if not sink.headers_sent:
                 await self._start(buffered)
             await sink.end_stream()
-        r.engine_ok(e)
+        self.ok_engine = e.name
         return "completed"
 
-    def _prompt_usage(self, assembler: Assembler, e: EngineState) -> tuple[int, str]:
+    def _prompt_usage(self, assembler: Assembler, e: EngineSpec) -> tuple[int, str]:
         """The assembled answer's prompt tokens and their source (x-narwhal-usage-source):
         the prefill engine's count (P/D), the engine's own usage, an exact prompt (token
         IDs, or serving.tokenizer on a text prompt), else the estimate."""
         if self.prefill_prompt_tokens is not None:
             return self.prefill_prompt_tokens, "prefill"
+        n = self.lease.prompt_tokens
         if assembler.engine_usage:
-            return self.work.prompt_tokens, "engine"
+            return n, "engine"
         if self.req.prompt_token_count is not None:
-            return self.work.prompt_tokens, "prompt_token_ids"
-        if self.req.route == "completion" and self.req.prompt_text is not None and self.r.sizer.count_tokens is not None:
-            return self.work.prompt_tokens, "tokenizer"  # serving.tokenizer on a text prompt (no chat template)
-        return self.work.prompt_tokens, "estimate"
+            return n, "prompt_token_ids"
+        if self.req.route == "completion" and self.req.prompt_text is not None and self.r.count_tokens is not None:
+            return n, "tokenizer"  # serving.tokenizer on a text prompt (no chat template)
+        return n, "estimate"
 
     async def _start(self, buffered: list[bytes]) -> None:
         await self.sink.start_stream()
@@ -286,82 +320,68 @@ class _Run:
             await self.sink.write(b"".join(buffered))
             buffered.clear()
 
-    def _first_token(self, t: Ticket, now: float) -> None:
+    def _first_token(self, now: float) -> None:
         if self.first_token_at is not None:
             return
         self.first_token_at = now
-        self.r.wake(self.r.scheduler.first_token(t, now))
-        self.r.telemetry.ttft.labels(self.req.route).observe(now - self.work.arrival)
+        self.lease.first_token(now)
+        self.r.telemetry.ttft.labels(self.req.route).observe(now - self.order.arrival)
 
-    def _learn(self, e: EngineState, relay: StreamRelay, now: float) -> None:
-        r = self.r
+    def _learn(self, e: EngineSpec, relay: StreamRelay) -> None:
+        """What the authority learns when the lease closes (decode model, output length,
+        the sizer's bytes per token)."""
         tpot = relay.arrivals.tpot()
         if tpot is not None:
-            e.decode.observe(max(1, e.decode_in_use), tpot * 1000.0)
-            r.telemetry.tpot.labels(e.name).observe(tpot)
-        r.scheduler.output_lengths.observe(self.req.route, self.work.prompt_tokens, self.req.max_tokens, relay.token_count, finish_reason=relay.finish_reason)
+            self.tpot = (e.name, tpot)
+            self.r.telemetry.tpot.labels(e.name).observe(tpot)
+        self.output_tokens = relay.token_count
+        self.finish_reason = relay.finish_reason
         usage = relay.usage
         pt = self.prefill_prompt_tokens
         if pt is None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             pt = usage["prompt_tokens"]
-        if pt is not None and self.req.prompt_token_count is None:
-            r.sizer.learn(self.req.prompt_bytes, pt)
+        if pt is not None:
+            self.reported_prompt = pt
 
     # -- attempts ------------------------------------------------------------------------
 
-    async def attempts(self, t: Ticket, d: Dispatch) -> str:
+    async def attempts(self, g: Grant) -> str:
         r = self.r
         kv: dict[str, Any] | None = None
-        if d.phase == "prefill":
-            kv = await self.prefill(t, r.engines[d.engine])
-            g = await self._decode_slot(t)
-            if isinstance(g, str):
-                return g
-            d = g
+        if g.phase == "prefill":
+            kv = await self.prefill(r.engines[g.engine])
+            d = await self.lease.decode_slot()
+            if isinstance(d, Refuse):
+                return await _refuse(self.sink, d.row, overrun_s=d.overrun_s, **d.fields)
+            g = d
         retries = 1
         while True:
-            e = r.engines[d.engine]
+            e = r.engines[g.engine]
             try:
-                return await self.decode(t, e, kv)
+                return await self.decode(e, kv)
             except _Failed as f:
-                if f.engine is not None:
-                    r.engine_failed(f.engine, f.row)
                 row = E.ROWS[f.row]
-                if self.sink.headers_sent or not row.retryable or retries <= 0:
+                if self.sink.headers_sent or not row.retryable or retries <= 0 or f.engine is None:
                     raise
                 retries -= 1
                 log.info("request %s: retrying after %s on %s", self.rid, f.row, e.name)
-                r.wake(r.scheduler.decode_failed(t, r.clock.now()))
-                nxt = await self._retry_slot(t, d.phase)
+                f.reported = True  # Lease.retry tells the engine's breaker
+                nxt = await self.lease.retry(f.engine.name, f.row, g.phase, r.clock.now())
                 if nxt is None:
                     raise
-                if isinstance(nxt, str):
-                    return nxt
-                d = nxt
+                if isinstance(nxt, Refuse):
+                    return await _refuse(self.sink, nxt.row, overrun_s=nxt.overrun_s, **nxt.fields)
+                g = nxt
 
-    async def _decode_slot(self, t: Ticket) -> Dispatch | str:
-        r = self.r
-        g = r.scheduler.want_decode(t, r.clock.now())
-        if isinstance(g, Enqueued):
-            got = await r.wait_grant(t)
-            if got is None:
-                now = r.clock.now()
-                row = r.scheduler.expiry(t, now) or E.R12
-                return await _refuse(self.sink, row, waited_ms=round(r.scheduler.waited_s(t, now) * 1000), limit=_limit(r, row, self.work))
-            g = got
-        if isinstance(g, Refuse):
-            return await _refuse(self.sink, g.row, overrun_s=g.overrun_s, **g.fields)
-        return g
 
-    async def _retry_slot(self, t: Ticket, phase: str) -> Dispatch | str | None:
-        """Another engine for the retry: a decode engine (P/D) or another unified engine.
-        None when there is no other engine to try."""
-        r = self.r
-        if phase == "decode":
-            if not r.scheduler.has_retry_decoder(t):
-                return None
-            return await self._decode_slot(t)
-        return r.scheduler.retry_unified(t, r.clock.now())
+class _Ended(Exception):
+    """The request ended with its class after the stream was closed (an engine's error
+    event relayed to a streaming client); `failure` is the engine's, for its breaker."""
+
+    def __init__(self, cls: str, failure: _Failed) -> None:
+        super().__init__(cls)
+        self.cls = cls
+        self.failure = failure
 
 
 def _err_msg(obj: dict[str, Any], hosts: tuple[str, ...]) -> str:
@@ -378,48 +398,41 @@ def _merge_usage(res: dict[str, Any], prompt_tokens: int) -> None:
         u["total_tokens"] = prompt_tokens + u["completion_tokens"]
 
 
-def _limit(r: Router, row: E.ErrorRow, work: Work) -> int:
-    if row is E.R12:
-        return r.config.admission.max_wait_ms
-    return round((work.deadline_s or 0) * 1000)
-
-
-async def run_request(router: Router, req: ParsedRequest, work: Work, sink: Sink, rid: str) -> str:
+async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order: Order, sink: Sink, rid: str) -> str:
     """Admission (R08-R13) and the whole life of one sized request; returns its class."""
-    r = router
-    d = r.scheduler.admit(work, r.clock.now())
-    if isinstance(d, Refuse):
-        cls = await _refuse(sink, d.row, overrun_s=d.overrun_s, **d.fields)
-        r.telemetry.refusal.labels(d.row.code).observe(r.clock.now() - work.arrival)
+    r = plane
+    lease = await entry.admit(order)
+    if isinstance(lease, Refuse):
+        cls = await _refuse(sink, lease.row, overrun_s=lease.overrun_s, **lease.fields)
+        r.telemetry.refusal.labels(lease.row.code).observe(r.clock.now() - order.arrival)
         return cls
-    t = d.ticket
-    if t.projected_ttft_ms is not None:  # predictive mode: what admission projected
-        sink.extra_headers.append((PROJECTED_TTFT_HEADER, b"%d" % round(t.projected_ttft_ms)))
-    run = _Run(r, req, work, sink, rid)
+    if lease.projected_ttft_ms is not None:  # predictive mode: what admission projected
+        sink.extra_headers.append((PROJECTED_TTFT_HEADER, b"%d" % round(lease.projected_ttft_ms)))
+    run = _Run(r, req, order, lease, sink, rid)
+    failed: _Failed | None = None
     try:
-        if isinstance(d, Enqueued):
-            got = await r.wait_grant(t)
-            if got is None:
-                now = r.clock.now()
-                row = r.scheduler.expiry(t, now) or E.R12
-                return await _refuse(sink, row, waited_ms=round(r.scheduler.waited_s(t, now) * 1000), limit=_limit(r, row, work))
-            if isinstance(got, Refuse):
-                return await _refuse(sink, got.row, overrun_s=got.overrun_s, **got.fields)
-            d = got
+        g = await lease.granted()
+        if isinstance(g, Refuse):
+            return await _refuse(sink, g.row, overrun_s=g.overrun_s, **g.fields)
+        limit_ms = round(order.deadline_s * 1000) if order.deadline_s is not None else 0
         try:
-            if work.deadline_s is not None:
-                left = work.deadline_s - (r.clock.now() - work.arrival)
+            if order.deadline_s is not None:
+                left = order.deadline_s - (r.clock.now() - order.arrival)
                 async with asyncio.timeout(max(0.0, left)):
-                    return await run.attempts(t, d)
-            return await run.attempts(t, d)
+                    return await run.attempts(g)
+            return await run.attempts(g)
         except TimeoutError:
             # R13: the original request deadline expired while in flight
             if sink.headers_sent:
-                await sink.write(error_event(E.R13, limit=round(work.deadline_s * 1000) if work.deadline_s else 0))
+                await sink.write(error_event(E.R13, limit=limit_ms))
                 await sink.end_stream()
                 return E.R13.counter
-            return await _refuse(sink, E.R13, limit=round(work.deadline_s * 1000) if work.deadline_s else 0)
+            return await _refuse(sink, E.R13, limit=limit_ms)
+        except _Ended as x:
+            failed = x.failure
+            return x.cls
         except _Failed as f:
+            failed = f
             row = E.ROWS[f.row]
             fields = {"detail": f.detail, "limit": r.config.upstream.idle_timeout_ms}
             if sink.headers_sent:
@@ -428,4 +441,4 @@ async def run_request(router: Router, req: ParsedRequest, work: Work, sink: Sink
                 return "failed"
             return await _refuse(sink, row, param=f.param, **fields)
     finally:
-        r.wake(r.scheduler.finish(t, r.clock.now()))
+        lease.close(run.outcome(failed))

@@ -33,9 +33,9 @@ from typing import Any
 
 import orjson
 
-from ..core.fleet import EngineState
+from .client import EngineClient
 
-__all__ = ["PromptCounter", "detect", "COUNT_TIMEOUT_S", "USAGE_SOURCE_HEADER"]
+__all__ = ["PromptCounter", "CountTarget", "detect", "COUNT_TIMEOUT_S", "USAGE_SOURCE_HEADER"]
 
 log = logging.getLogger("narwhal")
 
@@ -63,22 +63,45 @@ class _Template:
 _PROFILING = {"x-narwhal-profiling": "1"}
 
 
-async def _post(router: Any, e: EngineState, path: str, body: dict[str, Any]) -> Any:
+@dataclass(frozen=True, slots=True)
+class CountTarget:
+    """The engine a counter talks to: its client, URL, name and served model."""
+
+    client: EngineClient
+    url: str
+    name: str
+    model: str
+
+
+async def _post(e: CountTarget, path: str, body: dict[str, Any]) -> Any:
     """One router-owned JSON request to the engine; the parsed answer, or ValueError."""
-    status, raw = await router.client.post_json(e.url + path, body, headers=_PROFILING)
+    status, raw = await e.client.post_json(e.url + path, body, headers=_PROFILING)
     if status != 200:
         raise ValueError(f"{path} answered HTTP {status}")
     return orjson.loads(raw)
 
 
 class PromptCounter:
-    """How one engine's prompts are counted: `kind` is "tokenize" or "tokenize+template"."""
+    """How one engine's prompts are counted: `kind` is "tokenize" or "tokenize+template".
+    `facts()` is what another process needs to count the same way (`from_facts`)."""
 
-    def __init__(self, router: Any, e: EngineState, kind: str, path: str, template: _Template | None = None) -> None:
-        self.router, self.e, self.kind, self.path, self.template = router, e, kind, path, template
+    def __init__(self, e: CountTarget, kind: str, path: str, template: _Template | None = None) -> None:
+        self.e = e
+        self.kind = kind
+        self.path = path
+        self.template = template
+
+    def facts(self) -> list[Any]:
+        t = self.template
+        return [self.kind, self.path, None if t is None else [t.base, t.sbase, t.user, t.assistant, t.completion]]
+
+    @classmethod
+    def from_facts(cls, e: CountTarget, facts: list[Any]) -> PromptCounter:
+        kind, path, t = facts
+        return cls(e, kind, path, None if t is None else _Template(*t))
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        return await _post(self.router, self.e, path, body)
+        return await _post(self.e, path, body)
 
     async def _text(self, text: str) -> int:
         obj = await self._post("/extras/tokenize/count", {"input": text})
@@ -88,7 +111,7 @@ class PromptCounter:
         return n
 
     async def _count(self, route: str, body: dict[str, Any]) -> int | None:
-        model = self.e.model or self.router.config.serving.model
+        model = self.e.model
         if self.kind == "tokenize":
             if self.path == "/tokenize":
                 req = {"model": model, "messages": body["messages"]} if route == "chat" else {"model": model, "prompt": body.get("prompt")}
@@ -144,23 +167,23 @@ class PromptCounter:
             return None
 
 
-async def _usage_of(router: Any, e: EngineState, shape: list[tuple[str, str]]) -> int:
-    body = {"model": e.model or router.config.serving.model, "messages": [{"role": r, "content": c} for r, c in shape], "max_tokens": 1, "temperature": 0, "stream": False}
-    pt = ((await _post(router, e, "/v1/chat/completions", body) or {}).get("usage") or {}).get("prompt_tokens")
+async def _usage_of(e: CountTarget, shape: list[tuple[str, str]]) -> int:
+    body = {"model": e.model, "messages": [{"role": r, "content": c} for r, c in shape], "max_tokens": 1, "temperature": 0, "stream": False}
+    pt = ((await _post(e, "/v1/chat/completions", body) or {}).get("usage") or {}).get("prompt_tokens")
     if not isinstance(pt, int) or isinstance(pt, bool):
         raise ValueError("the engine's non-streaming answer has no usage.prompt_tokens")
     return pt
 
 
-async def _calibrate(router: Any, e: EngineState) -> _Template | None:
-    probe = PromptCounter(router, e, "tokenize+template", "/extras/tokenize/count")
+async def _calibrate(e: CountTarget) -> _Template | None:
+    probe = PromptCounter(e, "tokenize+template", "/extras/tokenize/count")
     try:
         await probe._text("hello")
     except Exception:  # noqa: BLE001 - no such endpoint
         return None
 
     async def m(shape: list[tuple[str, str]]) -> int:
-        used = await _usage_of(router, e, shape)
+        used = await _usage_of(e, shape)
         return used - sum([await probe._text(c) for _, c in shape])
 
     ma, md, mc, mb, mv = [await m(s) for s in (_A, _D, _C, _B, _V)]
@@ -173,8 +196,8 @@ async def _calibrate(router: Any, e: EngineState) -> _Template | None:
         return None
     completion = None
     try:
-        body = {"model": e.model or router.config.serving.model, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, "stream": False}
-        pt = ((await _post(router, e, "/v1/completions", body) or {}).get("usage") or {}).get("prompt_tokens")
+        body = {"model": e.model, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, "stream": False}
+        pt = ((await _post(e, "/v1/completions", body) or {}).get("usage") or {}).get("prompt_tokens")
         if isinstance(pt, int):
             completion = pt - await probe._text("The capital of France is")
     except Exception:  # noqa: BLE001 - completions unsupported: chat only
@@ -182,23 +205,23 @@ async def _calibrate(router: Any, e: EngineState) -> _Template | None:
     return _Template(base, sbase, user, assistant, completion)
 
 
-async def detect(router: Any, e: EngineState) -> PromptCounter | None:
+async def detect(e: CountTarget) -> PromptCounter | None:
     """Which way, if any, this engine can count prompts exactly (run at profile time, for
     an engine whose streams carried no usage)."""
-    model = e.model or router.config.serving.model
+    model = e.model
     msgs = [{"role": r, "content": c} for r, c in _A]
     # (path, body, the answer's field that shows the endpoint works, and its type)
     for path, body, key, kind in (("/tokenize", {"model": model, "messages": msgs}, "count", int), ("/apply-template", {"messages": msgs}, "prompt", str)):
         try:
-            obj = await _post(router, e, path, body)
+            obj = await _post(e, path, body)
         except Exception as x:  # noqa: BLE001 - an engine without this endpoint
             log.debug("engine %s: no %s endpoint (%s)", e.name, path, x)
             continue
         if isinstance(obj, dict) and isinstance(obj.get(key), kind):
-            return PromptCounter(router, e, "tokenize", path)
+            return PromptCounter(e, "tokenize", path)
     try:
-        t = await _calibrate(router, e)
+        t = await _calibrate(e)
     except Exception as x:  # noqa: BLE001
         log.info("engine %s: template calibration failed (%s); prompt usage stays an estimate", e.name, x)
         return None
-    return PromptCounter(router, e, "tokenize+template", "/extras/tokenize/count", t) if t is not None else None
+    return PromptCounter(e, "tokenize+template", "/extras/tokenize/count", t) if t is not None else None

@@ -1,0 +1,174 @@
+"""The admission authority: the one owner of what must be single in a router.
+
+It owns the fleet's truth (engine health, breakers, profiles: `EngineState`), the
+scheduler (admission queue and its precedence, placement, phase slots, prediction and
+learning), the router state (R01), the retention count (R02) and the books. It is the
+only writer of all of these: the data plane reaches it only through the `Door`/`Lease`
+seam (narwhal/core/lease.py; `door.py` here implements it in process, narwhal/ipc.py
+carries it to worker processes), the admin API only through the operations below.
+
+It owns one future per waiting ticket and resolves it when the scheduler grants a slot or
+refuses the ticket (`reconcile`). Health polling is health.py; profiling profiler.py; the
+read models of /v1/engines, /ready and /metrics views.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from narwhal_generated.models.config import NarwhalConfig
+
+from ..core.accounting import Books
+from ..core.admission import Scheduler
+from ..core.clock import Clock, MonotonicClock
+from ..core.fleet import Breaker, EngineState
+from ..core.prediction import Margin, OutputLengthLearner
+from ..core.sizing import PromptSizer
+from ..core.state import RouterState
+from ..core.tickets import Dispatch, Refuse, Ticket
+from ..upstream.engines import EngineSpec, engine_client
+from ..upstream.usage import PromptCounter
+
+__all__ = ["Authority"]
+
+log = logging.getLogger("narwhal")
+
+
+def _cap(slots: int, limit: int | None) -> int:
+    return slots if limit is None else min(slots, limit)
+
+
+class Authority:
+    def __init__(self, config: NarwhalConfig, engines: list[EngineSpec], *, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.books = Books()
+        a, m = config.admission, config.monitoring
+        self.state = RouterState(wave=config.serving.wave, stale_after_s=m.stale_after_ms / 1000.0)
+        self.specs = {s.name: s for s in engines}
+        self.engines: dict[str, EngineState] = {}
+        for s in engines:
+            self.engines[s.name] = EngineState(
+                s.name, s.url, role=s.role, dialect=s.dialect, wave=s.wave, model=s.model,
+                # engines[].max_concurrency caps both phases' slots: a unified request holds
+                # its decode slot from dispatch to its end, so decode slots in use are
+                # exactly the requests in flight at that engine
+                prefill_slots=_cap(a.phase_concurrency.prefill, s.max_concurrency),
+                decode_slots=_cap(a.phase_concurrency.decode, s.max_concurrency),
+                max_concurrency=s.max_concurrency,
+                breaker=Breaker(m.breaker_failures, m.breaker_cooldown_ms / 1000.0),
+            )
+        p = a.prediction
+        self.scheduler = Scheduler(
+            self.engines.values(),
+            mode=a.mode,
+            queue_limit=a.queue_limit,
+            maintenance_waves=self.state.maintenance_waves,
+            margin=Margin(p.initial_margin, p.margin_quantile, p.margin_min_samples, p.adaptive_margin),
+            output_lengths=OutputLengthLearner(),
+            tpot_budget_ms=p.tpot_budget_ms,
+        )
+        # the learned bytes-per-token estimate (an exact count, when the data plane has
+        # one, comes with the request: Order.exact_prompt_tokens)
+        self.sizer = PromptSizer()
+        self.client = engine_client(config, engines)  # health polls and profiling only
+        self.held = 0  # R02: client requests held
+        self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
+        self.profiling: dict[str, asyncio.Task[Any]] = {}
+        # engines whose streams carry no usage but which can count prompts exactly
+        # (upstream/usage.py), found at profile time; data planes are told (`on_facts`)
+        self.prompt_counters: dict[str, PromptCounter] = {}
+        self._fact_listeners: list[Any] = []
+        self.first_poll = asyncio.Event()
+        self.started_at = self.clock.now()
+        self.health_observed()
+
+    def health_observed(self) -> None:
+        """Tell the router state the age of the oldest engine's newest observation."""
+        if not self.engines:
+            self.state.health_observed(None)
+            return
+        obs = [e.last_observed if e.last_observed is not None else self.started_at for e in self.engines.values()]
+        self.state.health_observed(min(obs))
+
+    # -- facts the data plane needs ------------------------------------------------------
+
+    def on_facts(self, listener: Any) -> None:
+        """`listener(engine, facts)` for every prompt counter found, now and later."""
+        self._fact_listeners.append(listener)
+        for name, pc in self.prompt_counters.items():
+            listener(name, pc.facts())
+
+    def add_prompt_counter(self, name: str, pc: PromptCounter) -> None:
+        self.prompt_counters[name] = pc
+        for listener in self._fact_listeners:
+            listener(name, pc.facts())
+
+    # -- grants ----------------------------------------------------------------------
+
+    def wake(self, grants: list[Dispatch]) -> None:
+        for g in grants:
+            f = self.waiters.pop(g.ticket.id, None)
+            if f is not None and not f.done():
+                f.set_result(g)
+
+    async def wait_grant(self, t: Ticket) -> Dispatch | Refuse | None:
+        """Wait for a slot. None: R12/R13 expired first (the scheduler says which)."""
+        f: asyncio.Future[Dispatch | Refuse] = asyncio.get_running_loop().create_future()
+        self.waiters[t.id] = f
+        try:
+            while True:
+                left = self.scheduler.time_left(t, self.clock.now())
+                if left <= 0:
+                    return None
+                try:
+                    return await asyncio.wait_for(asyncio.shield(f), timeout=left)
+                except TimeoutError:
+                    if f.done():  # granted in the same instant the timer fired
+                        return f.result()
+                    # an asyncio timer may fire a little early; wait until a row has
+                    # expired, so that the scheduler names the right one (R12 or R13)
+        finally:
+            self.waiters.pop(t.id, None)
+
+    def reconcile(self) -> None:
+        grants, refused = self.scheduler.reconcile(self.clock.now())
+        self.wake(grants)
+        for t, r in refused:
+            f = self.waiters.pop(t.id, None)
+            if f is not None and not f.done():
+                f.set_result(r)
+
+    # -- engine feedback from requests -------------------------------------------------
+
+    def engine_failed(self, name: str, row: str) -> None:
+        """A request-level failure that says something about the engine (E04, E06, E07)."""
+        e = self.engines[name]
+        e.failed += 1
+        if row in ("E04", "E06", "E07") and e.breaker.failure(self.clock.now()):
+            log.warning("engine %s: circuit breaker opened after %s", e.name, row)
+            self.reconcile()
+
+    def engine_ok(self, name: str) -> None:
+        e = self.engines[name]
+        e.completed += 1
+        e.breaker.success(self.clock.now(), probe=False)
+
+    # -- operations (the admin API; each answers what it did) ------------------------------
+
+    def set_operator(self, state: str) -> str:
+        self.state.set_operator(state)
+        return self.state.reason(self.clock.now()) or "active"
+
+    def known_waves(self) -> set[str | None]:
+        return {e.wave for e in self.engines.values()} | {self.config.serving.wave}
+
+    def set_wave_maintenance(self, wave: str, on: bool) -> None:
+        self.state.set_wave_maintenance(wave, on)
+        self.reconcile()
+
+    def set_draining(self, name: str, on: bool) -> None:
+        self.engines[name].draining = on
+        self.reconcile()

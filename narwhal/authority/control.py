@@ -1,0 +1,56 @@
+"""The control plane of one router: the authority plus the tasks that keep its fleet
+truth fresh (health polling, profiling), started and stopped together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from ..core.fleet import EngineState
+from . import health, profiler
+from .authority import Authority
+
+__all__ = ["ControlPlane"]
+
+
+class ControlPlane(Authority):
+    _tasks: list[asyncio.Task[Any]]
+
+    async def start(self) -> None:
+        self._tasks = []
+        self.started_at = self.clock.now()
+        self.first_poll = asyncio.Event()
+        self._tasks.append(asyncio.create_task(health.monitor(self), name="narwhal-health"))
+        if self.config.admission.prediction.profile_on_start:
+            # profile once the first health poll says which engines answer; an engine that
+            # is down now is profiled when a later poll finds it up (profiler.maybe_reprofile)
+            async def after_first_poll() -> None:
+                await self.first_poll.wait()
+                await profiler.profile_all(self, only_healthy=True)
+
+            self.profiling["*start"] = asyncio.create_task(after_first_poll(), name="narwhal-profile-start")
+
+    async def stop(self) -> None:
+        tasks = [*getattr(self, "_tasks", ()), *self.profiling.values()]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks = []
+        self.profiling.clear()
+        await self.client.aclose()
+
+    def profile(self, name: str) -> str:
+        """POST /admin/engines/{name}/profile: profile now (once at a time)."""
+        profiler.profile(self, name)
+        return self.engines[name].profile_status
+
+    async def wait_profiled(self, timeout_s: float = 60.0) -> None:
+        tasks = [t for t in self.profiling.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    def profile_retry_s(self, e: EngineState) -> float:
+        return profiler.retry_s(e)

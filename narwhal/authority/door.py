@@ -1,0 +1,176 @@
+"""The authority's side of the seam (narwhal/core/lease.py), in process: `LocalDoor`,
+and per request a `LocalEntry` (its books entry and R02 retention) and a `LocalLease`
+(its ticket in the scheduler).
+
+Every call that frees a slot wakes the waiters it granted. A lease is closed once; an
+entry's `end` closes a lease still open (a data plane that lost track of it: a bug, or a
+worker process that died), so every offered request ends in exactly one terminal class
+and frees what it held.
+"""
+
+from __future__ import annotations
+
+from narwhal_generated import errors as E
+
+from ..core.accounting import Entry as BooksEntry
+from ..core.lease import Grant, Order, Outcome
+from ..core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
+from .authority import Authority
+
+__all__ = ["LocalDoor", "LocalEntry", "LocalLease"]
+
+
+class LocalLease:
+    __slots__ = ("a", "t", "order", "first", "prompt_tokens", "projected_ttft_ms", "closed")
+
+    def __init__(self, a: Authority, first: Dispatch | Enqueued, order: Order) -> None:
+        self.a = a
+        self.t: Ticket = first.ticket
+        self.order = order
+        self.first = first
+        self.prompt_tokens = first.ticket.work.prompt_tokens
+        self.projected_ttft_ms = first.ticket.projected_ttft_ms
+        self.closed = False
+
+    # -- grants ------------------------------------------------------------------------
+
+    def _expired(self) -> Refuse:
+        """A wait ended with no grant: R12 (admission.max_wait_ms) or R13 (the deadline)."""
+        a, t = self.a, self.t
+        now = a.clock.now()
+        row = a.scheduler.expiry(t, now) or E.R12
+        limit = a.config.admission.max_wait_ms if row is E.R12 else round((t.work.deadline_s or 0) * 1000)
+        return Refuse(row, fields={"waited_ms": round(a.scheduler.waited_s(t, now) * 1000), "limit": limit})
+
+    async def _wait(self) -> Grant | Refuse:
+        got = await self.a.wait_grant(self.t)
+        if got is None:
+            return self._expired()
+        if isinstance(got, Refuse):
+            return got
+        return Grant(got.engine, got.phase)
+
+    async def granted(self) -> Grant | Refuse:
+        d = self.first
+        if isinstance(d, Dispatch):
+            return Grant(d.engine, d.phase)
+        return await self._wait()
+
+    async def decode_slot(self) -> Grant | Refuse:
+        a = self.a
+        g = a.scheduler.want_decode(self.t, a.clock.now())
+        if isinstance(g, Enqueued):
+            return await self._wait()
+        if isinstance(g, Refuse):
+            return g
+        return Grant(g.engine, g.phase)
+
+    async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None:
+        """T05: the attempt on `engine` failed before response headers with a retryable
+        row; another eligible engine, or None when there is none to try."""
+        a = self.a
+        a.engine_failed(engine, row)
+        a.wake(a.scheduler.decode_failed(self.t, at))
+        if phase == "decode":
+            if not a.scheduler.has_retry_decoder(self.t):
+                return None
+            return await self.decode_slot()
+        d = a.scheduler.retry_unified(self.t, at)
+        return None if d is None else Grant(d.engine, d.phase)
+
+    # -- phase events --------------------------------------------------------------------
+
+    def prefill_done(self, at: float, *, ok: bool) -> None:
+        a = self.a
+        a.wake(a.scheduler.prefill_done(self.t, at, ok=ok))
+
+    def first_token(self, at: float) -> None:
+        a = self.a
+        a.wake(a.scheduler.first_token(self.t, at))
+
+    def close(self, outcome: Outcome) -> None:
+        """The request ended: learn from it, tell the breaker, free every slot."""
+        if self.closed:
+            return
+        self.closed = True
+        a, o = self.a, outcome
+        if o.tpot_s is not None and o.tpot_engine is not None:
+            e = a.engines[o.tpot_engine]
+            e.decode.observe(max(1, e.decode_in_use), o.tpot_s * 1000.0)
+        if o.output_tokens is not None:
+            w = self.t.work
+            a.scheduler.output_lengths.observe(w.route, w.prompt_tokens, w.max_tokens, o.output_tokens, finish_reason=o.finish_reason)
+        if o.reported_prompt_tokens is not None and self.order.exact_prompt_tokens is None:
+            a.sizer.learn(self.order.prompt_bytes, o.reported_prompt_tokens)
+        if o.failed_engine is not None and o.failed_row is not None:
+            a.engine_failed(o.failed_engine, o.failed_row)
+        elif o.ok_engine is not None:
+            a.engine_ok(o.ok_engine)
+        a.wake(a.scheduler.finish(self.t, o.at))
+
+
+class LocalEntry:
+    __slots__ = ("a", "books", "lease", "ended")
+
+    def __init__(self, a: Authority, books: BooksEntry) -> None:
+        self.a = a
+        self.books = books
+        self.lease: LocalLease | None = None
+        self.ended = False
+
+    async def admit(self, order: Order) -> LocalLease | Refuse:
+        """Workload sizing (from here on the request is sized: C02 no longer applies),
+        then R08-R11 and R14."""
+        a = self.a
+        a.books.sized(self.books)
+        work = Work(
+            route=order.route,
+            prompt_tokens=a.sizer.size(order.prompt_bytes, order.exact_prompt_tokens),
+            max_tokens=order.max_tokens,
+            budget_ms=order.budget_ms,
+            arrival=order.arrival,
+            max_wait_s=a.config.admission.max_wait_ms / 1000.0,
+            deadline_s=order.deadline_s,
+        )
+        d = a.scheduler.admit(work, a.clock.now())
+        if isinstance(d, Refuse):
+            return d
+        self.lease = LocalLease(a, d, order)
+        return self.lease
+
+    def end(self, cls: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        a = self.a
+        if self.lease is not None and not self.lease.closed:
+            self.lease.close(Outcome(at=a.clock.now()))
+        a.held -= 1
+        a.books.end(self.books, cls)
+
+
+class LocalDoor:
+    """The data plane's door to this authority, in the same process."""
+
+    __slots__ = ("a",)
+
+    def __init__(self, a: Authority) -> None:
+        self.a = a
+
+    async def arrive(self, at: float) -> LocalEntry | Refuse:
+        """C01 (offered), then R01 and R02, before the body is read."""
+        return self.arrive_now(at)
+
+    def arrive_now(self, at: float) -> LocalEntry | Refuse:
+        a = self.a
+        books = a.books.offer()
+        reason = a.state.reason(at)
+        if reason is not None:  # R01
+            a.books.end(books, E.R01.counter)
+            return Refuse(E.R01, fields={"reason": reason})
+        limit = a.config.admission.http_retention_limit
+        if a.held >= limit:  # R02
+            a.books.end(books, E.R02.counter)
+            return Refuse(E.R02, fields={"limit": limit})
+        a.held += 1
+        return LocalEntry(a, books)

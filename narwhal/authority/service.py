@@ -1,0 +1,59 @@
+"""The authority's operations and read models as the data planes reach them
+(narwhal/core/lease.py `Controls`): in process directly, from worker processes over the
+IPC channel (narwhal/ipc.py), the same calls either way.
+
+Every operation is validated by the caller's HTTP layer (the admin API's rows H03-H05:
+engine and wave names are the configuration's) before it reaches here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import metrics, views
+from .control import ControlPlane
+from .door import LocalDoor
+
+__all__ = ["LocalControls", "Scraper"]
+
+# a data plane's families for a scrape (narwhal/authority/metrics.py)
+Scraper = Callable[[], Awaitable[list[metrics.Family]]]
+
+SCRAPE_TIMEOUT_S = 2.0  # a worker that does not answer a scrape in time is left out of it
+
+
+class LocalControls:
+    def __init__(self, control: ControlPlane) -> None:
+        self.control = control
+        self.door = LocalDoor(control)
+        self.scrapers: dict[int, Scraper] = {}  # worker -> its families
+
+    async def ready(self) -> tuple[int, dict[str, Any]]:
+        return views.ready(self.control)
+
+    async def engines(self, sizing: dict[str, Any]) -> dict[str, Any]:
+        return views.engines(self.control, sizing=sizing)
+
+    async def metrics(self) -> bytes:
+        planes = []
+        for _, scrape in sorted(self.scrapers.items()):
+            try:
+                async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+                    planes.append(await scrape())
+            except (TimeoutError, ConnectionError):
+                continue  # a worker being restarted: its series are absent from this scrape
+        return metrics.render(lambda: views.state_snapshot(self.control), planes)
+
+    async def set_state(self, state: str) -> str:
+        return self.control.set_operator(state)
+
+    async def set_wave(self, wave: str, on: bool) -> None:
+        self.control.set_wave_maintenance(wave, on)
+
+    async def drain(self, engine: str, on: bool) -> None:
+        self.control.set_draining(engine, on)
+
+    async def profile(self, engine: str) -> str:
+        return self.control.profile(engine)

@@ -1,0 +1,92 @@
+"""Read models of the authority: what /v1/engines, /ready and /metrics show. Every data
+plane (in process or a worker) answers these routes from here, so whichever worker a
+client reaches gives the same answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal_generated import dialects as D
+
+from ..core.fleet import EngineState
+from . import profiler
+from .authority import Authority
+
+__all__ = ["engine_view", "engines", "ready", "state_snapshot"]
+
+
+def engine_view(a: Authority, e: EngineState) -> dict[str, Any]:
+    now = a.clock.now()
+    reasons = e.ineligible_reasons(a.state.maintenance_waves)
+    pc = a.prompt_counters.get(e.name)
+    return {
+        "name": e.name,
+        "url": e.url,
+        "role": e.role,
+        "dialect": e.dialect,
+        "wave": e.wave,
+        "model": e.model or a.config.serving.model,
+        "healthy": e.healthy,
+        "eligible": not reasons,
+        "ineligible_reasons": reasons,
+        "draining": e.draining,
+        "circuit_breaker": e.breaker.snapshot(),
+        "last_health_age_ms": None if e.last_observed is None else round((now - e.last_observed) * 1000.0, 1),
+        "last_error": e.last_error,
+        "token_accounting": D.BY_NAME[e.dialect].token_accounting,
+        "prompt_count": pc.kind if pc is not None else None,
+        "max_concurrency": e.max_concurrency,
+        "profile": {
+            "status": e.profile_status,
+            "error": e.profile_error,
+            "consecutive_failures": e.profile_failures,
+            "next_retry_s": round(max(0.0, profiler.retry_s(e) - (now - e.profile_attempted)), 1) if e.profile_status == "failed" and e.profile_attempted is not None else None,
+            "prefill": e.prefill.snapshot(),
+            "decode": e.decode.snapshot(),
+            "decode_start": {"k0_ms": round(e.start_model.theta[0], 4), "k1_ms_per_ktoken": round(e.start_model.theta[1], 4), "samples": e.start_model.samples},
+            "measurements": e.profile_samples,
+        },
+        "drift": {"prefill": e.prefill.drift.snapshot(), "decode": e.decode.drift.snapshot()},
+        "output_length": a.scheduler.output_lengths.snapshot(),
+        "load": e.load_snapshot(now),
+    }
+
+
+def engines(a: Authority, *, sizing: dict[str, Any]) -> dict[str, Any]:
+    """GET /v1/engines. `sizing`: the data plane's prompt sizing method (tokenizer or
+    estimate) over the authority's learned ratio."""
+    return {
+        "object": "list",
+        "data": [engine_view(a, e) for e in a.engines.values()],
+        "router": {
+            "state": a.state.reason(a.clock.now()) or "active",
+            "scheduler": a.scheduler.snapshot(),
+            "sizing": {**a.sizer.snapshot(), **sizing},
+            "books": a.books.snapshot(),
+            "held": a.held,
+        },
+    }
+
+
+def ready(a: Authority) -> tuple[int, dict[str, Any]]:
+    """GET /ready: (status, body). It names the engines predictive admission runs on
+    default models for (their profile failed): informational, never a reason to be
+    unready."""
+    failed = sorted(e.name for e in a.engines.values() if e.profile_status == "failed")
+    extra: dict[str, Any] = {"unprofiled_engines": failed} if failed else {}
+    reason = a.state.reason(a.clock.now())
+    if reason is None:
+        return 200, {"ready": True, "state": "active", **extra}
+    return 503, {"ready": False, "state": reason, "reason": reason, **extra}
+
+
+def state_snapshot(a: Authority) -> dict[str, Any]:
+    """What the authority's metrics collector exports."""
+    return {
+        "books": a.books.snapshot(),
+        "held": a.held,
+        "queued": a.scheduler.queued,
+        "decode_queued": len(a.scheduler.decode_queue),
+        "state": a.state.reason(a.clock.now()) or "active",
+        "engines": [engine_view(a, e) for e in a.engines.values()],
+    }

@@ -1,0 +1,152 @@
+"""Composition: configuration -> a running router.
+
+  * `Router` — one process: the control plane (narwhal/authority) and one data plane
+    (narwhal/worker) meeting at the in-process door: `serving.workers: 1`.
+  * `serve` — `narwhal serve`: with serving.workers 1 the router above under hypercorn;
+    with N > 1 (or auto) the supervisor (narwhal/workers.py) runs the
+    authority here and N worker processes on one shared
+    listening socket, the door carried over the IPC channel (narwhal/ipc.py).
+  * `embedded_fleet` — the embedded default's simulated engines, when no engines are
+    configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from hypercorn.asyncio import serve as hypercorn_serve
+
+from .authority.control import ControlPlane
+from .authority.metrics import plane_families
+from .authority.service import LocalControls
+from .config import EMBEDDED_FLEET, NarwhalConfig
+from .core.clock import Clock
+from .http.app import create_app
+from .http.server import free_port, raise_nofile, serving_config, settle_heap
+from .upstream.engines import EngineSpec, config_engines
+from .worker.plane import DataPlane
+
+__all__ = ["Router", "build_router", "embedded_fleet", "serve", "worker_count", "tokenizer_of", "config_engines"]
+
+log = logging.getLogger("narwhal")
+
+
+def worker_count(config: NarwhalConfig) -> int:
+    """serving.workers: a number, or auto (the cores this process may use)."""
+    w = config.serving.workers
+    if w == "auto":
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover - not on Linux
+            return max(1, os.cpu_count() or 1)
+    return int(w.root)  # type: ignore[union-attr]
+
+
+def tokenizer_of(config: NarwhalConfig) -> Callable[[str], int] | None:
+    """serving.tokenizer: an exact prompt counter for the data plane, or None."""
+    if not config.serving.tokenizer:
+        return None
+    try:
+        from tokenizers import Tokenizer  # type: ignore[import-not-found]
+    except ImportError:
+        raise SystemExit("serving.tokenizer is set but the 'tokenizers' package is not installed (pip install tokenizers)") from None
+    tok = Tokenizer.from_file(config.serving.tokenizer)
+
+    def count_tokens(text: str) -> int:
+        return len(tok.encode(text).ids)
+
+    return count_tokens
+
+
+class Router:
+    """One router in one process: the authority and one data plane, the door between
+    them short-circuited (the same calls the IPC channel carries, made directly)."""
+
+    def __init__(self, config: NarwhalConfig, engines: list[EngineSpec], *, clock: Clock | None = None, count_tokens: Callable[[str], int] | None = None) -> None:
+        self.config = config
+        self.control = ControlPlane(config, engines, clock=clock)
+        self.controls = LocalControls(self.control)
+        self.plane = DataPlane(config, engines, self.controls.door, worker=0, clock=self.control.clock, count_tokens=count_tokens, controls=self.controls)
+        registry = self.plane.telemetry.registry
+
+        async def scrape() -> list[Any]:
+            return plane_families(registry, 0)
+
+        self.controls.scrapers[0] = scrape
+        self.control.on_facts(self.plane.learn_facts)
+
+    async def start(self) -> None:
+        await self.control.start()
+
+    async def stop(self) -> None:
+        await self.control.stop()
+        await self.plane.aclose()
+
+    def app(self, *, manage: bool = True) -> Any:
+        """The ASGI app; with `manage`, its lifespan starts and stops the router."""
+        return create_app(self.plane, lifespan_hooks=(self.start, self.stop) if manage else None)
+
+
+def build_router(config: NarwhalConfig, engines: list[EngineSpec]) -> Router:
+    return Router(config, engines, count_tokens=tokenizer_of(config))
+
+
+@contextlib.asynccontextmanager
+async def embedded_fleet(config: NarwhalConfig, host: str = "127.0.0.1") -> AsyncIterator[list[EngineSpec]]:
+    """NARWHAL.md: the embedded default's simulated fleet (one prefill and one decode
+    engine of the vllm dialect), served in this process on free loopback ports."""
+    from .mock import MockConfig, serve_mock
+
+    stop = asyncio.Event()
+    tasks = []
+    specs = []
+    for spec in EMBEDDED_FLEET:
+        port = free_port(host)
+        mc = MockConfig(dialect=spec["dialect"], role=spec["role"], model=config.serving.model, name=spec["name"])
+        tasks.append(asyncio.create_task(serve_mock(mc, host, port, shutdown_trigger=stop.wait)))
+        specs.append(EngineSpec(spec["name"], f"http://{host}:{port}", spec["role"], spec["dialect"], spec["wave"], None))
+    try:
+        yield specs
+    finally:
+        stop.set()
+        await asyncio.wait(tasks, timeout=10)
+
+
+async def serve(config: NarwhalConfig, *, listen: str | None = None, shutdown_trigger: Callable[[], Awaitable[Any]] | None = None, ready: Callable[[str], None] | None = None) -> None:
+    """Run the router until shutdown_trigger resolves (default: SIGINT/SIGTERM)."""
+    listen = listen or config.serving.listen
+    stop = asyncio.Event()
+    if shutdown_trigger is None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        shutdown_trigger = stop.wait
+    n = worker_count(config)
+    async with contextlib.AsyncExitStack() as stack:
+        if config.engines is None:
+            engines = await stack.enter_async_context(embedded_fleet(config))
+        else:
+            engines = config_engines(config)
+        raise_nofile()
+        scheme = "https" if config.serving.tls.certfile else "http"
+        if n > 1:
+            from .workers import supervise
+
+            log.info("narwhal serving %s://%s with %d workers (engines: %s)", scheme, listen, n, ", ".join(f"{e.name}={e.url}" for e in engines))
+            await supervise(config, engines, listen, n, shutdown_trigger=shutdown_trigger, ready=ready)
+            return
+        router = build_router(config, engines)
+        app = router.app()
+        hc = serving_config(config, listen)
+        log.info("narwhal serving %s://%s (engines: %s)", scheme, listen, ", ".join(f"{e.name}={e.url}" for e in engines))
+        settle_heap()
+        if ready is not None:
+            ready(f"{scheme}://{listen}")
+        await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)

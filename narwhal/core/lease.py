@@ -1,0 +1,120 @@
+"""The one door between the data plane and the admission authority (issue 13, step 0).
+
+The data plane (narwhal/worker: one request's bytes) sees admission only through two
+objects per request, and these are their whole vocabulary:
+
+  * `Door.arrive(at)` -> `Entry | Refuse`: the request is offered (C01, the books) and
+    decided against the rows that need the router's state before its body is read: R01
+    (router not ready) and R02 (retention full).
+  * `Entry.admit(order)` -> `Lease | Refuse`: the sized request against R08-R11 and R14,
+    placed on a phase-1 engine (granted or queued). `Entry.end(cls)` closes the books
+    (exactly one terminal class per offered request) and anything still held.
+  * `Lease`: one admitted request's place in the fleet:
+      granted()            the phase-1 grant (at once, or after a queue wait: R12/R13 expiry
+                           comes back as a `Refuse` with its fields),
+      prefill_done(ok)     a P/D request's prefill leg ended (frees the prefill slot),
+      decode_slot()        a P/D request's decode slot (may wait, R12/R13 as above),
+      first_token(at)      the client's first token (learning; frees a unified prefill slot),
+      retry(engine, row)   a decode attempt failed before response headers (T05): the
+                           failure is the engine's, and another engine, if any, is granted,
+      close(outcome)       the request ended: free its slots and learn from the outcome.
+
+Implementations: `narwhal.authority.door` in one process (the authority's objects, called
+directly) and `narwhal.worker.remote` over the IPC channel (narwhal/ipc.py) to the
+authority process, with the same semantics: one code path.
+
+Timestamps (`at`) are the data plane's clock; over IPC every process reads the same
+system-wide monotonic clock, so the authority learns from the worker's instants, not from
+when a message reached it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .tickets import Refuse
+
+__all__ = ["Grant", "Order", "Outcome", "Lease", "Entry", "Door", "Controls"]
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A slot on an engine: where the data plane sends this leg."""
+
+    engine: str
+    phase: str  # "prefill" | "unified" | "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """What the data plane knows of a parsed request, for sizing and admission."""
+
+    route: str
+    prompt_bytes: int
+    exact_prompt_tokens: int | None  # token-ID prompt or serving.tokenizer: exact; else estimated by the authority
+    max_tokens: int | None
+    budget_ms: float  # the TTFT budget (x-narwhal-ttft-target-ms or admission.ttft_budget_ms)
+    arrival: float
+    deadline_s: float | None  # x-narwhal-deadline-ms, relative to arrival
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How an admitted request ended, for the engine's breaker and the learners."""
+
+    at: float
+    ok_engine: str | None = None  # the engine that completed it (breaker success)
+    failed_engine: str | None = None  # the engine whose failure ended it (E04, E06, E07 count for the breaker)
+    failed_row: str | None = None
+    tpot_s: float | None = None  # measured from token arrivals (decode model)
+    tpot_engine: str | None = None
+    output_tokens: int | None = None  # None: the relay never finished (nothing to learn)
+    finish_reason: str | None = None
+    reported_prompt_tokens: int | None = None  # an engine's (or its tokenizer's) count: the sizer learns from it
+
+
+class Lease(Protocol):
+    prompt_tokens: int  # as sized by the authority (exact or estimated)
+    projected_ttft_ms: float | None  # predictive mode: the projection admission used
+
+    async def granted(self) -> Grant | Refuse: ...
+
+    def prefill_done(self, at: float, *, ok: bool) -> None: ...
+
+    async def decode_slot(self) -> Grant | Refuse: ...
+
+    def first_token(self, at: float) -> None: ...
+
+    async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None: ...
+
+    def close(self, outcome: Outcome) -> None: ...
+
+
+class Entry(Protocol):
+    async def admit(self, order: Order) -> Lease | Refuse: ...
+
+    def end(self, cls: str) -> None: ...
+
+
+class Door(Protocol):
+    async def arrive(self, at: float) -> Entry | Refuse: ...
+
+
+class Controls(Protocol):
+    """The authority's operations (the admin API) and read models (/ready, /v1/engines,
+    /metrics), as every data plane reaches them: the same answers from any worker."""
+
+    async def ready(self) -> tuple[int, dict[str, object]]: ...
+
+    async def engines(self, sizing: dict[str, object]) -> dict[str, object]: ...
+
+    async def metrics(self) -> bytes: ...
+
+    async def set_state(self, state: str) -> str: ...
+
+    async def set_wave(self, wave: str, on: bool) -> None: ...
+
+    async def drain(self, engine: str, on: bool) -> None: ...
+
+    async def profile(self, engine: str) -> str: ...

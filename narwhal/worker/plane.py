@@ -1,0 +1,69 @@
+"""The data plane of one process: what a request needs besides its bytes.
+
+It holds no fleet truth: engines are their static specs (name, URL, role, dialect,
+model), admission is the `door` (narwhal/core/lease.py), and the only things learned here
+are this plane's own request histograms and how to count a prompt on an engine that can
+(facts the authority finds while profiling, sent here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from narwhal_generated.models.config import NarwhalConfig
+
+from ..core.clock import Clock, MonotonicClock
+from ..core.lease import Door
+from ..upstream.engines import EngineSpec, engine_client
+from ..upstream.usage import CountTarget, PromptCounter
+from .telemetry import Telemetry
+
+__all__ = ["DataPlane", "ENGINE_REQUEST_IDS"]
+
+# Router-only, like core.requests.ROUTER_ONLY: the engine-side request ID of vLLM
+# (`request_id`) and SGLang (`rid`). A client that sets it chooses the ID the engine files
+# the request under: it can collide with another request's (the engine refuses or mixes
+# them up) or name one in a KV transfer. Removed from every client body on every leg.
+ENGINE_REQUEST_IDS = frozenset(("request_id", "rid"))
+
+
+class DataPlane:
+    def __init__(self, config: NarwhalConfig, engines: list[EngineSpec], door: Door, *, worker: int = 0, clock: Clock | None = None,
+                 count_tokens: Callable[[str], int] | None = None, controls: Any = None) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.worker = worker  # the `worker` label of this plane's metrics
+        self.engines: dict[str, EngineSpec] = {s.name: s for s in engines}
+        self.door = door
+        # the operations and read models of the authority (admin API, /v1/engines, /ready,
+        # /metrics): narwhal.authority.service.Controls in process, or its IPC proxy
+        self.controls = controls
+        self.count_tokens = count_tokens  # serving.tokenizer, when configured
+        self.client = engine_client(config, engines)
+        # the pass-through policy (docs/passthrough.md): fields removed from client bodies
+        # before each engine request: the engine-side request IDs, always, and the
+        # operator's deny-list (the other router-only fields go in parse_request)
+        self.deny_fields = frozenset(config.upstream.deny_fields)
+        self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
+        # host names of the fleet: an engine's own error message passed on to a client
+        # names none of them (narwhal/core/relay.py, engine_message)
+        self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))
+        self.prompt_counters: dict[str, PromptCounter] = {}
+        self.telemetry = Telemetry()
+
+    def model_of(self, name: str) -> str:
+        return self.engines[name].model or self.config.serving.model
+
+    def learn_facts(self, engine: str, facts: list[Any]) -> None:
+        """The authority found how `engine` counts prompts (upstream/usage.py)."""
+        s = self.engines.get(engine)
+        if s is not None:
+            self.prompt_counters[engine] = PromptCounter.from_facts(CountTarget(self.client, s.url, s.name, self.model_of(engine)), facts)
+
+    def sizing(self) -> dict[str, Any]:
+        return {"method": "tokenizer" if self.count_tokens else "estimate"}
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,22 @@
+"""Prometheus instruments of one data plane (its own registry, so many routers can live
+in one process, as tests do): the request histograms. The books, queues and engine gauges
+are the authority's (narwhal/authority/metrics.py); a scrape merges both, and every
+sample from here carries the plane's `worker` label."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+
+__all__ = ["Telemetry"]
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram("narwhal_ttft_seconds", "Time from arrival to the first token sent to the client.", ["route"], buckets=_LAT, registry=self.registry)
+        self.tpot = Histogram("narwhal_tpot_seconds", "Time per output token, measured from token IDs (T11).", ["engine"], buckets=_TPOT, registry=self.registry)
+        self.e2e = Histogram("narwhal_request_duration_seconds", "Time from arrival to the response's end, by terminal class.", ["class"], buckets=_LAT, registry=self.registry)
+        self.refusal = Histogram("narwhal_refusal_seconds", "Time from arrival to a refusal's answer.", ["code"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0), registry=self.registry)
