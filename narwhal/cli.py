@@ -22,6 +22,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"narwhal: {e}", file=sys.stderr)
         return 2
     listen = args.listen or cfg.serving.listen
+    if args.workers is not None:  # overrides serving.workers
+        w = args.workers
+        if w != "auto" and not (w.isdigit() and 1 <= int(w) <= 256):
+            print(f"narwhal: --workers must be a number from 1 to 256 or auto, not {w!r}", file=sys.stderr)
+            return 2
+        from narwhal_generated.models.config import Workers
+
+        value = "auto" if w == "auto" else Workers(int(w))
+        cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"workers": value})})
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     scheme = "https" if cfg.serving.tls.certfile else "http"
@@ -78,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="run the router (no config: the embedded default)")
     s.add_argument("--config", help="YAML configuration file (keys: NARWHAL.md 'Configuration')")
     s.add_argument("--listen", help="HOST:PORT, overrides serving.listen")
+    s.add_argument("--workers", help="N or auto: data-plane worker processes (overrides serving.workers)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=_serve)
 

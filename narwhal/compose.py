@@ -23,16 +23,16 @@ from typing import Any
 from hypercorn.asyncio import serve as hypercorn_serve
 
 from .authority.control import ControlPlane
-from .authority.metrics import plane_families
 from .authority.service import LocalControls
 from .config import EMBEDDED_FLEET, NarwhalConfig
 from .core.clock import Clock
 from .http.app import create_app
 from .http.server import free_port, raise_nofile, serving_config, settle_heap
 from .upstream.engines import EngineSpec, config_engines
-from .worker.plane import DataPlane
+from .worker.plane import DataPlane, tokenizer_of
+from .worker.telemetry import families
 
-__all__ = ["Router", "build_router", "embedded_fleet", "serve", "worker_count", "tokenizer_of", "config_engines"]
+__all__ = ["Router", "build_router", "embedded_fleet", "serve", "worker_count", "config_engines"]
 
 log = logging.getLogger("narwhal")
 
@@ -48,22 +48,6 @@ def worker_count(config: NarwhalConfig) -> int:
     return int(w.root)  # type: ignore[union-attr]
 
 
-def tokenizer_of(config: NarwhalConfig) -> Callable[[str], int] | None:
-    """serving.tokenizer: an exact prompt counter for the data plane, or None."""
-    if not config.serving.tokenizer:
-        return None
-    try:
-        from tokenizers import Tokenizer  # type: ignore[import-not-found]
-    except ImportError:
-        raise SystemExit("serving.tokenizer is set but the 'tokenizers' package is not installed (pip install tokenizers)") from None
-    tok = Tokenizer.from_file(config.serving.tokenizer)
-
-    def count_tokens(text: str) -> int:
-        return len(tok.encode(text).ids)
-
-    return count_tokens
-
-
 class Router:
     """One router in one process: the authority and one data plane, the door between
     them short-circuited (the same calls the IPC channel carries, made directly)."""
@@ -76,7 +60,7 @@ class Router:
         registry = self.plane.telemetry.registry
 
         async def scrape() -> list[Any]:
-            return plane_families(registry, 0)
+            return families(registry, 0)
 
         self.controls.scrapers[0] = scrape
         self.control.on_facts(self.plane.learn_facts)
@@ -111,6 +95,16 @@ async def embedded_fleet(config: NarwhalConfig, host: str = "127.0.0.1") -> Asyn
         mc = MockConfig(dialect=spec["dialect"], role=spec["role"], model=config.serving.model, name=spec["name"])
         tasks.append(asyncio.create_task(serve_mock(mc, host, port, shutdown_trigger=stop.wait)))
         specs.append(EngineSpec(spec["name"], f"http://{host}:{port}", spec["role"], spec["dialect"], spec["wave"], None))
+    # listening before the router's first health poll (bounded: 10 s)
+    for s in specs:
+        port = int(s.url.rsplit(":", 1)[1])
+        for _ in range(500):
+            try:
+                _, w = await asyncio.open_connection(host, port)
+                w.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.02)
     try:
         yield specs
     finally:

@@ -17,7 +17,9 @@ from ..core.lease import Grant, Order, Outcome
 from ..core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 from .authority import Authority
 
-__all__ = ["LocalDoor", "LocalEntry", "LocalLease"]
+__all__ = ["LocalDoor", "LocalEntry", "LocalLease", "QUEUED"]
+
+QUEUED = object()  # a *_now call's answer: queued; await `wait()` for the grant
 
 
 class LocalLease:
@@ -42,7 +44,8 @@ class LocalLease:
         limit = a.config.admission.max_wait_ms if row is E.R12 else round((t.work.deadline_s or 0) * 1000)
         return Refuse(row, fields={"waited_ms": round(a.scheduler.waited_s(t, now) * 1000), "limit": limit})
 
-    async def _wait(self) -> Grant | Refuse:
+    async def wait(self) -> Grant | Refuse:
+        """A queued lease's grant, or its refusal (R12/R13 expiry, R09 on reconcile)."""
         got = await self.a.wait_grant(self.t)
         if got is None:
             return self._expired()
@@ -50,33 +53,44 @@ class LocalLease:
             return got
         return Grant(got.engine, got.phase)
 
-    async def granted(self) -> Grant | Refuse:
+    def granted_now(self) -> Grant | object:
         d = self.first
-        if isinstance(d, Dispatch):
-            return Grant(d.engine, d.phase)
-        return await self._wait()
+        return Grant(d.engine, d.phase) if isinstance(d, Dispatch) else QUEUED
 
-    async def decode_slot(self) -> Grant | Refuse:
+    async def granted(self) -> Grant | Refuse:
+        g = self.granted_now()
+        return await self.wait() if g is QUEUED else g  # type: ignore[return-value]
+
+    def decode_now(self) -> Grant | Refuse | object:
         a = self.a
         g = a.scheduler.want_decode(self.t, a.clock.now())
         if isinstance(g, Enqueued):
-            return await self._wait()
+            return QUEUED
         if isinstance(g, Refuse):
             return g
         return Grant(g.engine, g.phase)
 
-    async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None:
+    async def decode_slot(self) -> Grant | Refuse:
+        g = self.decode_now()
+        return await self.wait() if g is QUEUED else g  # type: ignore[return-value]
+
+    def retry_now(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | object | None:
         """T05: the attempt on `engine` failed before response headers with a retryable
-        row; another eligible engine, or None when there is none to try."""
+        row; another eligible engine (or QUEUED for a decode slot), or None when there is
+        none to try."""
         a = self.a
         a.engine_failed(engine, row)
         a.wake(a.scheduler.decode_failed(self.t, at))
         if phase == "decode":
             if not a.scheduler.has_retry_decoder(self.t):
                 return None
-            return await self.decode_slot()
+            return self.decode_now()
         d = a.scheduler.retry_unified(self.t, at)
         return None if d is None else Grant(d.engine, d.phase)
+
+    async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None:
+        g = self.retry_now(engine, row, phase, at)
+        return await self.wait() if g is QUEUED else g  # type: ignore[return-value]
 
     # -- phase events --------------------------------------------------------------------
 
@@ -119,6 +133,9 @@ class LocalEntry:
         self.ended = False
 
     async def admit(self, order: Order) -> LocalLease | Refuse:
+        return self.admit_now(order)
+
+    def admit_now(self, order: Order) -> LocalLease | Refuse:
         """Workload sizing (from here on the request is sized: C02 no longer applies),
         then R08-R11 and R14."""
         a = self.a

@@ -2,7 +2,8 @@
 
 The books, queues, router state and engine gauges are read from the authority at scrape
 time (a collector: the request path only increments plain integers). Each data plane
-(in process, or a worker process) sends its own families (`plane_families`: request
+(in process, or a worker process) sends its own families (narwhal/worker/telemetry.py
+`families`: request
 histograms, client connections), every sample labelled with its `worker`; `render`
 merges them family by family, so a scrape shows each metric once (one HELP and TYPE)
 with one series per worker.
@@ -20,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from narwhal_generated import accounting as A
 
-__all__ = ["render", "plane_families", "PROFILE_STATUSES"]
+__all__ = ["render", "PROFILE_STATUSES", "Family"]
 
 PROFILE_STATUSES = ("pending", "running", "ok", "failed")
 
@@ -97,12 +98,6 @@ class _Merged(Collector):
             for sname, labels, value in samples:
                 m.add_sample(sname, labels, value)
         yield from merged.values()
-
-
-def plane_families(registry: CollectorRegistry, worker: int) -> list[Family]:
-    """One data plane's families, each sample labelled with its worker."""
-    w = str(worker)
-    return [[m.name, m.documentation, m.type, m.unit, [[s.name, {**s.labels, "worker": w}, s.value] for s in m.samples]] for m in registry.collect()]
 
 
 def render(read_state: Callable[[], dict[str, Any]], planes: Iterable[list[Family]]) -> bytes:

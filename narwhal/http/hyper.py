@@ -129,17 +129,24 @@ class Penalties:
     def __init__(self, limit: int = PENALTY_ADDRESSES) -> None:
         self.limit = limit
         self._until: dict[str, float] = {}
+        # told of every penalty this process decides (with serving.workers > 1 the other
+        # workers learn it through the authority: narwhal/workers.py)
+        self.listener: Any = None
 
     def size(self) -> int:
         return len(self._until)
 
-    def penalise(self, addr: str, seconds: float, now: float) -> None:
+    def penalise(self, addr: str, seconds: float, now: float, *, shared: bool = True) -> None:
+        """`shared`: a penalty decided here (passed to the listener); False for one
+        another worker decided."""
         if seconds <= 0.0:
             return
         self._until.pop(addr, None)
         while len(self._until) >= self.limit:
             del self._until[next(iter(self._until))]
         self._until[addr] = now + seconds
+        if shared and self.listener is not None:
+            self.listener(addr, seconds)
 
     def penalised(self, addr: str, now: float) -> bool:
         until = self._until.get(addr)

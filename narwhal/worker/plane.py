@@ -20,7 +20,7 @@ from ..upstream.engines import EngineSpec, engine_client
 from ..upstream.usage import CountTarget, PromptCounter
 from .telemetry import Telemetry
 
-__all__ = ["DataPlane", "ENGINE_REQUEST_IDS"]
+__all__ = ["DataPlane", "ENGINE_REQUEST_IDS", "tokenizer_of"]
 
 # Router-only, like core.requests.ROUTER_ONLY: the engine-side request ID of vLLM
 # (`request_id`) and SGLang (`rid`). A client that sets it chooses the ID the engine files
@@ -67,3 +67,19 @@ class DataPlane:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def tokenizer_of(config: NarwhalConfig) -> Callable[[str], int] | None:
+    """serving.tokenizer: an exact prompt counter for the data plane, or None."""
+    if not config.serving.tokenizer:
+        return None
+    try:
+        from tokenizers import Tokenizer  # type: ignore[import-not-found]
+    except ImportError:
+        raise SystemExit("serving.tokenizer is set but the 'tokenizers' package is not installed (pip install tokenizers)") from None
+    tok = Tokenizer.from_file(config.serving.tokenizer)
+
+    def count_tokens(text: str) -> int:
+        return len(tok.encode(text).ids)
+
+    return count_tokens

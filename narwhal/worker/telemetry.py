@@ -5,9 +5,11 @@ sample from here carries the plane's `worker` label."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Histogram
 
-__all__ = ["Telemetry"]
+__all__ = ["Telemetry", "families"]
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -20,3 +22,11 @@ class Telemetry:
         self.tpot = Histogram("narwhal_tpot_seconds", "Time per output token, measured from token IDs (T11).", ["engine"], buckets=_TPOT, registry=self.registry)
         self.e2e = Histogram("narwhal_request_duration_seconds", "Time from arrival to the response's end, by terminal class.", ["class"], buckets=_LAT, registry=self.registry)
         self.refusal = Histogram("narwhal_refusal_seconds", "Time from arrival to a refusal's answer.", ["code"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0), registry=self.registry)
+
+
+def families(registry: CollectorRegistry, worker: int) -> list[list[Any]]:
+    """This plane's families as plain data for the authority's merge
+    ([name, help, type, unit, [[sample, labels, value], ...]]), every sample labelled
+    with its worker."""
+    w = str(worker)
+    return [[m.name, m.documentation, m.type, m.unit, [[s.name, {**s.labels, "worker": w}, s.value] for s in m.samples]] for m in registry.collect()]

@@ -35,8 +35,10 @@ LAYERS = {
     "narwhal/http": {"narwhal.authority", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/mock": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", *ABOVE, *TOOLS},
     "narwhal/specgen": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
+    "narwhal/ipc.py": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/config.py": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/compose.py": TOOLS,
+    "narwhal/workers.py": TOOLS,
     "generated": {"narwhal"},
 }
 

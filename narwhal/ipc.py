@@ -1,0 +1,342 @@
+"""The channel between the admission authority and its data-plane workers
+(`serving.workers` > 1): the seam of narwhal/core/lease.py carried over a Unix socket.
+
+Framing: a 4-byte big-endian length, then one orjson array `[tag, field, ...]` with the
+fields of one message below in declaration order. A frame over MAX_FRAME_BYTES, a tag
+not in MESSAGES or the wrong number of fields is a protocol error: the channel is closed
+(both ends are the same version of this file; the authority restarts a worker whose
+channel breaks).
+
+A request makes a few messages, never one per token: Arrive/Arrived (R01, R02, offered),
+Admit/Admitted (R08-R11, R14), when queued a Granted or Refused later, FirstToken,
+Close and End; P/D adds PrefillDone and WantDecode/Granted, a retry Retry/Granted.
+`rid` numbers a worker's requests (the authority keys them by worker too); `at` is the
+worker's reading of the system-wide monotonic clock.
+
+Writes are coalesced: every message sent in one turn of the event loop leaves in one
+write when the turn ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import orjson
+
+__all__ = ["MESSAGES", "MAX_FRAME_BYTES", "ProtocolError", "encode", "decode", "Channel",
+           "Hello", "Up", "Arrive", "Arrived", "Admit", "Admitted", "Granted", "Refused", "NoRetry",
+           "WantDecode", "Retry", "PrefillDone", "FirstToken", "Close", "End", "Call", "Answer", "Scrape", "Families", "Facts", "Penalise"]
+
+MAX_FRAME_BYTES = 32 << 20  # the largest answer: /metrics or /v1/engines of a large fleet
+
+
+class ProtocolError(Exception):
+    pass
+
+
+# -- authority -> worker ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first message to a new worker: who it is and what it serves."""
+
+    TAG: ClassVar[int] = 1
+    worker: int
+    config: dict[str, Any]  # the validated configuration, as JSON
+    engines: list[dict[str, Any]]  # EngineSpec.as_dict()
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    TAG: ClassVar[int] = 2
+    rid: int
+    row: str | None  # None: offered and held; "R01" | "R02": refused (the books are closed)
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    TAG: ClassVar[int] = 3
+    rid: int
+    prompt_tokens: int
+    projected_ttft_ms: float | None
+    engine: str | None  # the grant, when dispatched at once; None: queued (Granted or Refused follows)
+    phase: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    TAG: ClassVar[int] = 4
+    rid: int
+    engine: str
+    phase: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    TAG: ClassVar[int] = 5
+    rid: int
+    row: str
+    overrun_s: float | None
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NoRetry:
+    """Retry: no other engine to try (T05)."""
+
+    TAG: ClassVar[int] = 6
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    TAG: ClassVar[int] = 7
+    qid: int
+    value: Any
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """The worker's metric families, for a /metrics answer (Families)."""
+
+    TAG: ClassVar[int] = 8
+    qid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """How an engine's prompts are counted (upstream/usage.py PromptCounter.facts)."""
+
+    TAG: ClassVar[int] = 9
+    engine: str
+    facts: list[Any]
+
+
+# -- worker -> authority ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Up:
+    """The worker serves (its app is built; the shared socket is its to accept on)."""
+
+    TAG: ClassVar[int] = 20
+    worker: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Arrive:
+    TAG: ClassVar[int] = 21
+    rid: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    TAG: ClassVar[int] = 22
+    rid: int
+    route: str
+    prompt_bytes: int
+    exact_prompt_tokens: int | None
+    max_tokens: int | None
+    budget_ms: float
+    arrival: float
+    deadline_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class WantDecode:
+    TAG: ClassVar[int] = 23
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    TAG: ClassVar[int] = 24
+    rid: int
+    engine: str
+    row: str
+    phase: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    TAG: ClassVar[int] = 25
+    rid: int
+    at: float
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    TAG: ClassVar[int] = 26
+    rid: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """The lease's Outcome (narwhal/core/lease.py), field for field."""
+
+    TAG: ClassVar[int] = 27
+    rid: int
+    at: float
+    ok_engine: str | None
+    failed_engine: str | None
+    failed_row: str | None
+    tpot_s: float | None
+    tpot_engine: str | None
+    output_tokens: int | None
+    finish_reason: str | None
+    reported_prompt_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    TAG: ClassVar[int] = 28
+    rid: int
+    cls: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One of the authority's operations or read models (core/lease.py Controls)."""
+
+    TAG: ClassVar[int] = 29
+    qid: int
+    op: str
+    args: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Families:
+    TAG: ClassVar[int] = 30
+    qid: int
+    families: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Penalise:
+    """A client address calmed by one worker (hyper.py defect 8): the authority passes it
+    to every other worker, so its reconnects are refused whichever worker accepts them."""
+
+    TAG: ClassVar[int] = 31
+    addr: str
+    seconds: float
+
+
+MESSAGES: dict[int, type[Any]] = {c.TAG: c for c in (
+    Hello, Arrived, Admitted, Granted, Refused, NoRetry, Answer, Scrape, Facts,
+    Up, Arrive, Admit, WantDecode, Retry, PrefillDone, FirstToken, Close, End, Call, Families, Penalise,
+)}
+_NAMES: dict[type[Any], tuple[str, ...]] = {c: tuple(f.name for f in fields(c)) for c in MESSAGES.values()}
+_ARITY: dict[int, int] = {t: len(_NAMES[c]) for t, c in MESSAGES.items()}
+_LEN = 4
+
+
+def encode(msg: Any) -> bytes:
+    """One frame: length, then [tag, fields...]."""
+    body = orjson.dumps([msg.TAG, *[getattr(msg, n) for n in _NAMES[type(msg)]]])
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a {type(msg).__name__} message of {len(body)} bytes is over {MAX_FRAME_BYTES}")
+    return len(body).to_bytes(_LEN, "big") + body
+
+
+def decode(body: bytes | bytearray) -> Any:
+    """One frame's body (without its length) -> its message."""
+    try:
+        arr = orjson.loads(body)
+    except orjson.JSONDecodeError as x:
+        raise ProtocolError(f"a frame that is not JSON: {x}") from None
+    if not isinstance(arr, list) or not arr or type(arr[0]) is not int:
+        raise ProtocolError("a frame that is not [tag, fields...]")
+    tag = arr[0]
+    cls = MESSAGES.get(tag)
+    if cls is None:
+        raise ProtocolError(f"unknown message tag {tag}")
+    if len(arr) - 1 != _ARITY[tag]:
+        raise ProtocolError(f"{cls.__name__} with {len(arr) - 1} fields, not {_ARITY[tag]}")
+    return cls(*arr[1:])
+
+
+class Channel(asyncio.Protocol):
+    """One end of a channel over a connected stream socket. `on_message(msg)` runs for
+    each message in order; `on_lost(exc)` once, when the channel closes (EOF, an error, a
+    protocol error)."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[BaseException | None], None]) -> None:
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self.closed = False
+        self.sent = 0  # messages, for the benchmark and the tests
+        self.received = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos = 0
+        n = len(buf)
+        try:
+            while n - pos >= _LEN:
+                size = int.from_bytes(buf[pos:pos + _LEN], "big")
+                if size > MAX_FRAME_BYTES:
+                    raise ProtocolError(f"a frame of {size} bytes is over {MAX_FRAME_BYTES}")
+                end = pos + _LEN + size
+                if end > n:
+                    break
+                msg = decode(buf[pos + _LEN:end])
+                pos = end
+                self.received += 1
+                self.on_message(msg)
+        except ProtocolError as x:
+            self._fail(x)
+            return
+        finally:
+            if pos:
+                del buf[:pos]
+
+    def send(self, msg: Any) -> None:
+        if self.closed:
+            raise ConnectionResetError("the channel is closed")
+        self._out.append(encode(msg))
+        self.sent += 1
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._out and self.transport is not None and not self.closed:
+            out = self._out
+            self._out = []
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        self.connection_lost(exc)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.on_lost(exc)
+
+    def close(self) -> None:
+        self._flush()
+        if self.transport is not None:
+            self.transport.close()
