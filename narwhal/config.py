@@ -104,6 +104,12 @@ def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: the router cannot forward a request without {f!r}")
         if f in deny[:i]:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: {f!r} is listed twice")
+    ha = cfg.ha
+    if ha is not None:
+        if 3 * ha.renew_interval_ms > ha.lease_ttl_ms:
+            raise ConfigError(f"{source}: ha.renew_interval_ms: at most a third of ha.lease_ttl_ms ({ha.lease_ttl_ms // 3})")
+        if ha.fence_margin_ms + ha.renew_interval_ms >= ha.lease_ttl_ms:
+            raise ConfigError(f"{source}: ha.fence_margin_ms: with ha.renew_interval_ms it must stay under ha.lease_ttl_ms")
     if cfg.engines is None:
         return
     if not cfg.engines:

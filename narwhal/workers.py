@@ -13,8 +13,8 @@ Failures
     slots freed) and starts a new one in its place after RESTART_BACKOFF_S (doubling per
     death within a minute, at most RESTART_MAX_S). Its clients' connections were cut.
   * The authority dying (or stopping): each worker's channel ends; the worker stops
-    accepting at once and exits after serving.keep_alive_ms-bounded graceful shutdown
-    (hypercorn's graceful_timeout). Clients see their connections closed: streams in
+    accepting at once and exits after hypercorn's graceful shutdown (graceful_timeout,
+    5 s: narwhal/http/server.py). Clients see their connections closed: streams in
     flight end without `data: [DONE]`, new connections are refused while nothing listens.
     The process supervisor (systemd, Kubernetes) restarts the whole router.
   * SIGINT at a terminal reaches the whole process group: workers ignore it and stop

@@ -166,6 +166,82 @@ class Upstream(BaseModel):
     ] = ['priority', 'vllm_xargs', 'logits_processors', 'custom_logit_processor']
 
 
+class EtcdItem(RootModel[StrictStr]):
+    root: Annotated[StrictStr, Field(pattern='^http://[^/@\\s]+(:[0-9]+)?/?$')]
+
+
+class Name(RootModel[StrictStr]):
+    root: Annotated[
+        StrictStr,
+        Field(
+            description="This candidate's name in etcd and the logs (default: host:pid).",
+            max_length=128,
+            min_length=1,
+            pattern='^[!-~]+$',
+        ),
+    ] = None
+
+
+class Ha(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    etcd: Annotated[
+        list[EtcdItem],
+        Field(
+            description='etcd client URLs (http://host:port); the router talks to the first that answers.',
+            max_length=16,
+            min_length=1,
+        ),
+    ]
+    key: Annotated[
+        StrictStr,
+        Field(
+            description='The election key: routers with the same key in one etcd compete to lead one fleet.',
+            max_length=512,
+            min_length=1,
+            pattern='^/[!-~]*$',
+        ),
+    ] = '/narwhal/leader'
+    lease_ttl_ms: Annotated[
+        StrictInt,
+        Field(
+            description="The leader's etcd lease TTL (whole seconds: etcd's unit). The leader renews well inside it; a leader that cannot confirm its lease in time fences itself; a new leader is elected at most this long (plus a watch round trip) after the old one died.",
+            ge=2000,
+            le=60000,
+            multiple_of=1000,
+        ),
+    ] = 3000
+    renew_interval_ms: Annotated[
+        StrictInt,
+        Field(
+            description='How often the leader renews its lease (at most a third of lease_ttl_ms).',
+            ge=100,
+            le=20000,
+        ),
+    ] = 1000
+    fence_margin_ms: Annotated[
+        StrictInt,
+        Field(
+            description="The leader fences itself this long before its lease could expire in etcd (the last confirmed renewal's send time plus the TTL).",
+            ge=50,
+            le=10000,
+        ),
+    ] = 500
+    request_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description="The longest one etcd call may take (a leader's renewal is also bounded by its fence deadline).",
+            ge=50,
+            le=30000,
+        ),
+    ] = 1000
+    name: Annotated[
+        Name | None,
+        Field(description="This candidate's name in etcd and the logs (default: host:pid)."),
+    ] = None
+
+
 class Serving(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -280,4 +356,10 @@ class NarwhalConfig(BaseModel):
     ] = None
     monitoring: Annotated[Monitoring, Field(validate_default=True)] = {}
     admin: Annotated[Admin, Field(validate_default=True)] = {}
+    ha: Annotated[
+        Ha | None,
+        Field(
+            description="High availability: leader election and fencing on etcd (absent: off; this router is its fleet's only authority). Every router started with the same etcd and key is a candidate; the one holding the etcd lease on the key is active, the others are standby (R01)."
+        ),
+    ] = None
     upstream: Annotated[Upstream, Field(validate_default=True)] = {}

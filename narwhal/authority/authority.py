@@ -18,6 +18,7 @@ import asyncio
 import logging
 from typing import Any
 
+from narwhal_generated import errors as E
 from narwhal_generated.models.config import NarwhalConfig
 
 from ..core.accounting import Books
@@ -133,6 +134,15 @@ class Authority:
         finally:
             self.waiters.pop(t.id, None)
 
+    def refuse_waiting(self) -> None:
+        """This router stopped admitting (fenced, or resigned): every waiting request is
+        refused with R01 and its reason; requests already on an engine run on."""
+        reason = self.state.reason(self.clock.now()) or "fenced"
+        for t, r in self.scheduler.refuse_waiting(Refuse(E.R01, fields={"reason": reason})):
+            f = self.waiters.pop(t.id, None)
+            if f is not None and not f.done():
+                f.set_result(r)
+
     def reconcile(self) -> None:
         grants, refused = self.scheduler.reconcile(self.clock.now())
         self.wake(grants)
@@ -160,13 +170,18 @@ class Authority:
 
     def set_operator(self, state: str) -> str:
         self.state.set_operator(state)
+        self.operator_changed()
         return self.state.reason(self.clock.now()) or "active"
+
+    def operator_changed(self) -> None:
+        """Leader election hears of it at once (ha.py); nothing without ha."""
 
     def known_waves(self) -> set[str | None]:
         return {e.wave for e in self.engines.values()} | {self.config.serving.wave}
 
     def set_wave_maintenance(self, wave: str, on: bool) -> None:
         self.state.set_wave_maintenance(wave, on)
+        self.operator_changed()
         self.reconcile()
 
     def set_draining(self, name: str, on: bool) -> None:

@@ -10,18 +10,38 @@ from typing import Any
 from ..core.fleet import EngineState
 from . import health, profiler
 from .authority import Authority
+from .ha import Elector
 
 __all__ = ["ControlPlane"]
 
 
 class ControlPlane(Authority):
     _tasks: list[asyncio.Task[Any]]
+    elector: Elector | None = None
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        if self.config.ha is not None:  # leader election: standby until elected
+            self.elector = Elector(self, self.config.ha)
+            self.elector.take_over = self.take_over
+            self.state.election = self.elector.leadership
+
+    def operator_changed(self) -> None:
+        if self.elector is not None:
+            self.elector.operator_changed()
+
+    async def take_over(self) -> None:
+        """L01: before this router's first admission as the new leader: fresh health of
+        every engine (bounded by monitoring.poll_timeout_ms)."""
+        await health.poll_once(self)
 
     async def start(self) -> None:
         self._tasks = []
         self.started_at = self.clock.now()
         self.first_poll = asyncio.Event()
         self._tasks.append(asyncio.create_task(health.monitor(self), name="narwhal-health"))
+        if self.elector is not None:
+            self.elector.start()
         if self.config.admission.prediction.profile_on_start:
             # profile once the first health poll says which engines answer; an engine that
             # is down now is profiled when a later poll finds it up (profiler.maybe_reprofile)
@@ -40,6 +60,8 @@ class ControlPlane(Authority):
                 await t
         self._tasks = []
         self.profiling.clear()
+        if self.elector is not None:
+            await self.elector.stop()
         await self.client.aclose()
 
     def profile(self, name: str) -> str:

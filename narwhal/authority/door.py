@@ -46,11 +46,14 @@ class LocalLease:
 
     async def wait(self) -> Grant | Refuse:
         """A queued lease's grant, or its refusal (R12/R13 expiry, R09 on reconcile)."""
-        got = await self.a.wait_grant(self.t)
+        a = self.a
+        got = await a.wait_grant(self.t)
         if got is None:
             return self._expired()
         if isinstance(got, Refuse):
             return got
+        if a.state.election.fenced(a.clock.now()):  # granted as the lease ran out: not admitted
+            return Refuse(E.R01, fields={"reason": "fenced"})
         return Grant(got.engine, got.phase)
 
     def granted_now(self) -> Grant | object:
@@ -140,6 +143,10 @@ class LocalEntry:
         then R08-R11 and R14."""
         a = self.a
         a.books.sized(self.books)
+        now = a.clock.now()
+        if a.state.election.fenced(now) or a.state.election.standby(now):
+            # the router lost (or handed on) its authority while the body arrived (R01)
+            return Refuse(E.R01, fields={"reason": a.state.reason(now) or "fenced"})
         work = Work(
             route=order.route,
             prompt_tokens=a.sizer.size(order.prompt_bytes, order.exact_prompt_tokens),
@@ -149,7 +156,7 @@ class LocalEntry:
             max_wait_s=a.config.admission.max_wait_ms / 1000.0,
             deadline_s=order.deadline_s,
         )
-        d = a.scheduler.admit(work, a.clock.now())
+        d = a.scheduler.admit(work, now)
         if isinstance(d, Refuse):
             return d
         self.lease = LocalLease(a, d, order)

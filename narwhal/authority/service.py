@@ -37,13 +37,15 @@ class LocalControls:
         return views.engines(self.control, sizing=sizing)
 
     async def metrics(self) -> bytes:
-        planes = []
-        for _, scrape in sorted(self.scrapers.items()):
+        async def one(scrape: Scraper) -> list[metrics.Family]:
             try:
                 async with asyncio.timeout(SCRAPE_TIMEOUT_S):
-                    planes.append(await scrape())
+                    return await scrape()
             except (TimeoutError, ConnectionError):
-                continue  # a worker being restarted: its series are absent from this scrape
+                return []  # a worker being restarted (or stuck): its series are absent from this scrape
+
+        # all workers at once: a stuck one costs SCRAPE_TIMEOUT_S, not that per worker
+        planes = await asyncio.gather(*(one(s) for _, s in sorted(self.scrapers.items())))
         return metrics.render(lambda: views.state_snapshot(self.control), planes)
 
     async def set_state(self, state: str) -> str:

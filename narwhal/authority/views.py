@@ -64,8 +64,17 @@ def engines(a: Authority, *, sizing: dict[str, Any]) -> dict[str, Any]:
             "sizing": {**a.sizer.snapshot(), **sizing},
             "books": a.books.snapshot(),
             "held": a.held,
+            "ha": _ha(a),
         },
     }
+
+
+def _ha(a: Authority) -> dict[str, Any] | None:
+    """Leader election (ha): state, fencing token, lease, the recent state changes."""
+    le = getattr(getattr(a, "elector", None), "leadership", None)
+    if le is None:
+        return None
+    return {"name": a.elector.name, "key": a.config.ha.key, **le.snapshot(a.clock.now())}  # type: ignore[attr-defined,union-attr]
 
 
 def ready(a: Authority) -> tuple[int, dict[str, Any]]:

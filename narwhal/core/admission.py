@@ -563,6 +563,26 @@ class Scheduler:
         grants += self._grant_decode(now)
         return grants, refused
 
+    def refuse_waiting(self, refusal: Refuse) -> list[tuple[Ticket, Refuse]]:
+        """Every ticket waiting in a queue (phase 1 or a decode slot) leaves it with
+        `refusal` (a router that lost its authority grants nothing more: L14 note)."""
+        refused: list[tuple[Ticket, Refuse]] = []
+        for e in self._phase1:
+            for t in e.queue:
+                t.state = "done"
+                refused.append((t, refusal))
+            e.queue.clear()
+            e.queued_work_ms = 0.0
+        self.queued = 0
+        for t in self.decode_queue:
+            t.state = "done"
+            if t.pd_pending:
+                t.pd_pending = False
+                self.pd_pending -= 1
+            refused.append((t, refusal))
+        self.decode_queue.clear()
+        return refused
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "mode": self.mode,

@@ -1,8 +1,9 @@
 """Router states (spec/tables/router_states.yaml).
 
 The state is derived, never stored as one value: an operator setting (active/standby),
-an authority flag (fenced: set by a future leader election through `Authority`), the set
-of waves in maintenance, and the age of engine health data. `reason(now)` returns the
+the leader election (`Election`: fenced, or standby while another router leads;
+narwhal/core/leadership.py), the set of waves in maintenance, and the age of engine
+health data. `reason(now)` returns the
 first not-ready state in the table's order, or None when active.
 """
 
@@ -12,33 +13,37 @@ from typing import Protocol
 
 from narwhal_generated import router_states as _s
 
-__all__ = ["RouterState", "Authority", "StaticAuthority"]
+__all__ = ["RouterState", "Election", "NoElection"]
 
 _ORDER: tuple[str, ...] = _s.NOT_READY_PRECEDENCE
 
 
-class Authority(Protocol):
-    """Whether this router may admit. Leader election implements this later."""
+class Election(Protocol):
+    """Whether this router may admit, as leader election says (core/leadership.py)."""
 
-    def fenced(self) -> bool: ...
+    def fenced(self, now: float) -> bool: ...
+
+    def standby(self, now: float) -> bool: ...
 
 
-class StaticAuthority:
-    __slots__ = ("is_fenced",)
+class NoElection:
+    """ha off: this router is its fleet's only authority."""
 
-    def __init__(self) -> None:
-        self.is_fenced = False
+    __slots__ = ()
 
-    def fenced(self) -> bool:
-        return self.is_fenced
+    def fenced(self, now: float) -> bool:
+        return False
+
+    def standby(self, now: float) -> bool:
+        return False
 
 
 class RouterState:
-    __slots__ = ("operator", "authority", "wave", "maintenance_waves", "stale_after", "_oldest_health")
+    __slots__ = ("operator", "election", "wave", "maintenance_waves", "stale_after", "_oldest_health")
 
-    def __init__(self, *, wave: str | None, stale_after_s: float, authority: Authority | None = None) -> None:
+    def __init__(self, *, wave: str | None, stale_after_s: float, election: Election | None = None) -> None:
         self.operator = "active"  # "active" | "standby" (S03)
-        self.authority: Authority = authority or StaticAuthority()
+        self.election: Election = election or NoElection()
         self.wave = wave
         self.maintenance_waves: set[str] = set()
         self.stale_after = stale_after_s
@@ -61,12 +66,17 @@ class RouterState:
 
     def reasons(self, now: float) -> list[str]:
         held = {
-            "fenced": self.authority.fenced(),
-            "standby": self.operator == "standby",
+            "fenced": self.election.fenced(now),
+            "standby": self.operator == "standby" or self.election.standby(now),
             "maintenance": self.wave is not None and self.wave in self.maintenance_waves,
             "monitoring_degraded": self._oldest_health is not None and now - self._oldest_health > self.stale_after,
         }
         return [s for s in _ORDER if held[s]]
+
+    def operator_ready(self) -> bool:
+        """No operator state holds this router (manual standby, its own wave in
+        maintenance): it may campaign (spec/tables/leadership.yaml L09, L19, L40)."""
+        return self.operator == "active" and not (self.wave is not None and self.wave in self.maintenance_waves)
 
     def reason(self, now: float) -> str | None:
         """R01: the first not-ready reason in precedence order, or None when active."""

@@ -51,6 +51,9 @@ def render_tables_md(spec: Spec) -> str:
     out += ["", "## Router states", "", "| ID | state | ready | set by |", "|---|---|---|---|"]
     for r in spec.rows("router_states"):
         out.append(f"| {r['id']} | {r['state']} | {r['ready']} | {r['set_by']} |")
+    out += ["", "## Leader election (`ha`)", "", "| ID | state | event | next | action |", "|---|---|---|---|---|"]
+    for r in spec.rows("leadership"):
+        out.append(f"| {r['id']} | {r['state']} | {r['event']} | {r['next']} | {r['action']} |")
     out += ["", "## Notes", ""]
     for tname, t in spec.tables.items():
         for k, v in t.get("notes", {}).items():

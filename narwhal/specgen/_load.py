@@ -5,7 +5,8 @@ Beyond the schema, the cross-table invariants checked here are:
   * refusal `order` values are exactly 1..N, in file order (the precedence is the file);
   * error codes are unique (a code names one row);
   * every assembly `refusal:` names an existing failure row;
-  * every `notes:` key names a row of its table.
+  * every `notes:` key names a row of its table;
+  * the leadership table has exactly one row per (state, event) pair.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TABLE_FILES = (
     "accounting.yaml",
     "dialects.yaml",
     "router_states.yaml",
+    "leadership.yaml",
 )
 
 # JSON Schemas turned into pydantic models: (schema file, generated module name).
@@ -111,6 +113,17 @@ def _cross_check(spec: Spec) -> None:
     for r in spec.tables["assembly"]["rows"]:
         if "refusal" in r and r["refusal"] not in failure_ids:
             raise _fail("spec/tables/assembly.yaml", f"{r['id']} refers to unknown failure row {r['refusal']}")
+    pairs: dict[tuple[str, str], str] = {}
+    for r in spec.tables["leadership"]["rows"]:
+        key = (r["state"], r["event"])
+        if key in pairs:
+            raise _fail("spec/tables/leadership.yaml", f"{r['id']}: ({key[0]}, {key[1]}) already has row {pairs[key]}")
+        pairs[key] = r["id"]
+    states = {s for s, _ in pairs}
+    events = {e for _, e in pairs}
+    missing = sorted((s, e) for s in states for e in events if (s, e) not in pairs)
+    if missing:
+        raise _fail("spec/tables/leadership.yaml", f"no row for {missing}")
     classes = {k["name"] for k in spec.tables["accounting"]["terminal_classes"]}
     for tname in ("refusals", "failures"):
         for r in spec.tables[tname]["rows"]:

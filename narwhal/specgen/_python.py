@@ -217,6 +217,7 @@ _FIELD_TYPES: dict[str, dict[str, str]] = {
         "health_path": "str", "propagate_request_id": "bool", "quirks": "tuple[str, ...]", "quote": "str",
     },
     "router_states": {"id": "str", "state": "str", "ready": "bool", "set_by": "str", "quote": "str"},
+    "leadership": {"id": "str", "state": "str", "event": "str", "next": "str", "action": "str", "quote": "str"},
 }
 
 
@@ -260,6 +261,21 @@ def _states(spec: Spec) -> str:
     )
 
 
+def _leadership(spec: Spec) -> str:
+    text, _ = _row_module(
+        spec, "leadership", "Transition",
+        "Leader election (ha): one row per (state, event); TRANSITIONS is the lookup\n"
+        "narwhal/core/leadership.py applies, a missing pair is a bug.",
+        list(_FIELD_TYPES["leadership"]), ["TRANSITIONS", "STATES", "EVENTS", "ACTIONS"],
+    )
+    return text + (
+        "TRANSITIONS: dict[tuple[str, str], Transition] = {(r.state, r.event): r for r in ROWS}\n"
+        "STATES: tuple[str, ...] = tuple(dict.fromkeys(r.state for r in ROWS))\n"
+        "EVENTS: tuple[str, ...] = tuple(dict.fromkeys(r.event for r in ROWS))\n"
+        "ACTIONS: tuple[str, ...] = tuple(sorted({r.action for r in ROWS}))\n"
+    )
+
+
 def _accounting(spec: Spec) -> str:
     t = spec.tables["accounting"]
     counters = {c["name"]: c["metric"] for c in t["counters"]}
@@ -286,5 +302,6 @@ def render_modules(spec: Spec) -> dict[str, str]:
         "token_identity.py": _tokens(spec),
         "dialects.py": _dialects(spec),
         "router_states.py": _states(spec),
+        "leadership.py": _leadership(spec),
         "accounting.py": _accounting(spec),
     }

@@ -39,6 +39,14 @@ def test_S01_active_by_default() -> None:
     assert s.reason(0.0) is None
 
 
+class _Fenced:
+    def fenced(self, now: float) -> bool:
+        return True
+
+    def standby(self, now: float) -> bool:
+        return False
+
+
 def test_S02_S03_S04_S05_states_and_their_precedence() -> None:
     s = RouterState(wave="a", stale_after_s=3.0)
     s.health_observed(0.0)
@@ -47,7 +55,7 @@ def test_S02_S03_S04_S05_states_and_their_precedence() -> None:
     assert s.reason(5.0) == "maintenance"  # S04
     s.set_operator("standby")
     assert s.reason(5.0) == "standby"  # S03
-    s.authority.is_fenced = True  # type: ignore[attr-defined]
+    s.election = _Fenced()
     assert s.reason(5.0) == "fenced"  # S02
     assert s.reasons(5.0) == ["fenced", "standby", "maintenance", "monitoring_degraded"]
 

@@ -1,0 +1,253 @@
+"""High availability (`ha`): this router as a candidate in a leader election on etcd.
+
+The state machine is spec/tables/leadership.yaml (core/leadership.py applies it); this
+module talks to etcd and carries out each row's action:
+
+  * campaign — grant a lease (ha.lease_ttl_ms) and, in one transaction, create the key
+    with it if nobody holds it. Won: leader (L01), the transaction's revision is the
+    fencing token. Lost: revoke the lease, watch the key until it is deleted (L02, L06).
+  * take_over (L01) — before the first admission: a fresh health poll of every engine and
+    the engines' own load (authority.take_over); until it is done the router is standby.
+  * extend (L13) — the leader renews every ha.renew_interval_ms, each call bounded by the
+    fence deadline, and checks the key still carries its lease.
+  * fence (L12, L14-L16) — no admission from the fence deadline on (core/leadership.py:
+    every decision checks it); requests waiting in the queues are refused with R01
+    (fenced); streams already running finish (the engine slots they hold are real).
+  * resign (L19) — the operator made this router not ready: stop admitting, revoke the
+    lease so another candidate leads at once.
+  * recover (L28) — a fenced router that reaches etcd again revokes its old lease and
+    campaigns as a new candidate.
+Every state change is logged at WARNING with the fencing token and shown on
+/v1/engines (`router.ha`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+from narwhal_generated.models.config import Ha
+
+from ..core.leadership import Leadership
+from .authority import Authority
+from .etcd import Etcd, EtcdError
+
+__all__ = ["Elector"]
+
+log = logging.getLogger("narwhal")
+
+RETRY_S = 0.25  # the first retry after etcd failed a candidate's call ...
+RETRY_MAX_S = 2.0  # ... doubling up to this
+OPERATOR_POLL_S = 0.1  # how often a paused router looks at its operator state
+
+
+class Elector:
+    def __init__(self, a: Authority, cfg: Ha) -> None:
+        self.a = a
+        self.cfg = cfg
+        self.key = cfg.key.encode()
+        self.name = cfg.name.root if cfg.name is not None else f"{socket.gethostname()}:{os.getpid()}"
+        self.ttl_s = cfg.lease_ttl_ms // 1000
+        self.leadership = Leadership(margin_s=cfg.fence_margin_ms / 1000.0)
+        self.etcd = Etcd([u.root for u in cfg.etcd], timeout_s=cfg.request_timeout_ms / 1000.0)
+        self._wake = asyncio.Event()  # the operator state changed
+        self._retry = RETRY_S
+        self._task: asyncio.Task[None] | None = None
+        self.take_over: Any = None  # async () -> None, set by the control plane
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="narwhal-ha")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        lease = self.leadership.lease
+        if self.leadership.state == "leader" and lease is not None:
+            # a clean stop hands the key on at once (as L19 does), not after the TTL
+            self._event("operator_off")
+            with contextlib.suppress(EtcdError):
+                await self.etcd.revoke(lease, timeout_s=1.0)
+        await self.etcd.aclose()
+
+    def operator_changed(self) -> None:
+        self._wake.set()
+
+    # -- the machine ---------------------------------------------------------------------
+
+    def _event(self, event: str, **kw: Any) -> str:
+        le = self.leadership
+        before = le.state
+        row = le.on(event, self.a.clock.now(), **kw)
+        if row.next != before:
+            log.warning("ha %s: %s -> %s on %s (%s); fencing token %s, lease %s", self.name, before, row.next, event, row.id, le.token, le.lease)
+        if row.action in ("fence", "resign"):
+            self.a.refuse_waiting()
+        return row.action
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                st = self.leadership.state
+                if st == "paused" or not self.a.state.operator_ready():
+                    await self._paused()
+                elif st == "candidate":
+                    await self._campaign()
+                elif st == "leader":
+                    await self._lead()
+                else:
+                    await self._recover()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: log it, keep the machine running (fenced if leader)
+                log.exception("ha %s: election loop", self.name)
+                if self.leadership.state == "leader":
+                    self._event("deadline")
+                await asyncio.sleep(RETRY_MAX_S)
+
+    async def _backoff(self) -> None:
+        await asyncio.sleep(self._retry)
+        self._retry = min(RETRY_MAX_S, self._retry * 2)
+
+    async def _paused(self) -> None:
+        le = self.leadership
+        if le.state != "paused":
+            lease = le.lease if le.state == "leader" else None
+            self._event("operator_off")
+            if lease is not None:  # resign: hand the key on at once
+                with contextlib.suppress(EtcdError):
+                    await self.etcd.revoke(lease)
+            return
+        while not self.a.state.operator_ready():
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), OPERATOR_POLL_S)
+        self._event("operator_on")
+
+    async def _campaign(self) -> None:
+        clock = self.a.clock
+        sent = clock.now()
+        try:
+            lease, ttl = await self.etcd.grant(self.ttl_s)
+            c = await self.etcd.campaign(self.key, self.name.encode(), lease)
+        except EtcdError as x:
+            log.info("ha %s: campaign: %s", self.name, x)
+            self._event("unreachable")
+            await self._backoff()
+            return
+        self._retry = RETRY_S
+        if c.won:
+            self._event("won", token=c.revision, lease=lease, sent_at=sent, ttl_s=float(ttl))
+            if self.take_over is not None:
+                await self.take_over()
+            if self.leadership.state == "leader":
+                self.leadership.took_over()
+                log.warning("ha %s: leader, admitting (fencing token %d)", self.name, c.revision)
+            return
+        self._event("lost")
+        with contextlib.suppress(EtcdError):
+            await self.etcd.revoke(lease)
+        await self._watch(c.revision + 1)
+
+    async def _watch(self, start: int) -> None:
+        """Until the key is deleted (or etcd fails, or the operator pauses this router)."""
+        watch = asyncio.ensure_future(self._next_delete(start))
+        wake = asyncio.ensure_future(self._operator_off())
+        try:
+            await asyncio.wait((watch, wake), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (watch, wake):
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+        if watch.done() and not watch.cancelled():
+            if watch.exception() is not None:
+                log.info("ha %s: watch: %s", self.name, watch.exception())
+                self._event("unreachable")
+                await self._backoff()
+            else:
+                self._event("key_deleted")
+
+    async def _next_delete(self, start: int) -> None:
+        # the key may be gone already (deleted between the transaction and the watch)
+        kv, _ = await self.etcd.get(self.key)
+        if kv is None:
+            return
+        try:
+            async for _ in self.etcd.watch_delete(self.key, start):
+                return
+        except Exception as x:  # noqa: BLE001 - the stream broke: etcd is unreachable
+            raise EtcdError(f"watch: {x}") from x
+        raise EtcdError("watch: the stream ended")
+
+    async def _operator_off(self) -> None:
+        while self.a.state.operator_ready():
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), OPERATOR_POLL_S)
+
+    async def _lead(self) -> None:
+        le = self.leadership
+        clock = self.a.clock
+        renew_s = self.cfg.renew_interval_ms / 1000.0
+        next_renew = clock.now() + renew_s
+        while le.state == "leader":
+            if not self.a.state.operator_ready():
+                return  # _run pauses (resign)
+            now = clock.now()
+            fence_at = le.fence_at if le.fence_at is not None else now
+            if now >= fence_at:
+                self._event("deadline")
+                return
+            wait = min(next_renew, fence_at) - now
+            if wait > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                continue
+            sent = clock.now()
+            budget = min(self.cfg.request_timeout_ms / 1000.0, fence_at - sent)
+            lease = le.lease
+            assert lease is not None
+            try:
+                ttl = await self.etcd.keepalive(lease, timeout_s=budget)
+                if ttl <= 0:
+                    self._event("lease_gone")
+                    return
+                kv, _ = await self.etcd.get(self.key, timeout_s=max(0.001, fence_at - clock.now()))
+            except EtcdError as x:
+                log.info("ha %s: renewal: %s", self.name, x)
+                self._event("unreachable")
+                next_renew = clock.now() + min(RETRY_S, renew_s)
+                continue
+            if kv is None:
+                self._event("key_deleted")
+                return
+            if kv.lease != lease:
+                self._event("lost")
+                return
+            self._event("renewed", sent_at=sent, ttl_s=float(ttl))
+            next_renew = sent + renew_s
+
+    async def _recover(self) -> None:
+        """Fenced: once etcd answers again, revoke the old lease and be a candidate."""
+        lease = self.leadership.lease
+        try:
+            if lease is not None:
+                await self.etcd.revoke(lease)
+            else:
+                await self.etcd.get(self.key)
+        except EtcdError as x:
+            log.info("ha %s: fenced, etcd still unreachable: %s", self.name, x)
+            self._event("unreachable")
+            await self._backoff()
+            return
+        self._retry = RETRY_S
+        self._event("reconnected")
