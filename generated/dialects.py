@@ -21,6 +21,7 @@ class Dialect:
     health_path: str
     propagate_request_id: bool
     quirks: tuple[str, ...]
+    load_metrics: dict[str, str] | None
     quote: str
 
 # V01: Prefill/decode roles use the vLLM two-phase protocol (kv_transfer_params).
@@ -35,6 +36,7 @@ V01 = Dialect(
     health_path='/health',
     propagate_request_id=True,
     quirks=(),
+    load_metrics={'running': 'vllm:num_requests_running', 'waiting': 'vllm:num_requests_waiting'},
     quote='For the vLLM dialect Narwhal asks the decode stream for {"return_token_ids": true, "stream_interval": 1}',
 )
 
@@ -50,6 +52,7 @@ V02 = Dialect(
     health_path='/health',
     propagate_request_id=True,
     quirks=(),
+    load_metrics={'running': 'sglang:num_running_reqs', 'waiting': 'sglang:num_queue_reqs'},
     quote='Other dialects (sglang, openai) are never sent those fields and report token_accounting: unavailable.',
 )
 
@@ -65,6 +68,7 @@ V03 = Dialect(
     health_path='/v1/models',
     propagate_request_id=False,
     quirks=('repeated_tool_call_fields',),
+    load_metrics=None,
     quote='Other dialects (sglang, openai) are never sent those fields and report token_accounting: unavailable.',
 )
 

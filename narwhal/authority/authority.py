@@ -84,6 +84,7 @@ class Authority:
         self._fact_listeners: list[Any] = []
         self.first_poll = asyncio.Event()
         self.started_at = self.clock.now()
+        self.took_over_at: float | None = None  # the last take-over as elected leader (load.py)
         self.health_observed()
 
     def health_observed(self) -> None:

@@ -8,7 +8,7 @@ import contextlib
 from typing import Any
 
 from ..core.fleet import EngineState
-from . import health, profiler
+from . import health, load, profiler
 from .authority import Authority
 from .ha import Elector
 
@@ -32,8 +32,11 @@ class ControlPlane(Authority):
 
     async def take_over(self) -> None:
         """L01: before this router's first admission as the new leader: fresh health of
-        every engine (bounded by monitoring.poll_timeout_ms)."""
+        every engine and the load the engines report (authority/load.py), each bounded by
+        monitoring.poll_timeout_ms."""
         await health.poll_once(self)
+        await asyncio.gather(*(load.observe(self, e) for e in self.engines.values()))
+        self.took_over_at = self.clock.now()
 
     async def start(self) -> None:
         self._tasks = []

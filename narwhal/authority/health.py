@@ -15,7 +15,7 @@ from narwhal_generated import dialects as D
 
 from ..core.fleet import EngineState
 from ..upstream.client import UpstreamError
-from . import profiler
+from . import load, profiler
 from .authority import Authority
 
 __all__ = ["monitor", "poll_once"]
@@ -48,6 +48,11 @@ async def _poll(a: Authority, e: EngineState) -> None:
     if ok:
         e.breaker.success(now, probe=True)
         profiler.maybe_reprofile(a, e, now)
+        took = a.took_over_at
+        if e.external and took is not None and now - took < load.TAKEOVER_WINDOW_S:
+            await load.observe(a, e)  # the previous leader's requests, until they are gone
+        elif e.external:
+            e.external = 0
     else:
         e.breaker.failure(now)
     if was != e.eligible(a.state.maintenance_waves):

@@ -92,7 +92,7 @@ class Scheduler:
         room = 0
         for d in self._decoders:
             if self.eligible(d):
-                room += max(0, d.decode_slots - d.decode_in_use) + max(1, d.decode_slots // 4)
+                room += max(0, d.decode_slots - d.decode_in_use - d.external) + max(1, d.decode_slots // 4)
         return self.pd_pending < room
 
     def _phase1_free(self, e: EngineState) -> bool:
@@ -124,7 +124,7 @@ class Scheduler:
         """A unified engine with every slot taken: until a slot frees for a new request,
         each request ahead (in flight or queued) decodes about out_len tokens at the
         engine's TPOT, `decode_slots` at a time (their prefills are in the backlog)."""
-        return (len(e.queue) + 1) * out_len * e.decode.predict_ms(float(e.decode_in_use)) / e.decode_slots
+        return (len(e.queue) + 1) * out_len * e.decode.predict_ms(float(e.decode_in_use + e.external)) / e.decode_slots
 
     def project(self, n: float, now: float) -> list[tuple[float, float, EngineState]]:
         """(projected TTFT ms, solo TTFT ms, engine) for every eligible phase-1 engine."""
@@ -138,7 +138,7 @@ class Scheduler:
                 continue
             pf = e.prefill.predict_ms(n)
             extra, solo_extra = (start, alone) if e.role == "prefill" else (0.0, 0.0)
-            if e.role == "unified" and e.decode_in_use >= e.decode_slots:
+            if e.role == "unified" and e.decode_in_use + e.external >= e.decode_slots:
                 extra = self._slot_wait_ms(e, self.output_lengths.predict("any", n, None))
             out.append((e.backlog_ms(now) + pf + extra, pf + solo_extra, e))
         return out
@@ -182,7 +182,7 @@ class Scheduler:
                 extra, solo_extra = start, alone
             else:
                 extra = solo_extra = 0.0
-                if e.decode_in_use >= e.decode_slots:
+                if e.decode_in_use + e.external >= e.decode_slots:
                     # a unified engine whose slots are all taken (engines[].max_concurrency):
                     # the request waits for the decodes ahead of it, not only their prefills
                     if out_len is None:
@@ -208,7 +208,7 @@ class Scheduler:
                         key = (1, key, 0.0)
             else:
                 m_e = 1.0
-                free = e.prefill_in_use < e.prefill_slots and (e.role != "unified" or e.decode_in_use < e.decode_slots)
+                free = e.phase1_free()
                 # open mode: an engine with a free slot, then the shortest queue, then the
                 # least loaded (prefill, and decode for a unified engine)
                 key = (not (free and not e.queue), len(e.queue), e.prefill_in_use / e.prefill_slots + (e.decode_in_use / e.decode_slots if e.role == "unified" else 0.0))

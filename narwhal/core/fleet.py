@@ -87,6 +87,10 @@ class EngineState:
         self.max_concurrency = max_concurrency  # engines[].max_concurrency (slots are capped by it)
         self.prefill_in_use = 0
         self.decode_in_use = 0
+        # requests the engine itself reports running or waiting that this router did not
+        # place (after a take-over: the previous leader's; authority/load.py): they hold
+        # the engine's slots as surely as our own until the engine reports them gone
+        self.external = 0
         self.queue: deque[Ticket] = deque()  # phase-1 waiters placed on this engine
         self.queued_work_ms = 0.0
         self.busy_until = 0.0  # projected end of the dispatched prefill backlog
@@ -132,12 +136,12 @@ class EngineState:
 
     def phase1_free(self) -> bool:
         """A phase-1 slot: prefill for a prefill engine; prefill and decode for a unified one."""
-        if self.prefill_in_use >= self.prefill_slots:
+        if self.prefill_in_use + (self.external if self.role == "prefill" else 0) >= self.prefill_slots:
             return False
-        return self.role != "unified" or self.decode_in_use < self.decode_slots
+        return self.role != "unified" or self.decode_in_use + self.external < self.decode_slots
 
     def decode_free(self) -> bool:
-        return self.decode_in_use < self.decode_slots
+        return self.decode_in_use + self.external < self.decode_slots
 
     def backlog_ms(self, now: float) -> float:
         """Predicted prefill work ahead of a new request here (PREDICTION.md section 3)."""
@@ -149,7 +153,7 @@ class EngineState:
     def joining_batch(self) -> int:
         """Unified engine: the decode batch a request placed here now would join (the
         running sequences, those queued ahead of it, and itself; PREDICTION.md section 6)."""
-        return self.decode_in_use + len(self.queue) + 1
+        return self.decode_in_use + self.external + len(self.queue) + 1
 
     def decode_start_ms(self, n: float) -> float:
         return self.start_model.predict([1.0, n / 1000.0])
@@ -159,6 +163,7 @@ class EngineState:
             "prefill_in_use": self.prefill_in_use,
             "prefill_slots": self.prefill_slots,
             "decode_in_use": self.decode_in_use,
+            "external": self.external,
             "decode_slots": self.decode_slots,
             "queued": len(self.queue),
             "backlog_ms": round(self.backlog_ms(now), 3),

@@ -2,7 +2,7 @@
 
 Rules
   * Routes: POST /v1/chat/completions, POST /v1/completions (streaming and not),
-    GET /v1/models, GET /health, GET|DELETE /mock/requests, GET /mock/stats,
+    GET /v1/models, GET /health, GET /metrics (vllm, sglang: load gauges), GET|DELETE /mock/requests, GET /mock/stats,
     POST /mock/health {"healthy": bool} (a failing health check, for monitoring tests).
   * Roles (ENGINES.md section 11): `unified` prefills then decodes; `prefill` answers
     after its prefill and, when asked with kv_transfer_params.do_remote_decode, returns
@@ -48,6 +48,9 @@ from .scenarios import (
     without_reasoning,
 )
 from .timing import EngineLoad, Timing, prompt_size
+
+# GET /metrics: (running, waiting) gauges by dialect, the names of spec/tables/dialects.yaml
+_LOAD_GAUGES = {"vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"), "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs")}
 
 __all__ = ["MockConfig", "MockEngine", "create_mock_app", "read_body", "DIALECTS", "ROLES"]
 
@@ -255,6 +258,16 @@ class MockEngine:
                 self.records.clear()
                 return await _send_json(send, 200, b'{"cleared":true}')
             return await _send_json(send, 200, orjson.dumps(self.recorded()))
+        if path == b"/metrics" and method == "GET" and self.config.dialect in _LOAD_GAUGES:
+            # the engine's own load, as vLLM and SGLang expose it (dialects.yaml load_metrics)
+            running, waiting = _LOAD_GAUGES[self.config.dialect]
+            lab = f'{{model_name="{self.config.model}"}}'
+            busy = self.in_flight
+            queued = max(0, self.load.prefill_queue - 1)
+            text = f"# TYPE {running} gauge\n{running}{lab} {float(busy - min(busy, queued))}\n# TYPE {waiting} gauge\n{waiting}{lab} {float(min(busy, queued))}\n"
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4"), (b"content-length", str(len(text)).encode())]})
+            await send({"type": "http.response.body", "body": text.encode()})
+            return
         if path == b"/mock/stats":
             return await _send_json(send, 200, orjson.dumps(self.stats()))
         if path == b"/mock/health" and method == "POST":

@@ -130,10 +130,14 @@ class EngineClient:
             await up.aclose()
 
     async def get(self, url: str, *, timeout_s: float) -> int:
+        return (await self.get_body(url, timeout_s=timeout_s))[0]
+
+    async def get_body(self, url: str, *, timeout_s: float, limit: int = 1 << 20) -> tuple[int, bytes]:
+        """(status, body) of a GET, the body bounded by `limit` (E02 past it)."""
         up = await self.open("GET", url, timeout_s=timeout_s)
         try:
-            await up.read(1 << 20)
-            return up.status
+            body = await up.read(limit)
+            return up.status, body
         finally:
             await up.aclose()
 

@@ -149,7 +149,8 @@ class DelayProxy:
             except OSError:
                 cw.close()
                 return
-            await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
 
         srv = await asyncio.start_server(handle, "127.0.0.1", self.port)
         self._ready.set()

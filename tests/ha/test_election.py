@@ -198,3 +198,43 @@ def test_late_renewals_fence_rather_than_split(etcd: EtcdServer, engine: str) ->
     finally:
         for p in proxies:
             p.close()
+
+
+def test_a_new_leader_counts_the_streams_a_fenced_leader_left_running(etcd: EtcdServer) -> None:
+    """The old leader is fenced (its etcd link delayed) while streams run on the engine;
+    the new leader takes over with the engine's own count of them (dialects.yaml
+    load_metrics) as slots taken, and lets go of them as they end."""
+    slow = MockConfig(dialect="vllm", role="unified", model=MODEL, name="u0", timing=Timing(time_scale=1.0))
+    with running_fleet([slow]) as fleet:
+        proxies = [DelayProxy(split_url(etcd.url)) for _ in range(2)]
+        try:
+            with routers([[p.url] for p in proxies], fleet[0].url) as rs:
+                wait_for(lambda: len(leaders(rs)) == 1, 15, "one leader")
+                (lead,) = leaders(rs)
+                other = next(r for r in rs if r is not lead)
+                import threading
+
+                done: list[int] = []
+
+                def stream() -> None:
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 200, "mock": {"tpot_ms": 30, "tokens": 200}}
+                    with httpx.stream("POST", lead.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                        for _ in r.iter_bytes():
+                            pass
+                        done.append(r.status_code)
+
+                ts = [threading.Thread(target=stream, daemon=True) for _ in range(3)]
+                for t in ts:
+                    t.start()
+                wait_for(lambda: httpx.get(fleet[0].url + "/mock/stats", timeout=2).json()["in_flight"] == 3, 10, "3 streams on the engine")
+                proxies[rs.index(lead)].delay_s = 2.5
+                wait_for(lambda: other.state() == "active", TTL_MS / 1000 + 6, "the other router to lead")
+                eng = httpx.get(other.url + "/v1/engines", timeout=2).json()["data"][0]
+                assert eng["load"]["external"] == 3, eng["load"]
+                for t in ts:
+                    t.join(20)
+                assert done == [200, 200, 200]  # the fenced leader's streams ran to their end
+                wait_for(lambda: httpx.get(other.url + "/v1/engines", timeout=2).json()["data"][0]["load"]["external"] == 0, 5, "the external load to drain")
+        finally:
+            for p in proxies:
+                p.close()
