@@ -4,10 +4,11 @@ live fuzzing mode.
 
 Public surface: `SUITE_VERSION`; narwhal_conformance.cli (add_arguments, run);
 .cases (load_cases, check_cases); .profiles (PROFILES, router_config); .fleet
-(running_fleet); .runner (Runner); .capabilities (CAPABILITIES).
+(running_fleet); .runner (Runner); .capabilities (CAPABILITIES); .etcd (running_etcd:
+the etcd a run starts for capability ha-etcd).
 """
 
-SUITE_VERSION = "2.1.0"
+SUITE_VERSION = "2.2.0"
 SUITE_MAJOR = 2  # cases carry `since: N`; `--suite-version N` runs the cases of version N
 
 __all__ = ["SUITE_VERSION", "SUITE_MAJOR"]

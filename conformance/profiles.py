@@ -23,7 +23,7 @@ from typing import Any
 
 from narwhal.mock import MockConfig, Timing
 
-__all__ = ["DEFAULT_PORT_BASE", "MODEL", "EngineDef", "Profile", "PROFILES", "get_profile", "router_config", "mock_configs"]
+__all__ = ["DEFAULT_PORT_BASE", "MODEL", "HA", "EngineDef", "Profile", "PROFILES", "get_profile", "router_config", "mock_configs"]
 
 DEFAULT_PORT_BASE = 18200
 MODEL = "narwhal-demo"
@@ -101,6 +101,18 @@ _PREDICTION = {
     "profile_output_tokens": 8,
     "profile_repeats": 1,
 }
+
+# capability ha-etcd: the election every profile's router takes part in, on the etcd the
+# runner starts (its URL goes in `etcd`). A 2 s lease: a leader must fence itself within
+# 2 s of etcd's last answer (router_states/S02/1 allows 1 s more for polling).
+HA = {
+    "key": "/narwhal-conformance/leader",
+    "lease_ttl_ms": 2000,
+    "renew_interval_ms": 500,
+    "fence_margin_ms": 400,
+    "request_timeout_ms": 500,
+}
+
 
 def _router(listen_port: int, admission: dict[str, Any], *, wave: str | None = None) -> dict[str, Any]:
     """A profile's router configuration: its listen port, admission and own wave; the
@@ -192,13 +204,16 @@ def get_profile(name: str) -> Profile:
         raise KeyError(f"unknown profile {name!r} (known: {', '.join(PROFILES)})") from None
 
 
-def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: str | None = None) -> dict[str, Any]:
-    """The Narwhal configuration a router under test must be set up with."""
+def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: str | None = None, etcd: str | None = None) -> dict[str, Any]:
+    """The Narwhal configuration a router under test must be set up with; with `etcd` (the
+    URL of the etcd the runner started for capability ha-etcd), an `ha` section on it."""
     cfg = copy.deepcopy(profile.router)
     cfg["serving"]["listen"] = listen if listen is not None else profile.listen(port_base)
     cfg["engines"] = [
         {"name": e.name, "url": e.url(port_base), "role": e.role, "dialect": e.dialect, "wave": e.wave} for e in profile.engines
     ]
+    if etcd is not None:
+        cfg["ha"] = {"etcd": [etcd], **HA}
     return cfg
 
 

@@ -5,8 +5,8 @@ target's capabilities allow. Before every case it knows the router is at rest: t
 URL answers 200, no mock engine has a request in flight, and, where the router has them,
 its books balance (`books`) and every engine is eligible and profiled (`engines-api`).
 For each case it reads the books (if any), runs the steps (`caserun.CaseRun`), runs the
-teardown, restores the fleet, releases what is still open and waits until the router is
-at rest again. Engine requests that outlive their case are a failure of the case (the
+teardown, restores the fleet (and thaws the run's etcd, if a case froze it), releases
+what is still open and waits until the router is at rest again. Engine requests that outlive their case are a failure of the case (the
 router did not cancel them); the fleet then aborts them so that one slow router does not
 make every later case wait out its bounds.
 
@@ -37,6 +37,7 @@ from .books import Books, check_accounting, parse_metrics
 from .capabilities import Capabilities
 from .caserun import CaseRun, Mismatch, StepError
 from .cases import Case
+from .etcd import EtcdServer
 from .profiles import DEFAULT_PORT_BASE, Profile
 from .transport import Exchange, RequestData, RouterClient
 
@@ -45,6 +46,7 @@ __all__ = ["Mismatch", "Result", "Runner", "VERDICTS", "READY_PATHS", "StepError
 VERDICTS = ("Pass", "Fail", "Non-Strict", "Info", "N/A")
 READY_PATHS = ("/ready", "/health", "/v1/models")  # the default ready URL: the first that exists
 _SETTLE_S = 5.0  # the router comes to rest within this after a case (then once more after an abort)
+_SETTLE_HA_S = 15.0  # ... after a case that froze etcd: the router leads again first (its back-off, a campaign)
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Runner:
     every request carries, and the target's capabilities."""
 
     def __init__(self, target: str, profile: Profile, *, port_base: int = DEFAULT_PORT_BASE, http2: bool = False, admin_token: str | None = None,
-                 strict: bool = False, headers: dict[str, str] | None = None, ready_url: str | None = None) -> None:
+                 strict: bool = False, headers: dict[str, str] | None = None, ready_url: str | None = None, etcd: EtcdServer | None = None) -> None:
         self.target = target.rstrip("/")
         self.profile = profile
         self.port_base = port_base
@@ -83,6 +85,7 @@ class Runner:
         self.strict = strict
         self.headers = {k.lower(): v for k, v in (headers or {}).items()}
         self.ready_url = ready_url
+        self.etcd = etcd  # the etcd this run started for ha-etcd (the router under test uses it)
         self.caps = Capabilities()
         self.client = RouterClient(self.target, http2=http2)
         self.control = httpx.Client(timeout=5.0)
@@ -148,6 +151,20 @@ class Runner:
         if r.status_code != 200:
             raise StepError(f"fleet control answered {r.status_code}: {r.text[:200]}")
 
+    def etcd_control(self, action: str) -> None:
+        """The `etcd` step: freeze (SIGSTOP: etcd answers nothing, connections stay open)
+        or thaw (SIGCONT)."""
+        if self.etcd is None:
+            raise StepError("this run started no etcd (capability ha-etcd, with --serve)")
+        if not self.etcd.alive():
+            raise StepError(f"etcd exited: {self.etcd.log_tail(400)}")
+        if action == "freeze":
+            self.etcd.freeze()
+        elif action == "thaw":
+            self.etcd.thaw()
+        else:
+            raise StepError(f"unknown etcd action {action!r}")
+
     def records(self, rid: str) -> list[dict[str, Any]]:
         try:
             r = self.control.get(self.fleet_url + "/conformance/records", params={"rid": rid})
@@ -202,13 +219,13 @@ class Runner:
                 return problems
             time.sleep(0.05)
 
-    def settle(self) -> tuple[dict[str, str], list[Mismatch]]:
+    def settle(self, timeout_s: float = _SETTLE_S) -> tuple[dict[str, str], list[Mismatch]]:
         """Wait for rest after a case; engine requests that outlive it are a failure and
         are aborted. Returns (what still keeps it from rest, the failures)."""
         failures = []
-        problems = self.wait_at_rest()
+        problems = self.wait_at_rest(timeout_s)
         if "fleet" in problems:
-            failures.append(Mismatch("engine requests end with their case", f"no engine request in flight {_SETTLE_S:g} s after the case (the router cancels what its clients left)", problems["fleet"]))
+            failures.append(Mismatch("engine requests end with their case", f"no engine request in flight {timeout_s:g} s after the case (the router cancels what its clients left)", problems["fleet"]))
             try:
                 self.fleet({"engine": "all", "abort": True})
             except StepError as e:
@@ -227,7 +244,7 @@ class Runner:
         before = self.books() if with_books else None
         run = CaseRun(self, case)
         run.execute()
-        problems, failures = self.settle()
+        problems, failures = self.settle(_SETTLE_HA_S if "ha-etcd" in case.needs else _SETTLE_S)
         run.failures.extend(failures)
         after = self.books() if with_books else None
         books_problem = problems.pop("books", None)
