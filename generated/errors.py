@@ -193,7 +193,7 @@ R09 = ErrorRow(
     quote='Scheduler finds zero placement-eligible engines\t503\tbackend_unavailable, Retry-After: 1',
 )
 
-# R10: Predictive mode only. Retry-After = max(1, floor(overrun_s + 0.5)), overrun = best projection times margin minus budget.
+# R10: Predictive mode only. Retry-After = max(1, floor(overrun_s + 0.5)), overrun = best projection times margin minus budget. Placement and the prefix cache (admission.prediction.prefix_cache): each candidate engine's prefill is projected on the prompt tokens it is expected not to hold (the leading prompt blocks its prefix index holds, times the tokens a block stands for; at least one token is computed), its backlog included; the request goes to the engine of the lowest projected TTFT times its margin, so cache affinity and load balance are one number; R08 and R10 use the same cached projection. The prefill sample is learned on the uncached tokens the engine reports (usage.prompt_tokens_details.cached_tokens), else on the expected ones.
 R10 = ErrorRow(
     id='R10',
     order=10,

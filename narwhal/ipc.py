@@ -148,6 +148,7 @@ class Admit:
     budget_ms: float
     arrival: float
     deadline_s: float | None
+    prefix: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +197,7 @@ class Close:
     output_tokens: int | None
     finish_reason: str | None
     reported_prompt_tokens: int | None
+    cached_tokens: int | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,30 @@ class Prediction(BaseModel):
     ] = [16, 256, 768, 1536]
     profile_output_tokens: Annotated[StrictInt, Field(ge=2)] = 16
     profile_repeats: Annotated[StrictInt, Field(ge=1)] = 2
+    prefix_cache: Annotated[
+        Literal['auto', 'events', 'approximate', 'off'],
+        Field(
+            description="How prefill is projected for prompts an engine may hold in its prefix cache (core/prefix.py). approximate: an index of what the router sent where (blocks of the rendered prompt), its capacity following the cached_tokens the engines report; events: only engines with engines[].kv_events, from the engine's own KV events (others are projected at full length); auto: events where configured, approximate elsewhere; off: every prompt at full length. Placement on the lowest projected TTFT then weighs cache affinity and load in one number, and R08/R10 use the cached projection."
+        ),
+    ] = 'auto'
+    prefix_cache_tokens: Annotated[
+        StrictInt,
+        Field(
+            description="The prefix cache the router assumes per engine at start, in tokens (the approximate index's capacity; corrected by the engines' reports). The index holds at most 2,097,152 blocks over the whole fleet.",
+            ge=0,
+            le=1073741824,
+        ),
+    ] = 1048576
+
+
+class KvEvents(RootModel[StrictStr]):
+    root: Annotated[
+        StrictStr,
+        Field(
+            description="The engine's KV-event publisher (vLLM --kv-events-config publisher zmq, endpoint tcp://host:port): the router subscribes and knows exactly which prompt blocks the engine holds (admission.prediction.prefix_cache events or auto). Needs the prompt's token IDs: the router asks the engine's /tokenize per request (one round trip before admission) unless the prompt is token IDs.",
+            pattern='^tcp://[^/\\s]+:[0-9]+$',
+        ),
+    ] = None
 
 
 class Engine(BaseModel):
@@ -96,6 +120,12 @@ class Engine(BaseModel):
             description="The most requests the router has in flight at this engine at once, profiling included; more wait in the router's admission queue (bounded by admission.queue_limit and max_wait_ms). null: unlimited (admission.phase_concurrency alone applies). Set 1 for an engine that serialises requests or cuts a running generation when another arrives (llama-cpp-python's server by default); `narwhal probe-engine` recommends a value.",
             ge=1,
             le=100000,
+        ),
+    ] = None
+    kv_events: Annotated[
+        KvEvents | None,
+        Field(
+            description="The engine's KV-event publisher (vLLM --kv-events-config publisher zmq, endpoint tcp://host:port): the router subscribes and knows exactly which prompt blocks the engine holds (admission.prediction.prefix_cache events or auto). Needs the prompt's token IDs: the router asks the engine's /tokenize per request (one round trip before admission) unless the prompt is token IDs."
         ),
     ] = None
 

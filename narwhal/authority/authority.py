@@ -24,8 +24,9 @@ from narwhal_generated.models.config import NarwhalConfig
 from ..core.accounting import Books
 from ..core.admission import Scheduler
 from ..core.clock import Clock, MonotonicClock
-from ..core.fleet import Breaker, EngineState
+from ..core.fleet import PHASE1_ROLES, Breaker, EngineState
 from ..core.prediction import Margin, OutputLengthLearner
+from ..core.prefix import MAX_BLOCKS, PrefixIndex
 from ..core.sizing import PromptSizer
 from ..core.state import RouterState
 from ..core.tickets import Dispatch, Refuse, Ticket
@@ -35,6 +36,18 @@ from ..upstream.usage import PromptCounter
 __all__ = ["Authority"]
 
 log = logging.getLogger("narwhal")
+
+
+def _prefix_indexes(mode: str, tokens: int, engines: list[EngineSpec]) -> dict[str, PrefixIndex]:
+    """admission.prediction.prefix_cache: one index per phase-1 engine it covers."""
+    if mode == "off":
+        return {}
+    covered = [s for s in engines if s.role in PHASE1_ROLES and (mode != "events" or s.kv_events)]
+    per = max(64, min(tokens // _APPROX_BLOCK_TOKENS, MAX_BLOCKS // max(1, len(covered))))
+    return {s.name: PrefixIndex(per, trusted=mode == "approximate") for s in covered}
+
+
+_APPROX_BLOCK_TOKENS = 64  # a block of the approximate index at ~4 bytes per token
 
 
 def _cap(slots: int, limit: int | None) -> int:
@@ -70,6 +83,7 @@ class Authority:
             margin=Margin(p.initial_margin, p.margin_quantile, p.margin_min_samples, p.adaptive_margin),
             output_lengths=OutputLengthLearner(),
             tpot_budget_ms=p.tpot_budget_ms,
+            prefix=_prefix_indexes(p.prefix_cache, p.prefix_cache_tokens, engines),
         )
         # the learned bytes-per-token estimate (an exact count, when the data plane has
         # one, comes with the request: Order.exact_prompt_tokens)

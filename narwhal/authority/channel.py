@@ -84,7 +84,7 @@ class WorkerSession:
         entry = self.entries.get(m.rid)
         if entry is None:
             return  # ended meanwhile
-        got = entry.admit_now(Order(m.route, m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s))
+        got = entry.admit_now(Order(m.route, m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix)))
         if isinstance(got, Refuse):
             self.send(ipc.Refused(m.rid, got.row.id, got.overrun_s, got.fields))
             return
@@ -140,7 +140,7 @@ class WorkerSession:
     def _close(self, m: ipc.Close) -> None:
         lease = self._lease(m.rid)
         if lease is not None:
-            lease.close(Outcome(m.at, m.ok_engine, m.failed_engine, m.failed_row, m.tpot_s, m.tpot_engine, m.output_tokens, m.finish_reason, m.reported_prompt_tokens))
+            lease.close(Outcome(m.at, m.ok_engine, m.failed_engine, m.failed_row, m.tpot_s, m.tpot_engine, m.output_tokens, m.finish_reason, m.reported_prompt_tokens, m.cached_tokens))
 
     def _end(self, m: ipc.End) -> None:
         w = self.waits.pop(m.rid, None)

@@ -14,6 +14,7 @@ from narwhal_generated import errors as E
 
 from ..core.accounting import Entry as BooksEntry
 from ..core.lease import Grant, Order, Outcome
+from ..core.prefix import APPROX_BLOCK_BYTES
 from ..core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 from .authority import Authority
 
@@ -119,6 +120,7 @@ class LocalLease:
             a.scheduler.output_lengths.observe(w.route, w.prompt_tokens, w.max_tokens, o.output_tokens, finish_reason=o.finish_reason)
         if o.reported_prompt_tokens is not None and self.order.exact_prompt_tokens is None:
             a.sizer.learn(self.order.prompt_bytes, o.reported_prompt_tokens)
+        a.scheduler.learn(self.t, o.cached_tokens)
         if o.failed_engine is not None and o.failed_row is not None:
             a.engine_failed(o.failed_engine, o.failed_row)
         elif o.ok_engine is not None:
@@ -155,6 +157,8 @@ class LocalEntry:
             arrival=order.arrival,
             max_wait_s=a.config.admission.max_wait_ms / 1000.0,
             deadline_s=order.deadline_s,
+            prefix=order.prefix if a.scheduler.prefix else (),
+            block_tokens=APPROX_BLOCK_BYTES / a.sizer.bytes_per_token,
         )
         d = a.scheduler.admit(work, now)
         if isinstance(d, Refuse):

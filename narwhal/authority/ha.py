@@ -55,6 +55,7 @@ class Elector:
         self.leadership = Leadership(margin_s=cfg.fence_margin_ms / 1000.0)
         self.etcd = Etcd([u.root for u in cfg.etcd], timeout_s=cfg.request_timeout_ms / 1000.0)
         self._wake = asyncio.Event()  # the operator state changed
+        self._campaigned = asyncio.Event()  # set after each campaign's outcome (won, lost, unreachable)
         self._retry = RETRY_S
         self._task: asyncio.Task[None] | None = None
         self.take_over: Any = None  # async () -> None, set by the control plane
@@ -72,7 +73,7 @@ class Elector:
         lease = self.leadership.lease
         if self.leadership.state == "leader" and lease is not None:
             # a clean stop hands the key on at once (as L19 does), not after the TTL
-            self._event("operator_off")
+            self._event("operator_off", why="stopping")
             with contextlib.suppress(EtcdError):
                 await self.etcd.revoke(lease, timeout_s=1.0)
         await self.etcd.aclose()
@@ -80,14 +81,25 @@ class Elector:
     def operator_changed(self) -> None:
         self._wake.set()
 
+    async def settled(self, timeout_s: float) -> None:
+        """Until the next campaign has an outcome (bounded): an operator who sets this
+        router active gets an answer that says whether it leads."""
+        self._campaigned.clear()
+        self._wake.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._campaigned.wait(), timeout_s)
+
     # -- the machine ---------------------------------------------------------------------
 
-    def _event(self, event: str, **kw: Any) -> str:
+    def _event(self, event: str, *, why: str | None = None, **kw: Any) -> str:
         le = self.leadership
         before = le.state
         row = le.on(event, self.a.clock.now(), **kw)
         if row.next != before:
-            log.warning("ha %s: %s -> %s on %s (%s); fencing token %s, lease %s", self.name, before, row.next, event, row.id, le.token, le.lease)
+            log.log(logging.INFO if why == "stopping" else logging.WARNING, "ha %s: %s -> %s on %s (%s)%s; fencing token %s, lease %s",
+                    self.name, before, row.next, event, row.id, f", {why}" if why else "", le.token, le.lease)
+        if event in ("won", "lost", "unreachable") and le.state != "leader":
+            self._campaigned.set()
         if row.action in ("fence", "resign"):
             self.a.refuse_waiting()
         return row.action
@@ -150,6 +162,7 @@ class Elector:
             if self.leadership.state == "leader":
                 self.leadership.took_over()
                 log.warning("ha %s: leader, admitting (fencing token %d)", self.name, c.revision)
+            self._campaigned.set()
             return
         self._event("lost")
         with contextlib.suppress(EtcdError):

@@ -69,6 +69,8 @@ class _StateCollector(Collector):
         breaker = GaugeMetricFamily("narwhal_engine_circuit_open", "1 when the engine's circuit breaker is open.", labels=["engine"])
         drift = GaugeMetricFamily("narwhal_engine_drift_score", "Drift score z of measured vs profiled time, per phase.", labels=["engine", "phase"])
         tpot = GaugeMetricFamily("narwhal_engine_profile_tpot_seconds", "Profiled TPOT at batch 1 (with decode correction).", labels=["engine"])
+        pblocks = GaugeMetricFamily("narwhal_prefix_index_blocks", "Prompt blocks the router believes the engine holds in its prefix cache (core/prefix.py).", labels=["engine"])
+        pcap = GaugeMetricFamily("narwhal_prefix_index_capacity_blocks", "The prefix index's size limit for the engine, in blocks (follows the engine's reports).", labels=["engine"])
         prof = GaugeMetricFamily("narwhal_engine_profile_status", "1 for the engine's profile status (failed: predictive admission uses default models for it).", labels=["engine", "status"])
         for e in s["engines"]:
             for st in PROFILE_STATUSES:
@@ -82,7 +84,10 @@ class _StateCollector(Collector):
             drift.add_metric([e["name"], "prefill"], e["drift"]["prefill"]["score"])
             drift.add_metric([e["name"], "decode"], e["drift"]["decode"]["score"])
             tpot.add_metric([e["name"]], e["profile"]["decode"]["tpot_ms_at_batch_1"] / 1000.0)
-        yield from (inflight, queued, healthy, eligible, breaker, drift, tpot, prof)
+            if e.get("prefix_cache") is not None:
+                pblocks.add_metric([e["name"]], e["prefix_cache"]["blocks"])
+                pcap.add_metric([e["name"]], e["prefix_cache"]["capacity_blocks"])
+        yield from (inflight, queued, healthy, eligible, breaker, drift, tpot, prof, pblocks, pcap)
 
 
 class _Merged(Collector):

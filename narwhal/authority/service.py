@@ -49,7 +49,12 @@ class LocalControls:
         return metrics.render(lambda: views.state_snapshot(self.control), planes)
 
     async def set_state(self, state: str) -> str:
-        return self.control.set_operator(state)
+        self.control.set_operator(state)
+        el = self.control.elector
+        if state == "active" and el is not None:
+            # with ha the router campaigns again: answer once that campaign has an outcome
+            await el.settled(self.control.config.ha.lease_ttl_ms / 1000.0)  # type: ignore[union-attr]
+        return self.control.state.reason(self.control.clock.now()) or "active"
 
     async def set_wave(self, wave: str, on: bool) -> None:
         self.control.set_wave_maintenance(wave, on)

@@ -49,6 +49,7 @@ def engine_view(a: Authority, e: EngineState) -> dict[str, Any]:
         "drift": {"prefill": e.prefill.drift.snapshot(), "decode": e.decode.drift.snapshot()},
         "output_length": a.scheduler.output_lengths.snapshot(),
         "load": e.load_snapshot(now),
+        "prefix_cache": a.scheduler.prefix[e.name].snapshot() if e.name in a.scheduler.prefix else None,
     }
 
 

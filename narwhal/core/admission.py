@@ -47,6 +47,7 @@ from narwhal_generated import errors as E
 
 from .fleet import PHASE1_ROLES, EngineState
 from .prediction import DEPTH_BUCKET_OF, Margin, OutputLengthLearner
+from .prefix import PrefixIndex
 from .tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 
 __all__ = ["Scheduler"]
@@ -66,8 +67,12 @@ class Scheduler:
         margin: Margin | None = None,
         output_lengths: OutputLengthLearner | None = None,
         tpot_budget_ms: float | None = None,
+        prefix: dict[str, PrefixIndex] | None = None,
     ) -> None:
         self.engines: dict[str, EngineState] = {e.name: e for e in engines}
+        # phase-1 engines' prefix caches as the router knows them (core/prefix.py); empty:
+        # prefill is projected at full prompt length
+        self.prefix: dict[str, PrefixIndex] = prefix or {}
         self.mode = mode
         self.queue_limit = queue_limit
         self.maintenance_waves = maintenance_waves if maintenance_waves is not None else set()
@@ -173,9 +178,22 @@ class Scheduler:
         m = 1.0
         min_solo = float("inf")
         out_len: float | None = None
+        keys = work.prefix
+        caches = self.prefix if keys else None
+        best_cached = 0.0
         for e in self._phase1:
             if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
                 continue
+            cached = 0.0
+            if caches:
+                idx = caches.get(e.name)
+                if idx is not None and idx.trusted:
+                    # refusals.yaml R10 note: prefill is projected on the tokens this engine
+                    # is expected not to hold (the prefix cache); at least one is computed
+                    cached = min(n - 1.0, idx.match(keys) * work.block_tokens)
+                    if cached > 0.0:
+                        u = (n - cached) / 1000.0
+                        uu = u * u
             if e.role == "prefill":
                 if not decoders:
                     continue
@@ -191,6 +209,9 @@ class Scheduler:
             th = e.prefill.lin.theta
             pf = th[0] + th[1] * u + th[2] * uu
             pf = (pf if pf > 0.0 else 0.0) * e.prefill.drift.correction
+            if cached > 0.0:  # the next engine starts from the full prompt again
+                u = n / 1000.0
+                uu = u * u
             solo = pf + solo_extra  # R08: the prompt alone (no decode-slot wait)
             busy = e.busy_until * 1000.0 - now_ms
             p_e = (busy if busy > 0.0 else 0.0) + e.queued_work_ms + pf + extra
@@ -214,6 +235,7 @@ class Scheduler:
                 key = (not (free and not e.queue), len(e.queue), e.prefill_in_use / e.prefill_slots + (e.decode_in_use / e.decode_slots if e.role == "unified" else 0.0))
             if best_key is None or key < best_key:
                 best_key, engine, proj, m = key, e, p_e, m_e
+                best_cached = cached
         if predictive and engine is not None:
             # R08: the prompt alone, on its best engine, with the depth-0 margin
             solo_m = min_solo * factors[0]
@@ -237,7 +259,8 @@ class Scheduler:
         self._next_id += 1
         t.projected_ttft_ms = proj
         t.depth = engine.depth()
-        t.pred_prefill_ms = engine.prefill.predict_ms(n)
+        t.expected_cached = best_cached
+        t.pred_prefill_ms = engine.prefill.predict_ms(n - best_cached)
         if free:
             return self._dispatch1(t, engine, now)
         return self._enqueue(t, engine, now)
@@ -316,6 +339,10 @@ class Scheduler:
             t.pd_pending = True
             self.pd_pending += 1
         t.prefill_dispatched_at = now
+        if t.work.prefix:
+            idx = self.prefix.get(e.name)
+            if idx is not None:  # the engine holds the prompt's blocks once it has prefilled
+                idx.insert(t.work.prefix)
         e.busy_until = max(e.busy_until, now) + t.pred_prefill_ms / 1000.0
         e.inflight_prefill[t.id] = t.pred_prefill_ms
         d = Dispatch(t, e.name, t.state)
@@ -359,7 +386,10 @@ class Scheduler:
         e.last_prefill_done = now
         e.busy_until = now + sum(e.inflight_prefill.values()) / 1000.0
         if ok and svc_ms > 0:
-            e.prefill.observe(t.work.prompt_tokens, svc_ms)
+            if t.work.prefix and e.name in self.prefix:
+                t.prefill_sample = (e.name, svc_ms)  # learned at close, on the uncached tokens (learn)
+            else:
+                e.prefill.observe(t.work.prompt_tokens, svc_ms)
 
     def first_token(self, t: Ticket, now: float) -> list[Dispatch]:
         """The client's first token arrived (unified engine, or decode after P/D)."""
@@ -562,6 +592,21 @@ class Scheduler:
             grants += self._grant_phase1(e, now)
         grants += self._grant_decode(now)
         return grants, refused
+
+    def learn(self, t: Ticket, cached_tokens: int | None) -> None:
+        """The request ended; the engine reported `cached_tokens` of its prompt cached
+        (None: not reported). The prefill sample is learned on the uncached tokens, and
+        the prefix index follows the engine's capacity (core/prefix.py)."""
+        w = t.work
+        sample, t.prefill_sample = t.prefill_sample, None
+        cached = float(cached_tokens) if cached_tokens is not None else t.expected_cached
+        if sample is not None:
+            self.engines[sample[0]].prefill.observe(max(1.0, w.prompt_tokens - cached), sample[1])
+        if cached_tokens is not None and w.prefix and w.block_tokens > 0 and t.engine is not None:
+            idx = self.prefix.get(t.engine)
+            if idx is not None:
+                idx.trusted = True
+                idx.correct(round(t.expected_cached / w.block_tokens), int(cached_tokens // w.block_tokens))
 
     def refuse_waiting(self, refusal: Refuse) -> list[tuple[Ticket, Refuse]]:
         """Every ticket waiting in a queue (phase 1 or a decode slot) leaves it with

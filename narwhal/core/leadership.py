@@ -25,8 +25,9 @@ __all__ = ["Leadership", "STATES", "EVENTS", "ROUTER_STATE"]
 
 STATES = L.STATES
 EVENTS = L.EVENTS
-# the router state (router_states.yaml) each election state stands for; None: active
-ROUTER_STATE: dict[str, str | None] = {"leader": None, "candidate": "standby", "paused": "standby", "fenced": "fenced"}
+# the router state (router_states.yaml) each election state stands for; None: active, or
+# (paused) whatever the operator set: standby, or maintenance of the router's wave
+ROUTER_STATE: dict[str, str | None] = {"leader": None, "candidate": "standby", "paused": None, "fenced": "fenced"}
 HISTORY = 64  # state changes remembered for /v1/engines
 
 
@@ -77,7 +78,9 @@ class Leadership:
         return self.state == "leader" and self.fence_at is not None and now >= self.fence_at
 
     def standby(self, now: float) -> bool:
-        return self.state in ("candidate", "paused") or (self.state == "leader" and self.taking_over)
+        """A candidate (another router leads) or a leader still taking over. Paused is
+        not: the operator's own state (standby, maintenance) names the reason."""
+        return self.state == "candidate" or (self.state == "leader" and self.taking_over)
 
     def admitting(self, now: float) -> bool:
         return self.state == "leader" and not self.taking_over and not self.fenced(now)
@@ -85,7 +88,7 @@ class Leadership:
     def snapshot(self, now: float) -> dict[str, Any]:
         return {
             "state": self.state,
-            "router_state": "fenced" if self.fenced(now) else ("standby" if self.standby(now) else "active"),
+            "router_state": "fenced" if self.fenced(now) else ("standby" if self.standby(now) else ("operator" if self.state == "paused" else "active")),
             "fencing_token": self.token,
             "lease": self.lease,
             "fence_in_ms": None if self.fence_at is None else round((self.fence_at - now) * 1000.0, 1),

@@ -57,6 +57,7 @@ class Order:
     budget_ms: float  # the TTFT budget (x-narwhal-ttft-target-ms or admission.ttft_budget_ms)
     arrival: float
     deadline_s: float | None  # x-narwhal-deadline-ms, relative to arrival
+    prefix: tuple[int, ...] = ()  # the prompt's prefix-cache blocks (core/prefix.py), () when not modelled
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class Outcome:
     output_tokens: int | None = None  # None: the relay never finished (nothing to learn)
     finish_reason: str | None = None
     reported_prompt_tokens: int | None = None  # an engine's (or its tokenizer's) count: the sizer learns from it
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens of the phase-1 engine, when reported
 
 
 class Lease(Protocol):

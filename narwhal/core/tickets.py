@@ -26,6 +26,10 @@ class Work:
     arrival: float
     max_wait_s: float
     deadline_s: float | None  # relative to arrival
+    # the prompt's prefix blocks (core/prefix.py) and the tokens one block stands for;
+    # () when the prefix cache is not modelled
+    prefix: tuple[int, ...] = ()
+    block_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,7 @@ class Ticket:
         "id", "work", "state", "engine", "decode_engine", "excluded", "enqueued_at", "waited",
         "pred_prefill_ms", "projected_ttft_ms", "depth", "prefill_dispatched_at",
         "decode_dispatched_at", "holds_prefill", "holds_decode", "granted", "pd_pending",
+        "expected_cached", "prefill_sample",
     )
 
     def __init__(self, tid: int, work: Work) -> None:
@@ -76,6 +81,8 @@ class Ticket:
         self.holds_decode: str | None = None
         self.granted: Dispatch | None = None
         self.pd_pending = False  # counted in Scheduler.pd_pending (P/D backpressure)
+        self.expected_cached = 0.0  # prompt tokens its phase-1 engine is expected to hold cached
+        self.prefill_sample: tuple[str, float] | None = None  # (engine, service ms), learned at close
 
     @property
     def waiting(self) -> bool:

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from narwhal_generated import errors as E
 
 from ..core.lease import Order
+from ..core.prefix import rendered, text_keys
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
 from ..core.tickets import Refuse
 from ..worker.plane import DataPlane
@@ -303,6 +304,8 @@ class CompletionEndpoint:
                 budget_ms=float(hv.ttft_target_ms if hv.ttft_target_ms is not None else adm.ttft_budget_ms),
                 arrival=arrival,
                 deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
+                # the prompt's prefix blocks: which engine may hold its history cached
+                prefix=text_keys(rendered(self.route, parsed.body)) if r.models_prefix else (),
             )
             cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid), receive, sink)
         except asyncio.CancelledError:

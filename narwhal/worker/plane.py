@@ -51,6 +51,8 @@ class DataPlane:
         # names none of them (narwhal/core/relay.py, engine_message)
         self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))
         self.prompt_counters: dict[str, PromptCounter] = {}
+        # admission.prediction.prefix_cache: requests carry their prefix blocks (core/prefix.py)
+        self.models_prefix = config.admission.prediction.prefix_cache != "off"
         self.telemetry = Telemetry()
 
     def model_of(self, name: str) -> str:

@@ -188,7 +188,7 @@ class RemoteLease:
 
     def close(self, o: Outcome) -> None:
         self.link.send(ipc.Close(self.rid, o.at, o.ok_engine, o.failed_engine, o.failed_row, o.tpot_s, o.tpot_engine,
-                                 o.output_tokens, o.finish_reason, o.reported_prompt_tokens))
+                                 o.output_tokens, o.finish_reason, o.reported_prompt_tokens, o.cached_tokens))
 
 
 class RemoteEntry:
@@ -201,7 +201,7 @@ class RemoteEntry:
 
     async def admit(self, order: Order) -> RemoteLease | Refuse:
         o = order
-        got = await self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s))
+        got = await self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix)))
         if type(got) is ipc.Refused:
             return _refuse(got)
         msg, follow = got

@@ -141,6 +141,7 @@ class _Run:
         self.output_tokens: int | None = None
         self.finish_reason: str | None = None
         self.reported_prompt: int | None = None
+        self.cached_tokens: int | None = None  # the phase-1 engine's usage.prompt_tokens_details.cached_tokens
 
     def outcome(self, failed: _Failed | None = None) -> Outcome:
         fe = failed.engine.name if failed is not None and failed.engine is not None and not failed.reported else None
@@ -154,6 +155,7 @@ class _Run:
             output_tokens=self.output_tokens,
             finish_reason=self.finish_reason,
             reported_prompt_tokens=self.reported_prompt,
+            cached_tokens=self.cached_tokens,
         )
 
     def _upstream(self, x: UpstreamError, e: EngineSpec, leg: str = "engine") -> _Failed:
@@ -192,6 +194,7 @@ class _Run:
             usage = obj.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                 self.prefill_prompt_tokens = usage["prompt_tokens"]
+            self.cached_tokens = _cached(usage)
             ok = True
             return kv
         finally:
@@ -342,6 +345,8 @@ class _Run:
             pt = usage["prompt_tokens"]
         if pt is not None:
             self.reported_prompt = pt
+        if self.prefill_prompt_tokens is None:  # unified: this engine did the prefill
+            self.cached_tokens = _cached(usage)
 
     # -- attempts ------------------------------------------------------------------------
 
@@ -389,6 +394,14 @@ def _err_msg(obj: dict[str, Any], hosts: tuple[str, ...]) -> str:
     err = obj.get("error")
     msg = engine_message(err.get("message") if isinstance(err, dict) else err, hosts=hosts)
     return msg if msg is not None else "an error event without a message"
+
+
+def _cached(usage: Any) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens (vLLM with --enable-prompt-tokens-details),
+    when an integer."""
+    d = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    c = d.get("cached_tokens") if isinstance(d, dict) else None
+    return c if type(c) is int and c >= 0 else None
 
 
 def _merge_usage(res: dict[str, Any], prompt_tokens: int) -> None:
