@@ -64,6 +64,7 @@ class Admitted:
     rid: int
     prompt_tokens: int
     projected_ttft_ms: float | None
+    expected_cached: float
     engine: str | None  # the grant, when dispatched at once; None: queued (Granted or Refused follows)
     phase: str | None
 
@@ -149,6 +150,7 @@ class Admit:
     arrival: float
     deadline_s: float | None
     prefix: list[int]
+    token_prefix: list[int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,14 @@ class Engine(BaseModel):
             description="The engine's KV-event publisher (vLLM --kv-events-config publisher zmq, endpoint tcp://host:port): the router subscribes and knows exactly which prompt blocks the engine holds (admission.prediction.prefix_cache events or auto). Needs the prompt's token IDs: the router asks the engine's /tokenize per request (one round trip before admission) unless the prompt is token IDs."
         ),
     ] = None
+    kv_block_size: Annotated[
+        StrictInt,
+        Field(
+            description="The engine's KV block size in tokens (vLLM --block-size, default 16): the router keys a prompt's blocks as the engine's KV events do. Events of another block size are ignored with a warning.",
+            ge=1,
+            le=4096,
+        ),
+    ] = 16
 
 
 class Monitoring(BaseModel):

@@ -43,8 +43,14 @@ def _prefix_indexes(mode: str, tokens: int, engines: list[EngineSpec]) -> dict[s
     if mode == "off":
         return {}
     covered = [s for s in engines if s.role in PHASE1_ROLES and (mode != "events" or s.kv_events)]
-    per = max(64, min(tokens // _APPROX_BLOCK_TOKENS, MAX_BLOCKS // max(1, len(covered))))
-    return {s.name: PrefixIndex(per, trusted=mode == "approximate") for s in covered}
+    per = MAX_BLOCKS // max(1, len(covered))
+    out = {}
+    for s in covered:
+        if s.kv_events and mode in ("auto", "events"):  # exact: the engine's own events (kvevents.py)
+            out[s.name] = PrefixIndex(per, trusted=True, token=True, block_tokens=float(s.kv_block_size))
+        else:
+            out[s.name] = PrefixIndex(max(64, min(tokens // _APPROX_BLOCK_TOKENS, per)), trusted=mode == "approximate")
+    return out
 
 
 _APPROX_BLOCK_TOKENS = 64  # a block of the approximate index at ~4 bytes per token

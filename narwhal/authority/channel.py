@@ -84,15 +84,15 @@ class WorkerSession:
         entry = self.entries.get(m.rid)
         if entry is None:
             return  # ended meanwhile
-        got = entry.admit_now(Order(m.route, m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix)))
+        got = entry.admit_now(Order(m.route, m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix), tuple(m.token_prefix)))
         if isinstance(got, Refuse):
             self.send(ipc.Refused(m.rid, got.row.id, got.overrun_s, got.fields))
             return
         g = got.granted_now()
         if isinstance(g, Grant):
-            self.send(ipc.Admitted(m.rid, got.prompt_tokens, got.projected_ttft_ms, g.engine, g.phase))
+            self.send(ipc.Admitted(m.rid, got.prompt_tokens, got.projected_ttft_ms, got.expected_cached, g.engine, g.phase))
             return
-        self.send(ipc.Admitted(m.rid, got.prompt_tokens, got.projected_ttft_ms, None, None))
+        self.send(ipc.Admitted(m.rid, got.prompt_tokens, got.projected_ttft_ms, got.expected_cached, None, None))
         self._wait(m.rid, got.wait())
 
     def _answer(self, rid: int, g: Any) -> None:

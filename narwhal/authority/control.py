@@ -8,7 +8,7 @@ import contextlib
 from typing import Any
 
 from ..core.fleet import EngineState
-from . import health, load, profiler
+from . import health, kvevents, load, profiler
 from .authority import Authority
 from .ha import Elector
 
@@ -21,6 +21,7 @@ class ControlPlane(Authority):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
+        self.kv_feeds: dict[str, kvevents.EventFeed] = {}
         if self.config.ha is not None:  # leader election: standby until elected
             self.elector = Elector(self, self.config.ha)
             self.elector.take_over = self.take_over
@@ -45,6 +46,12 @@ class ControlPlane(Authority):
         self._tasks.append(asyncio.create_task(health.monitor(self), name="narwhal-health"))
         if self.elector is not None:
             self.elector.start()
+        for name, idx in self.scheduler.prefix.items():
+            spec = self.specs[name]
+            if idx.token and spec.kv_events:
+                feed = kvevents.EventFeed(name, idx, spec.kv_block_size)
+                self.kv_feeds[name] = feed
+                self._tasks.append(asyncio.create_task(kvevents.subscribe(feed, spec.kv_events), name=f"narwhal-kv-{name}"))
         if self.config.admission.prediction.profile_on_start:
             # profile once the first health poll says which engines answer; an engine that
             # is down now is profiled when a later poll finds it up (profiler.maybe_reprofile)

@@ -24,7 +24,7 @@ QUEUED = object()  # a *_now call's answer: queued; await `wait()` for the grant
 
 
 class LocalLease:
-    __slots__ = ("a", "t", "order", "first", "prompt_tokens", "projected_ttft_ms", "closed")
+    __slots__ = ("a", "t", "order", "first", "prompt_tokens", "projected_ttft_ms", "expected_cached", "closed")
 
     def __init__(self, a: Authority, first: Dispatch | Enqueued, order: Order) -> None:
         self.a = a
@@ -33,6 +33,7 @@ class LocalLease:
         self.first = first
         self.prompt_tokens = first.ticket.work.prompt_tokens
         self.projected_ttft_ms = first.ticket.projected_ttft_ms
+        self.expected_cached = first.ticket.expected_cached
         self.closed = False
 
     # -- grants ------------------------------------------------------------------------
@@ -158,6 +159,7 @@ class LocalEntry:
             max_wait_s=a.config.admission.max_wait_ms / 1000.0,
             deadline_s=order.deadline_s,
             prefix=order.prefix if a.scheduler.prefix else (),
+            token_prefix=order.token_prefix if a.scheduler.prefix else (),
             block_tokens=APPROX_BLOCK_BYTES / a.sizer.bytes_per_token,
         )
         d = a.scheduler.admit(work, now)

@@ -49,8 +49,13 @@ def engine_view(a: Authority, e: EngineState) -> dict[str, Any]:
         "drift": {"prefill": e.prefill.drift.snapshot(), "decode": e.decode.drift.snapshot()},
         "output_length": a.scheduler.output_lengths.snapshot(),
         "load": e.load_snapshot(now),
-        "prefix_cache": a.scheduler.prefix[e.name].snapshot() if e.name in a.scheduler.prefix else None,
+        "prefix_cache": {**a.scheduler.prefix[e.name].snapshot(), **_feed(a, e.name)} if e.name in a.scheduler.prefix else None,
     }
+
+
+def _feed(a: Authority, name: str) -> dict[str, Any]:
+    feed = getattr(a, "kv_feeds", {}).get(name)
+    return {"events": feed.snapshot()} if feed is not None else {}
 
 
 def engines(a: Authority, *, sizing: dict[str, Any]) -> dict[str, Any]:

@@ -178,8 +178,7 @@ class Scheduler:
         m = 1.0
         min_solo = float("inf")
         out_len: float | None = None
-        keys = work.prefix
-        caches = self.prefix if keys else None
+        caches = self.prefix if (work.prefix or work.token_prefix) else None
         best_cached = 0.0
         for e in self._phase1:
             if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
@@ -190,7 +189,10 @@ class Scheduler:
                 if idx is not None and idx.trusted:
                     # refusals.yaml R10 note: prefill is projected on the tokens this engine
                     # is expected not to hold (the prefix cache); at least one is computed
-                    cached = min(n - 1.0, idx.match(keys) * work.block_tokens)
+                    if idx.token:
+                        cached = min(n - 1.0, idx.match(work.token_prefix) * (idx.block_tokens or 0.0))
+                    else:
+                        cached = min(n - 1.0, idx.match(work.prefix) * work.block_tokens)
                     if cached > 0.0:
                         u = (n - cached) / 1000.0
                         uu = u * u
@@ -341,7 +343,7 @@ class Scheduler:
         t.prefill_dispatched_at = now
         if t.work.prefix:
             idx = self.prefix.get(e.name)
-            if idx is not None:  # the engine holds the prompt's blocks once it has prefilled
+            if idx is not None and not idx.token:  # the engine holds the prompt's blocks once it has prefilled
                 idx.insert(t.work.prefix)
         e.busy_until = max(e.busy_until, now) + t.pred_prefill_ms / 1000.0
         e.inflight_prefill[t.id] = t.pred_prefill_ms
@@ -386,7 +388,7 @@ class Scheduler:
         e.last_prefill_done = now
         e.busy_until = now + sum(e.inflight_prefill.values()) / 1000.0
         if ok and svc_ms > 0:
-            if t.work.prefix and e.name in self.prefix:
+            if (t.work.prefix or t.work.token_prefix) and e.name in self.prefix:
                 t.prefill_sample = (e.name, svc_ms)  # learned at close, on the uncached tokens (learn)
             else:
                 e.prefill.observe(t.work.prompt_tokens, svc_ms)
@@ -604,7 +606,7 @@ class Scheduler:
             self.engines[sample[0]].prefill.observe(max(1.0, w.prompt_tokens - cached), sample[1])
         if cached_tokens is not None and w.prefix and w.block_tokens > 0 and t.engine is not None:
             idx = self.prefix.get(t.engine)
-            if idx is not None:
+            if idx is not None and not idx.token:  # an index fed by events is the engine's own word
                 idx.trusted = True
                 idx.correct(round(t.expected_cached / w.block_tokens), int(cached_tokens // w.block_tokens))
 

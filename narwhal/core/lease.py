@@ -58,6 +58,7 @@ class Order:
     arrival: float
     deadline_s: float | None  # x-narwhal-deadline-ms, relative to arrival
     prefix: tuple[int, ...] = ()  # the prompt's prefix-cache blocks (core/prefix.py), () when not modelled
+    token_prefix: tuple[int, ...] = ()  # the same over its token IDs, for engines with KV events
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class Outcome:
 class Lease(Protocol):
     prompt_tokens: int  # as sized by the authority (exact or estimated)
     projected_ttft_ms: float | None  # predictive mode: the projection admission used
+    expected_cached: float  # prompt tokens its phase-1 engine is expected to hold in its prefix cache
 
     async def granted(self) -> Grant | Refuse: ...
 

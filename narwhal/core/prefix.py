@@ -87,9 +87,9 @@ def token_keys(token_ids: Sequence[int], block_size: int, parent: int | None = N
 
 
 class PrefixIndex:
-    __slots__ = ("capacity", "floor", "_keys", "adjustments", "trusted")
+    __slots__ = ("capacity", "floor", "_keys", "adjustments", "trusted", "token", "block_tokens")
 
-    def __init__(self, capacity: int, *, floor: int = 0, trusted: bool = True) -> None:
+    def __init__(self, capacity: int, *, floor: int = 0, trusted: bool = True, token: bool = False, block_tokens: float | None = None) -> None:
         self.capacity = capacity  # blocks
         self.floor = floor  # the capacity never shrinks below this
         self._keys: OrderedDict[int, None] = OrderedDict()
@@ -98,6 +98,10 @@ class PrefixIndex:
         # approximate index when the engine first reports cached_tokens (it caches and
         # says so); an engine that never reports is projected at full length
         self.trusted = trusted
+        # fed by the engine's KV events over token IDs (Work.token_prefix, `block_tokens`
+        # tokens a block), else approximate (Work.prefix, Work.block_tokens)
+        self.token = token
+        self.block_tokens = block_tokens
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -150,5 +154,6 @@ class PrefixIndex:
             self.capacity += max(1, self.capacity // 8)
             self.adjustments += 1
 
-    def snapshot(self) -> dict[str, int | bool]:
-        return {"blocks": len(self._keys), "capacity_blocks": self.capacity, "adjustments": self.adjustments, "trusted": self.trusted}
+    def snapshot(self) -> dict[str, int | bool | str]:
+        return {"kind": "events" if self.token else "approximate", "blocks": len(self._keys), "capacity_blocks": self.capacity,
+                "adjustments": self.adjustments, "trusted": self.trusted}

@@ -30,6 +30,7 @@ class Work:
     # () when the prefix cache is not modelled
     prefix: tuple[int, ...] = ()
     block_tokens: float = 0.0
+    token_prefix: tuple[int, ...] = ()  # the same over the prompt's token IDs (engines with KV events)
 
 
 @dataclass(frozen=True, slots=True)

@@ -306,6 +306,7 @@ class CompletionEndpoint:
                 deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
                 # the prompt's prefix blocks: which engine may hold its history cached
                 prefix=text_keys(rendered(self.route, parsed.body)) if r.models_prefix else (),
+                token_prefix=await r.token_prefix(self.route, parsed.body) if r.kv_tokenizer is not None else (),
             )
             cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid), receive, sink)
         except asyncio.CancelledError:

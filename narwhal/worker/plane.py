@@ -8,19 +8,25 @@ are this plane's own request histograms and how to count a prompt on an engine t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
+
+import orjson
 
 from narwhal_generated.models.config import NarwhalConfig
 
 from ..core.clock import Clock, MonotonicClock
 from ..core.lease import Door
+from ..core.prefix import token_keys
 from ..upstream.engines import EngineSpec, engine_client
 from ..upstream.usage import CountTarget, PromptCounter
 from .telemetry import Telemetry
 
-__all__ = ["DataPlane", "ENGINE_REQUEST_IDS", "tokenizer_of"]
+__all__ = ["DataPlane", "ENGINE_REQUEST_IDS", "tokenizer_of", "TOKENIZE_TIMEOUT_S"]
+
+TOKENIZE_TIMEOUT_S = 1.0  # a prompt's token IDs for the KV-event index, at most this long
 
 # Router-only, like core.requests.ROUTER_ONLY: the engine-side request ID of vLLM
 # (`request_id`) and SGLang (`rid`). A client that sets it chooses the ID the engine files
@@ -52,7 +58,12 @@ class DataPlane:
         self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))
         self.prompt_counters: dict[str, PromptCounter] = {}
         # admission.prediction.prefix_cache: requests carry their prefix blocks (core/prefix.py)
-        self.models_prefix = config.admission.prediction.prefix_cache != "off"
+        mode = config.admission.prediction.prefix_cache
+        self.models_prefix = mode != "off"
+        # engines with KV events (exact): the prompt's token IDs from the first such
+        # engine's /tokenize, keyed in its block size
+        kv = [s for s in engines if s.kv_events and s.role != "decode"] if mode in ("auto", "events") else []
+        self.kv_tokenizer: EngineSpec | None = kv[0] if kv else None
         self.telemetry = Telemetry()
 
     def model_of(self, name: str) -> str:
@@ -63,6 +74,31 @@ class DataPlane:
         s = self.engines.get(engine)
         if s is not None:
             self.prompt_counters[engine] = PromptCounter.from_facts(CountTarget(self.client, s.url, s.name, self.model_of(engine)), facts)
+
+    async def token_prefix(self, route: str, body: dict[str, Any]) -> tuple[int, ...]:
+        """The prompt's block keys over its token IDs (engines with KV events), or ()
+        when they cannot be had within TOKENIZE_TIMEOUT_S. Costs one /tokenize round
+        trip to the engine per request with a text prompt; none for token-ID prompts."""
+        e = self.kv_tokenizer
+        if e is None:
+            return ()
+        p = body.get("prompt")
+        if route == "completion" and isinstance(p, list) and all(type(t) is int for t in p):
+            return token_keys(p, e.kv_block_size)
+        req: dict[str, Any] = {"model": self.model_of(e.name)}
+        if route == "chat":
+            req["messages"] = body.get("messages")
+        else:
+            req["prompt"] = p
+        try:
+            async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
+                status, raw = await self.client.post_json(e.url + "/tokenize", req, headers={"x-narwhal-profiling": "1"})
+            toks = orjson.loads(raw).get("tokens") if status == 200 else None
+        except Exception:  # noqa: BLE001 - an estimate then: the approximate keys still apply
+            return ()
+        if not isinstance(toks, list) or not all(type(t) is int for t in toks):
+            return ()
+        return token_keys(toks, e.kv_block_size)
 
     def sizing(self) -> dict[str, Any]:
         return {"method": "tokenizer" if self.count_tokens else "estimate"}

@@ -147,13 +147,14 @@ class Link:
 
 
 class RemoteLease:
-    __slots__ = ("link", "rid", "prompt_tokens", "projected_ttft_ms", "_first")
+    __slots__ = ("link", "rid", "prompt_tokens", "projected_ttft_ms", "expected_cached", "_first")
 
     def __init__(self, link: Link, rid: int, msg: ipc.Admitted, follow: asyncio.Future[Any] | None) -> None:
         self.link = link
         self.rid = rid
         self.prompt_tokens = msg.prompt_tokens
         self.projected_ttft_ms = msg.projected_ttft_ms
+        self.expected_cached = msg.expected_cached
         self._first: Grant | asyncio.Future[Any] = Grant(msg.engine, msg.phase or "") if msg.engine is not None else follow  # type: ignore[assignment]
 
     @staticmethod
@@ -201,7 +202,7 @@ class RemoteEntry:
 
     async def admit(self, order: Order) -> RemoteLease | Refuse:
         o = order
-        got = await self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix)))
+        got = await self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix), list(o.token_prefix)))
         if type(got) is ipc.Refused:
             return _refuse(got)
         msg, follow = got

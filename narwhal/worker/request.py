@@ -52,6 +52,9 @@ from .plane import DataPlane
 # the TTFT admission projected for the request (ms, before the confidence margin), on its
 # response: what docs/performance.md compares with the measured TTFT
 PROJECTED_TTFT_HEADER = b"x-narwhal-projected-ttft-ms"
+# the prompt tokens admission expected the engine to hold in its prefix cache (predictive
+# mode): compare with usage.prompt_tokens_details.cached_tokens (docs/performance.md)
+EXPECTED_CACHED_HEADER = b"x-narwhal-expected-cached-tokens"
 
 __all__ = ["Sink", "run_request", "error_event"]
 
@@ -421,6 +424,7 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
         return cls
     if lease.projected_ttft_ms is not None:  # predictive mode: what admission projected
         sink.extra_headers.append((PROJECTED_TTFT_HEADER, b"%d" % round(lease.projected_ttft_ms)))
+        sink.extra_headers.append((EXPECTED_CACHED_HEADER, b"%d" % round(lease.expected_cached)))
     run = _Run(r, req, order, lease, sink, rid)
     failed: _Failed | None = None
     try:
