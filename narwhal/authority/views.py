@@ -80,7 +80,9 @@ def _ha(a: Authority) -> dict[str, Any] | None:
     le = getattr(getattr(a, "elector", None), "leadership", None)
     if le is None:
         return None
-    return {"name": a.elector.name, "key": a.config.ha.key, **le.snapshot(a.clock.now())}  # type: ignore[attr-defined,union-attr]
+    took = a.took_over_at
+    return {"name": a.elector.name, "key": a.config.ha.key, "took_over_at": None if took is None else round(took, 3),  # type: ignore[attr-defined,union-attr]
+            **le.snapshot(a.clock.now())}
 
 
 def ready(a: Authority) -> tuple[int, dict[str, Any]]:
