@@ -25,6 +25,14 @@ Per-request options (all optional; unknown keys ignored, bad values -> 400):
                   arrives cuts every answer streaming at that moment short, as
                   llama-cpp-python's server does by default
 
+Engines that cache (MockConfig.prefix_cache_tokens > 0, block_size; cache.py): prompts
+are tokenized deterministically (tokens.py: a shared text prefix gives shared token IDs,
+and a conversation's next turn starts with the previous turn's IDs), a prefill is
+charged T(uncached tokens), usage reports prompt_tokens_details.cached_tokens, and a
+vllm engine with `kv_events="tcp://127.0.0.1:PORT"` publishes vLLM's KV events over
+ZMQ (kv_events.py). /mock/stats has prompt_tokens, cached_tokens, prefill_ms and
+prefix_cache {blocks, capacity, kv_events endpoint}.
+
 Rules
   * `running_mock`/`running_fleet` bind their sockets (port 0) before yielding, so a
     client can connect at once; they serve from one background thread with its own
@@ -43,8 +51,11 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from .app import DIALECTS, ROLES, MockConfig, MockEngine, create_mock_app
+from .cache import PrefixCache
+from .kv_events import decode_batch
 from .scenarios import EOS_ID, FAULTS, SCENARIOS, VOCAB, Behaviour, content_piece
 from .timing import Timing
+from .tokens import prompt_token_ids
 
 __all__ = [
     "MockConfig",
@@ -66,6 +77,9 @@ __all__ = [
     "EOS_ID",
     "expected_content",
     "expected_token_ids",
+    "PrefixCache",
+    "prompt_token_ids",
+    "decode_batch",
 ]
 
 _STOP_TIMEOUT_S = 10.0
@@ -108,15 +122,21 @@ async def serve_mock(
     shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
     *,
     graceful_timeout: float = 2.0,
+    on_app: Callable[[MockEngine], None] | None = None,
 ) -> None:
     """Serve one mock engine with hypercorn until shutdown_trigger resolves (default:
-    SIGINT/SIGTERM, main thread only)."""
+    SIGINT/SIGTERM, main thread only). on_app sees the engine before it serves."""
     from hypercorn.asyncio import serve
 
     cfg = dataclasses.replace(config, port=port, host=config.host if config.host != "127.0.0.1" else host)
     app = create_mock_app(cfg)
+    if on_app is not None:
+        on_app(app)
     hc = _hypercorn_config(_bind_str(host, port), graceful_timeout=graceful_timeout)
-    await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+    try:
+        await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+    finally:
+        app.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,21 @@
 Rules
   * Routes: POST /v1/chat/completions, POST /v1/completions (streaming and not),
     GET /v1/models, GET /health, GET /metrics (vllm, sglang: load gauges), GET|DELETE /mock/requests, GET /mock/stats,
-    POST /mock/health {"healthy": bool} (a failing health check, for monitoring tests).
+    POST /mock/health {"healthy": bool} (a failing health check, for monitoring tests);
+    vllm also POST /tokenize (the mock's own token IDs, tokens.py) and, with the prefix
+    cache on, POST /reset_prefix_cache.
+  * Prefix cache (prefix_cache_tokens > 0; cache.py): a unified or prefill engine looks
+    its prompt's token IDs up when its prefill starts (FCFS, so a request queued behind
+    one with the same prefix sees that one's blocks), is charged T(n - cached) (vLLM
+    always computes the last prompt token: cached <= the full blocks of n - 1 tokens),
+    and stores the prompt's full blocks right after. A decode engine neither looks up
+    nor stores (its KV comes from the prefill engine) and reports 0 cached tokens.
+  * Usage with the cache on: vllm adds "prompt_tokens_details": {"cached_tokens": N} to
+    the final usage (stream and response) when N > 0, as vLLM with
+    --enable-prompt-tokens-details does (N == 0: absent in a stream, null in a
+    response); sglang always (--enable-cache-report); openai always (its own field).
+  * KV events (vllm dialect, `kv_events` endpoint; kv_events.py): a batch per prefill
+    that changed the cache (its evictions, then its stored blocks) and per reset.
   * Roles (ENGINES.md section 11): `unified` prefills then decodes; `prefill` answers
     after its prefill and, when asked with kv_transfer_params.do_remote_decode, returns
     top-level kv_transfer_params; `decode` refuses (400) a completion request whose
@@ -26,8 +40,8 @@ Rules
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +49,9 @@ from typing import Any
 import orjson
 
 from . import wire
+from .cache import DEFAULT_BLOCK_SIZE, PrefixCache
+from .kv_events import FORMATS as KV_EVENT_FORMATS
+from .kv_events import KvEventPublisher
 from .scenarios import (
     PIECE_FAULTS,
     STREAM_FAULTS,
@@ -47,7 +64,8 @@ from .scenarios import (
     parse_behaviour,
     without_reasoning,
 )
-from .timing import EngineLoad, Timing, prompt_size
+from .timing import EngineLoad, Timing
+from .tokens import prompt_size, prompt_token_ids
 
 # GET /metrics: (running, waiting) gauges by dialect, the names of spec/tables/dialects.yaml
 _LOAD_GAUGES = {"vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"), "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs")}
@@ -82,6 +100,11 @@ class MockConfig:
     max_model_len: int | None = None  # prompt + max_tokens above it -> 400 (None: no limit)
     quirks: frozenset[str] = frozenset()  # e.g. {"tgi_repeat_ids"} for every request
     record_limit: int = 1000
+    block_size: int = DEFAULT_BLOCK_SIZE  # prefix cache block, in tokens
+    prefix_cache_tokens: int = 0  # prefix cache capacity in tokens (0: no cache)
+    kv_events: str | None = None  # vllm: ZMQ PUB endpoint to bind, e.g. tcp://127.0.0.1:5557 (port * = any)
+    kv_events_topic: str = ""
+    kv_events_format: str = "array"  # array (vLLM's positional events) | map (newer vLLM)
 
     def __post_init__(self) -> None:
         if self.dialect not in DIALECTS:
@@ -90,6 +113,15 @@ class MockConfig:
             raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
         if self.stream_interval < 1 or self.output_tokens < 0 or self.bytes_per_token <= 0:
             raise ValueError("stream_interval >= 1, output_tokens >= 0, bytes_per_token > 0")
+        if self.block_size < 1 or self.prefix_cache_tokens < 0:
+            raise ValueError("block_size >= 1, prefix_cache_tokens >= 0")
+        if self.kv_events is not None:
+            if self.dialect != "vllm":
+                raise ValueError("kv_events: only the vllm dialect publishes KV events")
+            if self.prefix_cache_tokens <= 0:
+                raise ValueError("kv_events needs the prefix cache (prefix_cache_tokens > 0)")
+        if self.kv_events_format not in KV_EVENT_FORMATS:
+            raise ValueError(f"kv_events_format must be one of {KV_EVENT_FORMATS}, not {self.kv_events_format!r}")
 
     def engine_name(self, port: int | None = None) -> str:
         return self.name or f"{self.role}-{self.port if self.port is not None else port}"
@@ -169,12 +201,6 @@ def _validate(cfg: MockConfig, route: str, body: dict[str, Any]) -> None:
         raise _Refusal(400, _SGLANG_STREAM_IDS, "return_token_ids")  # ENGINES.md pitfall 5
 
 
-def _prompt_ids(route: str, body: dict[str, Any], n: int) -> list[int]:
-    """Deterministic stand-in prompt IDs for a text prompt."""
-    seed = zlib.crc32(orjson.dumps(body.get("messages") if route == "chat" else body.get("prompt")))
-    return [100 + (seed + 7 * i) % 800 for i in range(n)]
-
-
 class MockEngine:
     """The ASGI application of one simulated engine."""
 
@@ -191,6 +217,11 @@ class MockEngine:
         self.refused = 0
         self.faulted = 0
         self._blocks = 0
+        self.prompt_tokens = 0  # prompts that passed their prefill (or KV transfer)
+        self.cached_tokens = 0  # of those, found in the prefix cache
+        self.prefill_ms = 0.0  # modelled prefill time so far (before time_scale and noise)
+        self.cache = PrefixCache(config.prefix_cache_tokens, config.block_size) if config.prefix_cache_tokens > 0 else None
+        self.kv_events = KvEventPublisher(config.kv_events, topic=config.kv_events_topic, fmt=config.kv_events_format) if config.kv_events else None
         self._streaming: set[_Watch] = set()  # answers streaming now (quirk "interrupts")
         self._port: int | None = config.port
 
@@ -214,7 +245,29 @@ class MockEngine:
             "prefill_queue": self.load.prefill_queue,
             "decoding": self.load.decoding,
             "prefills": self.load.prefills_done,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefill_ms": round(self.prefill_ms, 6),
+            "prefix_cache": self._cache_stats(),
         }
+
+    def _cache_stats(self) -> dict[str, Any] | None:
+        c = self.cache
+        if c is None:
+            return None
+        return {
+            "block_size": c.block_size,
+            "blocks": len(c),
+            "capacity_blocks": c.capacity_blocks,
+            "capacity_tokens": c.capacity_tokens,
+            "kv_events": self.kv_events.endpoint if self.kv_events is not None else None,
+            "kv_event_batches": self.kv_events.seq if self.kv_events is not None else 0,
+        }
+
+    def close(self) -> None:
+        """Release the KV event socket (also done at lifespan shutdown)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def recorded(self) -> list[dict[str, Any]]:
         while True:
@@ -230,6 +283,7 @@ class MockEngine:
                 if msg["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    self.close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
@@ -265,8 +319,18 @@ class MockEngine:
             busy = self.in_flight
             queued = max(0, self.load.prefill_queue - 1)
             text = f"# TYPE {running} gauge\n{running}{lab} {float(busy - min(busy, queued))}\n# TYPE {waiting} gauge\n{waiting}{lab} {float(min(busy, queued))}\n"
+            if self.cache is not None and self.config.dialect == "vllm":  # vLLM's prefix cache counters, in tokens
+                text += (f"# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{lab} {float(self.prompt_tokens)}\n"
+                         f"# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{lab} {float(self.cached_tokens)}\n")
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4"), (b"content-length", str(len(text)).encode())]})
             await send({"type": "http.response.body", "body": text.encode()})
+            return
+        if path == b"/tokenize" and method == "POST" and self.config.dialect == "vllm":
+            return await self._tokenize(receive, send)
+        if path == b"/reset_prefix_cache" and method == "POST" and self.config.dialect == "vllm" and self.cache is not None:
+            self._publish(self.cache.clear())
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
             return
         if path == b"/mock/stats":
             return await _send_json(send, 200, orjson.dumps(self.stats()))
@@ -278,6 +342,37 @@ class MockEngine:
                 return await self._error(send, 400, 'expected {"healthy": true|false}')
             return await _send_json(send, 200, orjson.dumps({"healthy": self.healthy}))
         return await self._error(send, 404, "Not Found")
+
+    async def _tokenize(self, receive: Any, send: Any) -> None:
+        """vLLM's POST /tokenize: {"model", "messages"} or {"model", "prompt"} -> the IDs
+        this engine counts as usage.prompt_tokens (no generation prompt is added)."""
+        raw = await read_body(receive)
+        if raw is None:
+            return
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return await self._error(send, 400, "the request body is not a JSON object")
+        if body.get("model", self.config.model) != self.config.model:
+            return await self._error(send, 404, f"The model `{body.get('model')}` does not exist.", "model")
+        if "messages" in body:
+            msgs = body["messages"]
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                return await self._error(send, 400, "messages must be a list of message objects", "messages")
+            route = "chat"
+        elif isinstance(body.get("prompt"), (str, list)):
+            route = "completions"
+        else:
+            return await self._error(send, 400, "either prompt or messages is required", "prompt")
+        ids = prompt_token_ids(route, body, self.config.bytes_per_token)
+        out = {"count": len(ids), "max_model_len": self.config.max_model_len or 131072, "tokens": ids, "token_strs": None}
+        await _send_json(send, 200, orjson.dumps(out))
+
+    def _publish(self, events: list[Any]) -> None:
+        if self.kv_events is not None and events:
+            self.kv_events.publish(events)
 
     def _models(self) -> dict[str, Any]:
         m: dict[str, Any] = {"id": self.config.model, "object": "model", "created": int(time.time()), "owned_by": _OWNER[self.config.dialect]}
@@ -302,7 +397,8 @@ class MockEngine:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             body = None
-        self.records.append({"route": route, "path": scope["path"], "x_request_id": xrid, "body": body if body is not None else raw[:2000].decode("utf-8", "replace")})
+        rec: dict[str, Any] = {"route": route, "path": scope["path"], "x_request_id": xrid, "body": body if body is not None else raw[:2000].decode("utf-8", "replace")}
+        self.records.append(rec)
         try:
             if not isinstance(body, dict):
                 raise _Refusal(400, "the request body is not a JSON object")
@@ -343,7 +439,7 @@ class MockEngine:
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
-            await self._serve(send, route, body, beh, fault, xrid, hdrs, watch, n_prompt, exact_ids, max_tokens, remote, kv)
+            await self._serve(send, route, body, beh, fault, xrid, hdrs, watch, n_prompt, exact_ids, max_tokens, remote, kv, rec)
         except asyncio.CancelledError:
             if watch.gone and task.uncancel() == 0:
                 self.cancelled += 1  # the client went away: the engine is free again
@@ -373,7 +469,7 @@ class MockEngine:
                     task.cancel()
                 return
 
-    def _reply(self, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, script: Script, n_prompt: int, exact_ids: list[int] | None, stream: bool, kv_out: dict[str, Any] | None) -> wire.Reply:
+    def _reply(self, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, script: Script, n_prompt: int, prompt_ids: list[int] | None, stream: bool, kv_out: dict[str, Any] | None) -> wire.Reply:
         d = self.config.dialect
         so = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else None
         want_ids = body.get("return_token_ids") is True
@@ -418,7 +514,7 @@ class MockEngine:
             created=int(time.time()),
             model=self.config.model,
             prompt_tokens=n_prompt,
-            prompt_ids=exact_ids if exact_ids is not None else (_prompt_ids(route, body, n_prompt) if ids else []),
+            prompt_ids=prompt_ids if prompt_ids is not None else [],
             script=script,
             ids=ids,
             logprobs=logprobs,
@@ -449,8 +545,11 @@ class MockEngine:
             "tp_size": 1,
         }
 
-    async def _serve(self, send: Any, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, hdrs: list[tuple[bytes, bytes]], watch: _Watch, n_prompt: int, exact_ids: list[int] | None, max_tokens: int | None, remote: bool, kv_in: Any) -> None:
+    async def _serve(self, send: Any, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, hdrs: list[tuple[bytes, bytes]], watch: _Watch, n_prompt: int, exact_ids: list[int] | None, max_tokens: int | None, remote: bool, kv_in: Any, rec: dict[str, Any]) -> None:
         cfg = self.config
+        prompt_ids = exact_ids
+        if prompt_ids is None and (self.cache is not None or body.get("return_token_ids") is True):
+            prompt_ids = prompt_token_ids(route, body, cfg.bytes_per_token)
         stream = body.get("stream") is True
         ignore_eos = cfg.dialect != "openai" and body.get("ignore_eos") is True
         mt = body.get("min_tokens")
@@ -459,17 +558,31 @@ class MockEngine:
             script = without_reasoning(script)
         wants_kv = cfg.role == "prefill" and isinstance(kv_in, dict) and kv_in.get("do_remote_decode") is True
         kv_out = self._kv_out(xrid, n_prompt) if wants_kv and not stream else None
-        reply = self._reply(route, body, beh, fault, xrid, script, n_prompt, exact_ids, stream, kv_out)
+        reply = self._reply(route, body, beh, fault, xrid, script, n_prompt, prompt_ids, stream, kv_out)
         if fault is not None:
             self.faulted += 1
         if fault == "stall_before":
             await self._stall(beh)  # before the first byte of the response
         if stream:
             await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *hdrs]})
+        cached = 0
         if cfg.role == "decode" and remote:
             await self.load.transfer(n_prompt)
-        else:
+        elif self.cache is None or prompt_ids is None:
             await self.load.prefill(n_prompt, beh.prefill_ms)
+            self.prefill_ms += cfg.timing.prefill_ms(n_prompt)
+        else:
+            cache, ids = self.cache, prompt_ids
+            # vLLM computes at least the last prompt token: a hit covers at most n - 1
+            cached = await self.load.prefill(n_prompt, beh.prefill_ms, cached=lambda: cache.lookup(ids[: len(ids) - 1]))
+            ms = cfg.timing.prefill_ms(n_prompt - cached)
+            self.prefill_ms += ms
+            rec["prefill"] = {"prompt_tokens": n_prompt, "cached_tokens": cached, "ms": ms}
+            self._publish(cache.insert(ids))  # no await since the prefill: FCFS order kept
+        self.prompt_tokens += n_prompt
+        self.cached_tokens += cached
+        if self.cache is not None:
+            reply = dataclasses.replace(reply, cached_tokens=cached)
         self.load.decoding += 1
         watch.seated = True
         if stream:

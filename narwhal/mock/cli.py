@@ -1,10 +1,18 @@
 """`narwhal mock-engine` (also `python -m narwhal.mock`): one simulated engine.
 
     narwhal mock-engine --dialect vllm|sglang|openai --role prefill|decode|unified \
-        --port N --model NAME [--host H] [--name NAME] [timing flags...]
+        --port N --model NAME [--host H] [--name NAME] [timing flags...] \
+        [--prefix-cache-tokens N [--block-size 16] [--kv-events tcp://HOST:PORT]]
 
 Timing flags default to the model in narwhal/mock/timing.py; every time is multiplied
 by --time-scale.
+
+Prefix cache (narwhal/mock/cache.py): --prefix-cache-tokens N keeps up to N tokens of
+prompt KV in blocks of --block-size tokens (LRU); a prefill is charged only for its
+uncached tokens and usage reports prompt_tokens_details.cached_tokens. --kv-events
+(vllm dialect) binds a ZMQ PUB socket there and publishes vLLM's KV events
+(BlockStored/BlockRemoved/AllBlocksCleared, narwhal/mock/kv_events.py); a port `*`
+binds any free port (the engine prints the endpoint).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import logging
 import signal
 import sys
 
-from .app import DIALECTS, ROLES, MockConfig
+from .app import DIALECTS, ROLES, MockConfig, MockEngine
 from .scenarios import QUIRKS
 from .timing import Timing
 
@@ -49,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--stream-interval", type=int, default=1, help="server stream interval: tokens per event (default 1)")
     o.add_argument("--max-model-len", type=int, default=None, help="context window; longer requests get 400 (default none)")
     o.add_argument("--quirk", action="append", choices=sorted(QUIRKS), default=[], help="engine quirk for every request (repeatable)")
+    c = p.add_argument_group("prefix cache")
+    c.add_argument("--prefix-cache-tokens", type=int, default=0, help="prefix cache capacity in tokens (default 0: no cache)")
+    c.add_argument("--block-size", type=int, default=16, help="prefix cache block size in tokens (default 16)")
+    c.add_argument("--kv-events", metavar="ENDPOINT", help="vllm dialect: publish KV cache events on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557")
+    c.add_argument("--kv-events-topic", default="", help="the topic frame of every KV event message (default empty)")
+    c.add_argument("--kv-events-format", choices=("array", "map"), default="array", help="KV event encoding: array (vLLM's positional events, default) or map (newer vLLM's named fields)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -78,7 +92,17 @@ def config_from_args(args: argparse.Namespace) -> MockConfig:
         stream_interval=args.stream_interval,
         max_model_len=args.max_model_len,
         quirks=frozenset(args.quirk),
+        block_size=args.block_size,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        kv_events=args.kv_events,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_format=args.kv_events_format,
     )
+
+
+def _announce(app: MockEngine) -> None:
+    if app.kv_events is not None:
+        print(f"narwhal mock-engine {app.name}: KV events on {app.kv_events.endpoint} (topic {app.config.kv_events_topic!r}, {app.config.kv_events_format} format)", flush=True)
 
 
 async def _main(cfg: MockConfig, host: str, port: int) -> None:
@@ -89,7 +113,7 @@ async def _main(cfg: MockConfig, host: str, port: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    await serve_mock(cfg, host, port, shutdown_trigger=stop.wait)
+    await serve_mock(cfg, host, port, shutdown_trigger=stop.wait, on_app=_announce)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(
         f"narwhal mock-engine {cfg.engine_name()}: {cfg.dialect} {cfg.role} engine, model {cfg.model!r}, "
-        f"on http://{args.host}:{args.port} (time scale {cfg.timing.time_scale})",
+        f"on http://{args.host}:{args.port} (time scale {cfg.timing.time_scale})"
+        + (f", prefix cache {cfg.prefix_cache_tokens} tokens in blocks of {cfg.block_size}" if cfg.prefix_cache_tokens else ""),
         flush=True,
     )
     try:

@@ -12,7 +12,10 @@ Rules
   * `time_scale` multiplies every modelled time; `noise_sigma` > 0 multiplies each one by
     a lognormal factor exp(N(0, sigma)) from a seeded generator (deterministic per seed).
   * Prompt size: token-ID prompts count exactly; text counts ceil(utf8 bytes /
-    bytes_per_token), plus 3 tokens per chat message. This is usage.prompt_tokens.
+    bytes_per_token), plus 3 tokens per chat message. This is usage.prompt_tokens
+    (tokens.py, which also gives the prompt's token IDs).
+  * With a prefix cache, a prefill of n tokens of which c are cached takes T(n - c):
+    c is looked up when the prefill starts, after the FCFS wait.
   * Cancellation frees the engine: a waiting or running prefill leaves the queue, a
     decoding sequence leaves the batch (both in `finally` blocks of the callers).
 """
@@ -20,14 +23,13 @@ Rules
 from __future__ import annotations
 
 import asyncio
-import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from .tokens import CHAT_MESSAGE_TOKENS, prompt_size
 
 __all__ = ["Timing", "EngineLoad", "prompt_size", "CHAT_MESSAGE_TOKENS"]
-
-CHAT_MESSAGE_TOKENS = 3  # chat-template overhead per message
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +90,18 @@ class EngineLoad:
             return override_ms / 1000.0
         return self.scaled(self.timing.tpot_ms(self.decoding))
 
-    async def prefill(self, n: int, override_ms: float | None = None) -> None:
-        """Wait for the prefill server (FCFS), then occupy it for T(n)."""
+    async def prefill(self, n: int, override_ms: float | None = None, cached: Callable[[], int] | None = None) -> int:
+        """Wait for the prefill server (FCFS), then occupy it for T(n - c): c = cached(),
+        asked when this prefill starts (the prefix cache's hit, 0 without one). Returns c."""
         self.prefill_queue += 1
         try:
             async with self._prefill_lock:
-                seconds = override_ms / 1000.0 if override_ms is not None else self.scaled(self.timing.prefill_ms(n))
+                c = min(n, cached()) if cached is not None else 0
+                seconds = override_ms / 1000.0 if override_ms is not None else self.scaled(self.timing.prefill_ms(n - c))
                 if seconds > 0:
                     await asyncio.sleep(seconds)
                 self.prefills_done += 1
+                return c
         finally:
             self.prefill_queue -= 1
 
@@ -105,43 +110,3 @@ class EngineLoad:
         seconds = override_ms / 1000.0 if override_ms is not None else self.scaled(self.timing.transfer_ms(n))
         if seconds > 0:
             await asyncio.sleep(seconds)
-
-
-def _text_bytes(route: str, body: dict[str, Any]) -> tuple[int, int]:
-    """(UTF-8 bytes of the prompt text, chat messages)."""
-    if route == "chat":
-        msgs = body.get("messages") or []
-        total = 0
-        for m in msgs:
-            if not isinstance(m, dict):
-                continue
-            c = m.get("content")
-            if isinstance(c, str):
-                total += len(c.encode())
-            elif isinstance(c, list):
-                total += sum(len(p["text"].encode()) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-            for tc in m.get("tool_calls") or ():
-                fn = tc.get("function") if isinstance(tc, dict) else None
-                if isinstance(fn, dict):
-                    total += len(str(fn.get("name") or "").encode()) + len(str(fn.get("arguments") or "").encode())
-        return total, len(msgs)
-    p = body.get("prompt")
-    if isinstance(p, str):
-        return len(p.encode()), 0
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        return len("\n".join(p).encode()), 0
-    return 0, 0
-
-
-def prompt_size(route: str, body: dict[str, Any], bytes_per_token: float) -> tuple[int, list[int] | None]:
-    """(prompt tokens, the prompt's token IDs when the prompt was given as IDs)."""
-    if route == "completions":
-        p = body.get("prompt")
-        if isinstance(p, list) and p and all(type(x) is int for x in p):
-            return len(p), list(p)
-        if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
-            ids = [x for sub in p for x in sub if type(x) is int]
-            return len(ids), ids
-    nbytes, messages = _text_bytes(route, body)
-    n = math.ceil(nbytes / bytes_per_token) + CHAT_MESSAGE_TOKENS * messages
-    return max(n, 1), None

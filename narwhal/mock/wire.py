@@ -113,6 +113,7 @@ class Reply:
     tool_fault: tuple[str, int] | None = None  # (fault, tool-call index)
     no_finish_reason: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    cached_tokens: int | None = None  # prefix-cache hit; None: the engine has no prefix cache
 
 
 # --- shared pieces ----------------------------------------------------------------------
@@ -150,21 +151,27 @@ def _reasoning_tokens(script: Script) -> int:
     return sum(1 for p in script.pieces if p.kind == REASONING or p.token_id in (THINK_OPEN_ID, THINK_CLOSE_ID))
 
 
-def usage_object(dialect: str, prompt: int, completion: int, *, reasoning: int = 0, final: bool = True, streaming: bool = True) -> dict[str, Any]:
-    """The usage object; vLLM drops null detail keys in streams, keeps them in responses."""
+def usage_object(dialect: str, prompt: int, completion: int, *, reasoning: int = 0, final: bool = True, streaming: bool = True, cached: int | None = None) -> dict[str, Any]:
+    """The usage object; vLLM drops null detail keys in streams, keeps them in responses.
+
+    `cached` (an engine with a prefix cache; final usage only): vLLM reports
+    prompt_tokens_details.cached_tokens only when it is > 0 (--enable-prompt-tokens-details
+    skips a zero), SGLang always (--enable-cache-report), openai always."""
     total = prompt + completion
     if dialect == "openai":
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": total,
-            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": cached or 0, "audio_tokens": 0},
             "completion_tokens_details": {"reasoning_tokens": reasoning, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
         }
     u: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": total, "completion_tokens": completion}
     if dialect == "sglang" and final:
-        u["prompt_tokens_details"] = None
+        u["prompt_tokens_details"] = None if cached is None else {"cached_tokens": cached}
         u["reasoning_tokens"] = reasoning
+    elif dialect == "vllm" and final and cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
     elif dialect == "vllm" and not streaming:
         u["prompt_tokens_details"] = None
     return u
@@ -250,7 +257,7 @@ class _Renderer:
 
     def usage_chunk(self) -> bytes:
         r = self.r
-        u = usage_object(r.dialect, r.prompt_tokens, len(r.script.pieces), reasoning=_reasoning_tokens(r.script))
+        u = usage_object(r.dialect, r.prompt_tokens, len(r.script.pieces), reasoning=_reasoning_tokens(r.script), cached=r.cached_tokens)
         return self.prefix + b'],"usage":' + _dumps(u) + self._extra_tail() + b"}\n\n"
 
     def _extra_tail(self) -> bytes:
@@ -614,7 +621,7 @@ def response(r: Reply) -> dict[str, Any]:
     else:
         lp_pieces = [p for p in pieces if p.text and p.kind != HIDDEN]
     finish = None if r.no_finish_reason else s.finish_reason
-    usage = usage_object(r.dialect, r.prompt_tokens, len(pieces), reasoning=_reasoning_tokens(s), streaming=False)
+    usage = usage_object(r.dialect, r.prompt_tokens, len(pieces), reasoning=_reasoning_tokens(s), streaming=False, cached=r.cached_tokens)
     obj = "chat.completion" if r.route == "chat" else "text_completion"
     out: dict[str, Any] = {"id": r.id, "object": obj, "created": r.created, "model": r.model}
     matched = s.matched_stop if s.finish_reason == "stop" else None
