@@ -6,10 +6,12 @@ Wire (vLLM's kv_events_subscriber example): a ZMQ PUB; each message is multipart
 [topic, sequence (8-byte big-endian), payload]; the payload is msgpack of a KVEventBatch
 encoded array-like: [ts, events, data_parallel_rank?], each event an array whose first
 item is its tag:
-  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?]
+  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, lora_name?]
   ["BlockRemoved", block_hashes, medium?]
   ["AllBlocksCleared"]
-Trailing fields at their defaults may be omitted (msgspec omit_defaults).
+Trailing fields at their defaults may be omitted (msgspec omit_defaults), later versions
+add fields at the end; vLLM since its PR 42892 sends each event as a map with the tag
+under "type" (both are read).
 
 The router keys a block by the chain of token IDs (core/prefix.py token_keys), the same
 function the data plane applies to a prompt's token IDs, and keeps the engine's block
@@ -80,7 +82,15 @@ class EventFeed:
             if h is not None:
                 self._ours.pop(h, None)
 
-    def _event(self, ev: list[Any]) -> None:
+    def _event(self, ev: Any) -> None:
+        if isinstance(ev, dict):  # vLLM after its PR 42892: a map, the tag under "type"
+            tag = ev.get("type")
+            if tag == "BlockStored":
+                ev = [tag, ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"], ev.get("block_size", self.block_size)]
+            elif tag == "BlockRemoved":
+                ev = [tag, ev["block_hashes"]]
+            else:
+                ev = [tag]
         tag = ev[0]
         if tag == "BlockStored":
             hashes, parent, tokens = ev[1], ev[2], ev[3]

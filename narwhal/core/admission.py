@@ -601,12 +601,16 @@ class Scheduler:
         the prefix index follows the engine's capacity (core/prefix.py)."""
         w = t.work
         sample, t.prefill_sample = t.prefill_sample, None
+        idx = self.prefix.get(t.engine) if t.engine is not None else None
+        if cached_tokens is None and idx is not None and idx.reports:
+            cached_tokens = 0  # an engine that reports cached tokens leaves a zero out (vLLM)
         cached = float(cached_tokens) if cached_tokens is not None else t.expected_cached
         if sample is not None:
             self.engines[sample[0]].prefill.observe(max(1.0, w.prompt_tokens - cached), sample[1])
-        if cached_tokens is not None and w.prefix and w.block_tokens > 0 and t.engine is not None:
-            idx = self.prefix.get(t.engine)
-            if idx is not None and not idx.token:  # an index fed by events is the engine's own word
+        if cached_tokens is not None and idx is not None:
+            idx.reports = True
+        if cached_tokens is not None and w.prefix and w.block_tokens > 0 and idx is not None:
+            if not idx.token:  # an index fed by events is the engine's own word
                 idx.trusted = True
                 idx.correct(round(t.expected_cached / w.block_tokens), int(cached_tokens // w.block_tokens))
 

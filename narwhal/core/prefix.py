@@ -87,7 +87,7 @@ def token_keys(token_ids: Sequence[int], block_size: int, parent: int | None = N
 
 
 class PrefixIndex:
-    __slots__ = ("capacity", "floor", "_keys", "adjustments", "trusted", "token", "block_tokens")
+    __slots__ = ("capacity", "floor", "_keys", "adjustments", "trusted", "token", "block_tokens", "reports")
 
     def __init__(self, capacity: int, *, floor: int = 0, trusted: bool = True, token: bool = False, block_tokens: float | None = None) -> None:
         self.capacity = capacity  # blocks
@@ -102,6 +102,9 @@ class PrefixIndex:
         # tokens a block), else approximate (Work.prefix, Work.block_tokens)
         self.token = token
         self.block_tokens = block_tokens
+        # the engine has reported cached_tokens at least once: from then on an answer
+        # without it reports none cached (vLLM leaves a zero out)
+        self.reports = False
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -83,3 +83,13 @@ def test_the_index_evicting_forgets_the_engine_hashes_too() -> None:
     f = EventFeed("u0", PrefixIndex(3, token=True, block_tokens=B), B)
     f.apply(batch(stored([11, 12, 13, 14, 15], None, PROMPT[: 5 * B])))
     assert len(f.index) == 3 and len(f._ours) == 3
+
+
+def test_the_map_layout_of_later_vllm_and_longer_arrays() -> None:
+    f = feed()
+    f.apply(msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": PROMPT[: 2 * B],
+                                  "block_size": B, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None, None], "group_idx": 0}], 0]))
+    f.apply(msgpack.packb([1.0, [["BlockStored", [13], 12, PROMPT[2 * B: 3 * B], B, None, "GPU", None]], 0]))
+    assert f.index.match(token_keys(PROMPT, B)) == 3
+    f.apply(msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"}]]))
+    assert f.index.match(token_keys(PROMPT, B)) == 2 and f.malformed == 0

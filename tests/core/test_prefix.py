@@ -188,3 +188,19 @@ def test_the_prefill_sample_is_learned_on_the_uncached_tokens() -> None:
     s.learn(d.ticket, 2048)  # the engine reports 2,048 cached (it held 32 of the 40 blocks)
     assert seen and seen[0][0] == 2600 - 2048
     assert s.prefix["u0"].capacity < 10_000  # it had less than the index thought
+
+
+def test_an_engine_that_reported_once_reports_zero_by_leaving_it_out() -> None:
+    clk = ManualClock()
+    s = sched(engine("u0"))
+    d = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    assert isinstance(d, Dispatch)
+    s.learn(d.ticket, None)
+    assert not s.prefix["u0"].reports  # nothing known yet
+    s.learn(d.ticket, 64)
+    assert s.prefix["u0"].reports
+    cap = s.prefix["u0"].capacity
+    d2 = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    assert isinstance(d2, Dispatch) and d2.ticket.expected_cached > 0
+    s.learn(d2.ticket, None)  # vLLM: no prompt_tokens_details when none was cached
+    assert s.prefix["u0"].capacity < cap
