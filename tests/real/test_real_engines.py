@@ -6,7 +6,9 @@ vLLM by scripts/engines/vllm.sh.
 Each engine is probed (`narwhal probe-engine`), then Narwhal routes to it and the OpenAI
 SDK gets streamed and assembled answers that agree (greedy decoding), with real token IDs
 validated on the vLLM path; and, where vLLM's disk-backed ExampleConnector runs, a real
-two-phase prefill/decode run over two vLLM instances.
+two-phase prefill/decode run over two vLLM instances; and vLLM's prefix cache seen through
+its KV events (issue 15): the router's x-narwhal-expected-cached-tokens against the
+engine's cached_tokens over multi-turn conversations, with projected vs measured TTFT.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -302,3 +305,284 @@ def test_vllm_two_phase_prefill_decode_with_the_example_connector(vllm: Any) -> 
                 assert ids == (ref.choices[0].model_extra or {})["token_ids"]  # same greedy output as one engine
                 assert "External Cache Hit" in d.log_tail(200000) or os.environ.get("NARWHAL_SKIP_KV_LOG_CHECK")
                 rr.balanced()
+
+
+# -- vLLM's prefix cache through Narwhal, from its own KV events (issue 15) -------------
+# vLLM with --enable-prefix-caching --enable-prompt-tokens-details and its KV events on a
+# ZMQ PUB (--kv-events-config publisher zmq). The router subscribes (engines[].kv_events),
+# keys each prompt over the token IDs the engine's /tokenize gives, in blocks of
+# engines[].kv_block_size, and says what it expects the engine to hold:
+# x-narwhal-expected-cached-tokens, to compare with usage.prompt_tokens_details.cached_tokens.
+# vLLM CPU's default block size is 128 tokens (vllm/platforms/cpu.py), not the 16 of GPUs:
+# the fixture reads it from the engine's first BlockStored event.
+
+_STYLE = ("Answer in plain prose, without lists or headings. Keep each answer short: two sentences at most. "
+          "If a question is ambiguous, pick the most common reading and say which one you picked. "
+          "Prefer well established facts over speculation, name units when you give numbers, "
+          "and never invent citations, sources, dates or names that you are not sure of. ")
+CONVERSATIONS = [
+    ("You are Ada, a patient astronomy tutor for a class of curious teenagers.",
+     ["Why is the sky dark at night if there are so many stars?", "How far away is the nearest star?",
+      "What would it take to travel there?", "So which planet should we visit first instead?"]),
+    ("Bruno here: a retired baker who explains bread chemistry to his grandchildren.",
+     ["Why does dough rise?", "What does salt do in bread?", "Why is sourdough sour?", "How do I keep bread fresh for longer?"]),
+    ("Carmen, a mountain guide, answers questions from hikers planning their first alpine trip.",
+     ["What should I pack for a day hike above 3000 metres?", "How do I know if I have altitude sickness?",
+      "What is the safest time of day to cross a glacier?", "And what if the weather turns while we are up there?"]),
+    ("Dmitri works as a lighthouse keeper and tells visitors about the sea and its ships.",
+     ["How does a lighthouse lens work?", "Why do lighthouses flash in different patterns?",
+      "What happened to lighthouse keepers when the lights became automatic?", "Which is the oldest lighthouse still working?"]),
+]
+_ASK_MORE = " Please answer briefly, and tell me one thing you are sure of and one thing you are not sure of, so that I can check both later."
+
+
+@dataclass
+class CachingVllm:
+    engine: Any
+    kv_events: str  # tcp://127.0.0.1:PORT for the router's SUB
+    block_size: int  # read from the engine's first BlockStored event
+    sample_event: dict[str, Any]  # that event, as decoded
+    sample_frames: list[int]  # its frames' lengths: [topic, sequence, payload]
+    sample_tokens: list[int]  # the engine's /tokenize of the same messages
+
+
+def _first_block_stored(endpoint: str, send: Any, timeout: float = 120.0) -> tuple[list[bytes], dict[str, Any]]:
+    """Subscribe to `endpoint`, call `send()`, and return the first BlockStored (frames,
+    decoded event) the engine publishes."""
+    import time
+
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.setsockopt(zmq.RCVTIMEO, 500)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        time.sleep(1.0)  # ZMQ's slow joiner: the subscription reaches the PUB first
+        send()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                frames = s.recv_multipart()
+            except zmq.Again:
+                continue
+            batch = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+            for ev in batch[1]:
+                tag = ev.get("type") if isinstance(ev, dict) else ev[0]
+                if tag == "BlockStored":
+                    if not isinstance(ev, dict):  # the array layout of vLLM before its PR 42892
+                        ev = dict(zip(("type", "block_hashes", "parent_block_hash", "token_ids", "block_size"), ev, strict=False))
+                    return frames, ev
+        raise AssertionError(f"no BlockStored event from {endpoint} within {timeout} s")
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+@pytest.fixture(scope="module")
+def vllm_caching() -> Iterator[CachingVllm]:
+    _need("vllm", "scripts/engines/vllm.sh")
+    _need("msgpack", "scripts/engines/vllm.sh (narwhal's own dependency: pip install msgpack into that venv)")
+    import httpx
+
+    from narwhal_conformance.real_engines import free_port, vllm_server
+
+    port = free_port()
+    # the PUB binds: vLLM binds an endpoint with "*" and connects to any other
+    kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    args = ("-O0", "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", kv)
+    with vllm_server(extra_args=args, max_model_len=2048) as eng:
+        # a prompt of more than one block of any likely size (vLLM CPU: 128), unlike any below
+        msgs = [{"role": "system", "content": "Zebra facts, one per line. " * 60}, {"role": "user", "content": "Go on."}]
+        with httpx.Client(timeout=300) as h:
+            toks = h.post(eng.url + "/tokenize", json={"model": eng.model, "messages": msgs}).json()["tokens"]
+
+            def send() -> None:
+                r = h.post(eng.url + "/v1/chat/completions", json={"model": eng.model, "messages": msgs, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+
+            frames, ev = _first_block_stored(f"tcp://127.0.0.1:{port}", send)
+        yield CachingVllm(eng, f"tcp://127.0.0.1:{port}", int(ev["block_size"]), ev, [len(f) for f in frames], toks)
+
+
+def _stream_turn(h: Any, url: str, msgs: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy chat answer through the router: the headers, the measured TTFT
+    (the first content delta), the text and the usage chunk."""
+    import time
+
+    body = {"model": "smollm2", "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    ttft, text, usage = None, "", None
+    with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        headers = r.headers
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            usage = ev.get("usage") or usage
+            for c in ev.get("choices") or ():
+                if (c.get("delta") or {}).get("content"):
+                    if ttft is None:
+                        ttft = (time.monotonic() - t0) * 1000.0
+                    text += c["delta"]["content"]
+    assert usage is not None and text and ttft is not None
+    details = usage.get("prompt_tokens_details")
+    return {"expected": int(headers["x-narwhal-expected-cached-tokens"]), "projected_ms": float(headers["x-narwhal-projected-ttft-ms"]),
+            "measured_ms": ttft, "text": text, "prompt_tokens": usage["prompt_tokens"],
+            # absent or null counts 0 (an engine without --enable-prompt-tokens-details)
+            "cached": int((details or {}).get("cached_tokens") or 0)}
+
+
+def _rel(p: float, m: float) -> float:
+    return (p - m) / m
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    import statistics
+
+    errs = [_rel(r["projected_ms"], r["measured_ms"]) for r in rows]
+    return {"n": len(rows), "projected_median_ms": statistics.median(r["projected_ms"] for r in rows),
+            "measured_median_ms": statistics.median(r["measured_ms"] for r in rows),
+            "median_error": statistics.median(errs), "median_abs_error": statistics.median(abs(e) for e in errs),
+            "max_abs_error": max(abs(e) for e in errs)}
+
+
+def _caching_router_cfg(v: CachingVllm, mode: str) -> dict[str, Any]:
+    cfg = _router_cfg()
+    cfg["admission"]["mode"] = "predictive"
+    cfg["admission"]["ttft_budget_ms"] = 60000
+    cfg["admission"]["prediction"].update({"prefix_cache": mode, "profile_prompt_tokens": [32, 192, 448, 768], "profile_repeats": 2})
+    cfg["engines"] = [{"name": "vllm", "url": v.engine.url, "role": "unified", "dialect": "vllm", "model": v.engine.model,
+                       "kv_events": v.kv_events, "kv_block_size": v.block_size}]
+    return cfg
+
+
+def _caching_specs(cfg: dict[str, Any]) -> list[EngineSpec]:
+    """The engines as the config keys engines[].kv_events / kv_block_size give them."""
+    from narwhal.config import parse_config
+    from narwhal.upstream.engines import config_engines
+
+    return config_engines(parse_config(cfg, source="test config"))
+
+
+def _replay(url: str, session: str) -> list[dict[str, Any]]:
+    """CONVERSATIONS, turns interleaved across conversations, one request at a time; each
+    turn is the history, the engine's answer and a new user message. `session` starts
+    every system prompt: another session shares no block with this one."""
+    import httpx
+
+    rows: list[dict[str, Any]] = []
+    history = [[{"role": "system", "content": f"{session} {persona} {_STYLE * 3}"}] for persona, _ in CONVERSATIONS]
+    with httpx.Client(timeout=300) as h:
+        for turn in range(4):
+            for c, (_, questions) in enumerate(CONVERSATIONS):
+                history[c].append({"role": "user", "content": questions[turn] + _ASK_MORE})
+                got = _stream_turn(h, url, history[c], max_tokens=12)
+                history[c].append({"role": "assistant", "content": got["text"]})
+                rows.append({"conversation": c, "turn": turn + 1, **{k: v for k, v in got.items() if k != "text"}})
+    return rows
+
+
+def _print_rows(title: str, rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:
+    print(f"\n{title}\nturn conv prompt expected cached projected_ms measured_ms error")
+    for r in rows:
+        print(f"{r['turn']:4d} {r['conversation']:4d} {r['prompt_tokens']:6d} {r['expected']:8d} {r['cached']:6d} "
+              f"{r['projected_ms']:12.0f} {r['measured_ms']:11.0f} {_rel(r['projected_ms'], r['measured_ms']):+6.0%}")
+    su, sc = _summary([r for r in rows if r["turn"] == 1]), _summary([r for r in rows if r["turn"] > 1])
+    print(f"uncached (turn 1): {su}\ncached (turns 2+): {sc}")
+    return su, sc
+
+
+@pytest.mark.timeout(900)  # starts the module's caching engine (NARWHAL_VLLM_START_TIMEOUT)
+def test_vllm_kv_events_layout_and_tokenize_agree(vllm_caching: CachingVllm) -> None:
+    """What the router relies on: a [topic, sequence, payload] message, a BlockStored of
+    the engine's block size, and its token IDs the engine's own /tokenize of the messages
+    (chat template and all, no extra BOS)."""
+    ev, bs = vllm_caching.sample_event, vllm_caching.block_size
+    assert len(vllm_caching.sample_frames) == 3 and vllm_caching.sample_frames[1] == 8, vllm_caching.sample_frames
+    assert ev["parent_block_hash"] is None and len(ev["token_ids"]) == bs * len(ev["block_hashes"]), ev
+    assert ev["token_ids"] == vllm_caching.sample_tokens[:len(ev["token_ids"])]
+
+
+@pytest.mark.timeout(1800)
+def test_vllm_prefix_cache_through_narwhal(vllm_caching: CachingVllm) -> None:
+    """4 conversations x 4 turns through the router (prefix_cache auto, the engine's KV
+    events): the router's expectation must be the engine's count (>= 90 % exactly) and its
+    index fed by the events. Projected vs measured TTFT of cached (turns 2+) and uncached
+    (turn 1) requests is printed, then the same replay, new sessions, through a router with
+    prefix_cache off for contrast (a real CPU engine is noisy: asserted loosely)."""
+    v = vllm_caching
+    bs = v.block_size
+    cfg = _caching_router_cfg(v, "auto")
+    specs = _caching_specs(cfg)
+    assert specs[0].kv_events == v.kv_events and specs[0].kv_block_size == bs
+    with running_router(cfg, specs) as rr:
+        pc = rr.get("/v1/engines").json()["data"][0]["prefix_cache"]
+        assert pc["kind"] == "events", pc
+        rows = _replay(rr.url, "Session one.")
+        snap = rr.get("/v1/engines").json()["data"][0]["prefix_cache"]
+        rr.balanced()
+    print(f"\nvLLM KV events: block_size {bs}, frames {v.sample_frames}, sample BlockStored "
+          f"{({k: (val if k != 'token_ids' else f'{len(val)} ids, first {val[:8]}') for k, val in v.sample_event.items()})}; "
+          f"/tokenize of its messages: {len(v.sample_tokens)} ids, first {v.sample_tokens[:8]}")
+    su, sc = _print_rows("prefix_cache auto (KV events)", rows)
+    print(f"router prefix_cache: {snap}")
+    off_cfg = _caching_router_cfg(v, "off")
+    with running_router(off_cfg, _caching_specs(off_cfg)) as rr:
+        off = _replay(rr.url, "Session two.")
+        rr.balanced()
+    _print_rows("prefix_cache off (for contrast: every prompt projected at full length)", off)
+
+    exact = [r for r in rows if r["expected"] == r["cached"]]
+    assert len(exact) >= 0.9 * len(rows), [r for r in rows if r["expected"] != r["cached"]]
+    assert all(r["cached"] == 0 for r in rows if r["turn"] == 1)  # distinct from their first block
+    assert all(r["cached"] >= bs for r in rows if r["turn"] > 1)  # the history is held: at least its first block
+    assert snap["kind"] == "events" and snap["blocks"] > 0 and snap["events"]["malformed"] == 0, snap
+    assert all(r["expected"] == 0 for r in off) and any(r["cached"] > 0 for r in off)
+    # loosely: the cached projections are not off by more than the uncached ones' error
+    # plus 50 points
+    assert sc["median_abs_error"] <= su["median_abs_error"] + 0.5, (su, sc)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.xfail(strict=True, reason="the router expects min(n - 1, blocks held x block size) cached; vLLM caps a hit at n - 1 "
+                   "tokens in whole blocks, so a prompt of exactly k blocks sent again has k - 1 blocks cached, not n - 1 tokens")
+def test_vllm_prompt_of_whole_blocks_sent_again(vllm_caching: CachingVllm) -> None:
+    """A prompt of exactly 2 blocks, sent twice. vLLM computes at least the last token and
+    hits whole blocks only (vllm/v1/core/kv_cache_manager.py: max_cache_hit_length =
+    num_tokens - 1), so the second answer has 1 block cached; the router expects every
+    block held, less one token (narwhal/core/admission.py: min(n - 1, matched x block_tokens))."""
+    import httpx
+
+    from tests.helpers import wait_until
+
+    v = vllm_caching
+    bs = v.block_size
+    cfg = _caching_router_cfg(v, "auto")
+    with httpx.Client(timeout=300) as h:
+        def count(msgs: list[dict[str, Any]]) -> int:
+            return int(h.post(v.engine.url + "/tokenize", json={"model": v.engine.model, "messages": msgs}).json()["count"])
+
+        msgs = [{"role": "user", "content": "Whole blocks, exactly:"}]
+        n = count(msgs)
+        while n < 2 * bs:  # " x" is one token a word: grow to exactly 2 blocks
+            msgs[0]["content"] += " x"
+            n = count(msgs)
+        assert n == 2 * bs, n
+        with running_router(cfg, _caching_specs(cfg)) as rr:
+            answers = []
+            for _ in range(2):
+                r = h.post(rr.url + "/v1/chat/completions", json={"model": "smollm2", "messages": msgs, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                details = r.json()["usage"].get("prompt_tokens_details") or {}
+                answers.append((int(r.headers["x-narwhal-expected-cached-tokens"]), int(details.get("cached_tokens") or 0)))
+                wait_until(lambda: rr.get("/v1/engines").json()["data"][0]["prefix_cache"]["blocks"] > 0, timeout=10, what="KV events")
+            rr.balanced()
+    print(f"\nprompt of {n} tokens ({bs}-token blocks), sent twice: (expected, cached) = {answers}")
+    assert answers[0] == (0, 0)
+    assert answers[1][1] == bs  # vLLM: the last block is computed again
+    assert answers[1][0] == answers[1][1], answers  # today the router expects n - 1
