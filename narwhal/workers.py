@@ -98,8 +98,8 @@ class Supervisor:
     def _on_up(self, session: WorkerSession, m: Any) -> None:
         from . import ipc
 
-        for name, pc in self.controls.control.prompt_counters.items():
-            session.send(ipc.Facts(name, pc.facts()))
+        for name, facts in self.controls.control.all_facts():
+            session.send(ipc.Facts(name, facts))
         self.controls.scrapers[session.worker] = session.scrape
         self.ups.setdefault(session.worker, asyncio.Event()).set()
         log.info("worker %d serving (pid %d)", session.worker, m.pid)

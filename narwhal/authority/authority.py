@@ -102,6 +102,7 @@ class Authority:
         # (upstream/usage.py), found at profile time; data planes are told (`on_facts`)
         self.prompt_counters: dict[str, PromptCounter] = {}
         self._fact_listeners: list[Any] = []
+        self.kv_block_sizes: dict[str, int] = {}  # learned from the engines' KV events
         self.first_poll = asyncio.Event()
         self.started_at = self.clock.now()
         self.took_over_at: float | None = None  # the last take-over as elected leader (load.py)
@@ -117,16 +118,36 @@ class Authority:
 
     # -- facts the data plane needs ------------------------------------------------------
 
+    def all_facts(self) -> list[tuple[str, list[Any]]]:
+        """What the data planes must know of each engine, as (engine, facts):
+        ["prompt_counter", kind, path, template] (upstream/usage.py) and
+        ["kv_block_size", tokens] (the block size the engine's KV events use)."""
+        out = [(name, ["prompt_counter", *pc.facts()]) for name, pc in self.prompt_counters.items()]
+        out += [(name, ["kv_block_size", b]) for name, b in self.kv_block_sizes.items()]
+        return out
+
     def on_facts(self, listener: Any) -> None:
-        """`listener(engine, facts)` for every prompt counter found, now and later."""
+        """`listener(engine, facts)` for every fact, now and later."""
         self._fact_listeners.append(listener)
-        for name, pc in self.prompt_counters.items():
-            listener(name, pc.facts())
+        for name, facts in self.all_facts():
+            listener(name, facts)
+
+    def _tell(self, name: str, facts: list[Any]) -> None:
+        for listener in self._fact_listeners:
+            listener(name, facts)
 
     def add_prompt_counter(self, name: str, pc: PromptCounter) -> None:
         self.prompt_counters[name] = pc
-        for listener in self._fact_listeners:
-            listener(name, pc.facts())
+        self._tell(name, ["prompt_counter", *pc.facts()])
+
+    def set_kv_block_size(self, name: str, tokens: int) -> None:
+        """The engine's KV events use blocks of `tokens` (kvevents.py): its index counts
+        them so, and the data planes key prompts so."""
+        self.kv_block_sizes[name] = tokens
+        idx = self.scheduler.prefix.get(name)
+        if idx is not None:
+            idx.block_tokens = float(tokens)
+        self._tell(name, ["kv_block_size", tokens])
 
     # -- grants ----------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ class ControlPlane(Authority):
         for name, idx in self.scheduler.prefix.items():
             spec = self.specs[name]
             if idx.token and spec.kv_events:
-                feed = kvevents.EventFeed(name, idx, spec.kv_block_size)
+                feed = kvevents.EventFeed(name, idx, spec.kv_block_size, on_block_size=lambda b, n=name: self.set_kv_block_size(n, b))
                 self.kv_feeds[name] = feed
                 self._tasks.append(asyncio.create_task(kvevents.subscribe(feed, spec.kv_events), name=f"narwhal-kv-{name}"))
         if self.config.admission.prediction.profile_on_start:

@@ -14,7 +14,9 @@ add fields at the end; vLLM since its PR 42892 sends each event as a map with th
 under "type" (both are read).
 
 The router keys a block by the chain of token IDs (core/prefix.py token_keys), the same
-function the data plane applies to a prompt's token IDs, and keeps the engine's block
+function the data plane applies to a prompt's token IDs (in the block size the events
+carry: the first event of another size than engines[].kv_block_size resets the index
+and tells the data planes), and keeps the engine's block
 hashes only to apply removals: `_ours` maps an engine hash to our key, bounded with the
 index. A stored block whose parent the router never saw (it subscribed late, or lost
 messages: a sequence gap) cannot be keyed and is skipped: the index under-estimates,
@@ -40,10 +42,13 @@ MAX_PAYLOAD_BYTES = 16 << 20  # one event batch at most
 class EventFeed:
     """Apply an engine's event batches to its index (sans-IO: `apply(payload)`)."""
 
-    def __init__(self, name: str, index: PrefixIndex, block_size: int) -> None:
+    def __init__(self, name: str, index: PrefixIndex, block_size: int, on_block_size: Any = None) -> None:
         self.name = name
         self.index = index
         self.block_size = block_size
+        # the engine's own block size wins over engines[].kv_block_size (vLLM on CPU
+        # defaults to 128, on GPU to 16): told once, before its first block is applied
+        self.on_block_size = on_block_size
         self._ours: dict[Any, int] = {}  # the engine's block hash -> our key
         self._theirs: dict[int, Any] = {}  # and back, to forget what the index evicts
         self.batches = 0
@@ -96,9 +101,16 @@ class EventFeed:
             hashes, parent, tokens = ev[1], ev[2], ev[3]
             size = ev[4] if len(ev) > 4 else self.block_size
             if size != self.block_size:
-                log.warning("engine %s: KV events of block size %s, configured %d (engines[].kv_block_size): ignored", self.name, size, self.block_size)
-                self.skipped += len(hashes)
-                return
+                if type(size) is not int or not 1 <= size <= 4096:
+                    self.malformed += 1
+                    return
+                log.info("engine %s: its KV events use blocks of %d tokens (engines[].kv_block_size said %d): keyed so from now on", self.name, size, self.block_size)
+                self.block_size = size
+                self.index.clear()  # keys of the other block size can never match again
+                self._ours.clear()
+                self._theirs.clear()
+                if self.on_block_size is not None:
+                    self.on_block_size(size)
             if parent is None:
                 pk = None
             else:

@@ -190,7 +190,10 @@ class Scheduler:
                     # refusals.yaml R10 note: prefill is projected on the tokens this engine
                     # is expected not to hold (the prefix cache); at least one is computed
                     if idx.token:
-                        cached = min(n - 1.0, idx.match(work.token_prefix) * (idx.block_tokens or 0.0))
+                        # the engine computes at least the last token and reuses whole
+                        # blocks only: at most the whole blocks of the first n - 1 tokens
+                        bt = idx.block_tokens or 1.0
+                        cached = min((n - 1.0) // bt * bt, idx.match(work.token_prefix) * bt)
                     else:
                         cached = min(n - 1.0, idx.match(work.prefix) * work.block_tokens)
                     if cached > 0.0:
@@ -609,10 +612,10 @@ class Scheduler:
             self.engines[sample[0]].prefill.observe(max(1.0, w.prompt_tokens - cached), sample[1])
         if cached_tokens is not None and idx is not None:
             idx.reports = True
-        if cached_tokens is not None and w.prefix and w.block_tokens > 0 and idx is not None:
-            if not idx.token:  # an index fed by events is the engine's own word
-                idx.trusted = True
-                idx.correct(round(t.expected_cached / w.block_tokens), int(cached_tokens // w.block_tokens))
+        # an index fed by events is the engine's own word: only an approximate one follows reports
+        if cached_tokens is not None and w.prefix and w.block_tokens > 0 and idx is not None and not idx.token:
+            idx.trusted = True
+            idx.correct(round(t.expected_cached / w.block_tokens), int(cached_tokens // w.block_tokens))
 
     def refuse_waiting(self, refusal: Refuse) -> list[tuple[Ticket, Refuse]]:
         """Every ticket waiting in a queue (phase 1 or a decode slot) leaves it with

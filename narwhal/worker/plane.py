@@ -70,10 +70,14 @@ class DataPlane:
         return self.engines[name].model or self.config.serving.model
 
     def learn_facts(self, engine: str, facts: list[Any]) -> None:
-        """The authority found how `engine` counts prompts (upstream/usage.py)."""
+        """The authority found something about `engine` (Authority.all_facts)."""
         s = self.engines.get(engine)
-        if s is not None:
-            self.prompt_counters[engine] = PromptCounter.from_facts(CountTarget(self.client, s.url, s.name, self.model_of(engine)), facts)
+        if s is None or not facts:
+            return
+        if facts[0] == "prompt_counter":  # how it counts prompts (upstream/usage.py)
+            self.prompt_counters[engine] = PromptCounter.from_facts(CountTarget(self.client, s.url, s.name, self.model_of(engine)), facts[1:])
+        elif facts[0] == "kv_block_size":  # the block size of its KV events: key prompts so
+            s.kv_block_size = int(facts[1])
 
     async def token_prefix(self, route: str, body: dict[str, Any]) -> tuple[int, ...]:
         """The prompt's block keys over its token IDs (engines with KV events), or ()

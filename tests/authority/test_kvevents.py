@@ -66,10 +66,13 @@ def test_malformed_payloads_are_counted_and_dropped(payload: bytes) -> None:
     assert f.malformed == 1 and len(f.index) == 0
 
 
-def test_another_block_size_is_ignored() -> None:
-    f = feed()
-    f.apply(batch(["BlockStored", [1, 2], None, PROMPT[:64], 32, None, None]))
-    assert len(f.index) == 0 and f.skipped == 2
+def test_the_engines_own_block_size_wins_and_is_told() -> None:
+    told: list[int] = []
+    f = EventFeed("u0", PrefixIndex(1000, token=True, block_tokens=B), B, on_block_size=told.append)
+    f.apply(batch(stored([1], None, PROMPT[:B])))
+    f.apply(batch(["BlockStored", [2, 3], None, PROMPT[:64], 32, None, None]))  # vLLM on CPU: 128
+    assert told == [32] and f.block_size == 32
+    assert f.index.match(token_keys(PROMPT, 32)) == 2 and len(f.index) == 2  # the 16-token keys are gone
 
 
 def test_sequence_gaps_are_counted() -> None:
