@@ -549,13 +549,11 @@ def test_vllm_prefix_cache_through_narwhal(vllm_caching: CachingVllm) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=True, reason="the router expects min(n - 1, blocks held x block size) cached; vLLM caps a hit at n - 1 "
-                   "tokens in whole blocks, so a prompt of exactly k blocks sent again has k - 1 blocks cached, not n - 1 tokens")
 def test_vllm_prompt_of_whole_blocks_sent_again(vllm_caching: CachingVllm) -> None:
     """A prompt of exactly 2 blocks, sent twice. vLLM computes at least the last token and
     hits whole blocks only (vllm/v1/core/kv_cache_manager.py: max_cache_hit_length =
-    num_tokens - 1), so the second answer has 1 block cached; the router expects every
-    block held, less one token (narwhal/core/admission.py: min(n - 1, matched x block_tokens))."""
+    num_tokens - 1), so the second answer has 1 block cached, and so does the router
+    expect (narwhal/core/admission.py: the whole blocks of the first n - 1 tokens)."""
     import httpx
 
     from tests.helpers import wait_until
