@@ -8,6 +8,7 @@
     narwhal bench overload [--scenario prefill|decode] [--loads 0.5,1,1.5,2,3,4] [--peers ...]
     narwhal bench abuse [--attacks slow-body,h2-no-read,...] [--duration 15] [--rate 20]
     narwhal bench prediction --engine URL --model NAME [--dialect openai] [--max-concurrency 1]
+    narwhal bench split [--parts decisions,saturation,relay,ttft] [--rate 2000] [--clients 1] [--layouts pinned,spread]
 
 Every subcommand prints Markdown tables; --out DIR also saves them with the raw numbers
 as JSON (default out/bench, git-ignored); sweeps write PNG plots to --img (default
@@ -124,7 +125,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ov.add_argument("--drain", type=float, default=8.0)
     ov.add_argument("--trace", default="conv", choices=["conv", "code"])
 
-    for sp in (oh, rl, mm, pr, ov):
+    sp_ = sub.add_parser("split", help="the cost of serving.workers N: decision round trip in process vs over the channel, authority saturation, relay CPU and TTFT capacity, workers 1 vs 2")
+    sp_.add_argument("--parts", default="decisions,saturation,relay,ttft", help="comma-separated: decisions, saturation, relay, ttft (default all)")
+    sp_.add_argument("--rate", type=float, default=2000.0, help="decisions: decisions/s (default 2000)")
+    sp_.add_argument("--warm", type=float, default=2.0, help="decisions: warm-up seconds")
+    sp_.add_argument("--window", type=float, default=10.0, help="decisions: measured seconds per arm")
+    sp_.add_argument("--repeats", type=int, default=2, help="decisions: runs of (in process, channel, floor)")
+    sp_.add_argument("--engines", type=int, default=4, help="decisions/saturation: fake unified engines")
+    sp_.add_argument("--mode", default="predictive", choices=["open", "predictive"], help="decisions/saturation: admission mode (default predictive)")
+    sp_.add_argument("--cycle", default="full", choices=["full", "minimal"], help="a request cycle: full = arrive, admit, first_token, close (full outcome), end; minimal = arrive, admit, close(at), end")
+    sp_.add_argument("--sat-rates", default="2000,3000,4000,5000,6000,8000,10000,12000,14000,16000,20000", help="saturation: cycles/s, rising")
+    sp_.add_argument("--sat-window", type=float, default=5.0)
+    sp_.add_argument("--clients", type=int, default=1, help="saturation: client processes (each its own channel, like a worker)")
+    sp_.add_argument("--streams", type=int, default=200, help="relay: concurrent streams")
+    sp_.add_argument("--interval-ms", type=float, default=20.0, help="relay: ms between a stream's tokens")
+    sp_.add_argument("--relay-window", type=float, default=15.0)
+    sp_.add_argument("--alternations", type=int, default=2, help="relay: runs of each worker count, alternating")
+    sp_.add_argument("--ttft-rates", default="50,100,150,200,300,400,600", help="ttft: req/s, rising")
+    sp_.add_argument("--ttft-duration", type=float, default=8.0, help="ttft: seconds of arrivals per point")
+    sp_.add_argument("--ttft-rounds", type=int, default=2)
+    sp_.add_argument("--layouts", default="pinned,spread", help="ttft: pinned (every router process on CPU 0) and/or spread (router unpinned); load tool and engine on CPU 1")
+    sp_.add_argument("--quiet-wait", type=float, default=60.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (< 0.15 core busy)")
+
+    for sp in (oh, rl, mm, pr, ov, sp_):
         sp.add_argument("--out", default="out/bench", help="save Markdown + JSON here (default out/bench; '' to skip)")
     for sp in (pr, ov):
         sp.add_argument("--img", default="docs/img", help="write the PNG plot here ('' to skip)")
@@ -156,6 +179,14 @@ def run(args: argparse.Namespace) -> int:
 
             prediction(engine_url=args.engine, dialect=args.dialect, model=args.model, max_concurrency=args.max_concurrency,
                        lengths=[int(x) for x in args.lengths.split(",") if x], repeats=args.repeats, depth=args.depth, out=out)
+            return 0
+        if cmd == "split":
+            from .split import split
+
+            split(parts=_names(args.parts), out=out, rate=args.rate, warm=args.warm, window=args.window, repeats=args.repeats, engines=args.engines, mode=args.mode,
+                  cycle=args.cycle, sat_rates=_floats(args.sat_rates), sat_window=args.sat_window, clients=args.clients, streams=args.streams,
+                  interval_ms=args.interval_ms, relay_window=args.relay_window, alternations=args.alternations, ttft_rates=_floats(args.ttft_rates),
+                  ttft_duration=args.ttft_duration, ttft_rounds=args.ttft_rounds, layouts=_names(args.layouts), quiet_wait=args.quiet_wait)
             return 0
         from . import experiments as X
 
