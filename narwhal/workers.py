@@ -38,7 +38,7 @@ from .authority.channel import WorkerSession
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
 from .config import NarwhalConfig
-from .http.server import split_listen
+from .http.server import settle_heap, split_listen
 from .upstream.engines import EngineSpec
 
 __all__ = ["supervise", "worker_main", "Supervisor"]
@@ -182,6 +182,7 @@ async def supervise(config: NarwhalConfig, engines: list[EngineSpec], listen: st
     await control.start()
     try:
         await sup.start()
+        settle_heap()  # the authority's start-up heap out of the collector's way, as a worker's
         scheme = "https" if config.serving.tls.certfile else "http"
         if ready is not None:
             ready(f"{scheme}://{listen}")
@@ -202,7 +203,7 @@ async def _worker(ipc_fd: int, listen_fd: int) -> None:
     from .config import parse_config
     from .http import hyper
     from .http.app import create_app
-    from .http.server import serving_config, settle_heap
+    from .http.server import serving_config
     from .worker.plane import DataPlane, tokenizer_of
     from .worker.remote import Link, RemoteControls, RemoteDoor
     from .worker.telemetry import families

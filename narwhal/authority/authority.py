@@ -157,10 +157,18 @@ class Authority:
             if f is not None and not f.done():
                 f.set_result(g)
 
-    async def wait_grant(self, t: Ticket) -> Dispatch | Refuse | None:
-        """Wait for a slot. None: R12/R13 expired first (the scheduler says which)."""
+    def register(self, t: Ticket) -> asyncio.Future[Dispatch | Refuse]:
+        """The future a queued ticket's grant (or refusal) resolves, registered at once:
+        a grant made before the waiter exists would be lost (wake finds no waiter). Call
+        it in the same turn of the loop as the decision that queued the ticket."""
         f: asyncio.Future[Dispatch | Refuse] = asyncio.get_running_loop().create_future()
         self.waiters[t.id] = f
+        return f
+
+    async def wait_grant(self, t: Ticket, f: asyncio.Future[Dispatch | Refuse] | None = None) -> Dispatch | Refuse | None:
+        """Wait for a slot. None: R12/R13 expired first (the scheduler says which)."""
+        if f is None:
+            f = self.register(t)
         try:
             while True:
                 left = self.scheduler.time_left(t, self.clock.now())

@@ -10,6 +10,9 @@ and frees what it held.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+
 from narwhal_generated import errors as E
 
 from ..core.accounting import Entry as BooksEntry
@@ -46,10 +49,15 @@ class LocalLease:
         limit = a.config.admission.max_wait_ms if row is E.R12 else round((t.work.deadline_s or 0) * 1000)
         return Refuse(row, fields={"waited_ms": round(a.scheduler.waited_s(t, now) * 1000), "limit": limit})
 
-    async def wait(self) -> Grant | Refuse:
-        """A queued lease's grant, or its refusal (R12/R13 expiry, R09 on reconcile)."""
+    def wait(self) -> Awaitable[Grant | Refuse]:
+        """A queued lease's grant, or its refusal (R12/R13 expiry, R09 on reconcile).
+        The waiter is registered now, before the caller's next await: call it in the turn
+        that queued the lease (authority/channel.py starts it in a task of its own)."""
+        return self._wait(self.a.register(self.t))
+
+    async def _wait(self, f: asyncio.Future[Dispatch | Refuse]) -> Grant | Refuse:
         a = self.a
-        got = await a.wait_grant(self.t)
+        got = await a.wait_grant(self.t, f)
         if got is None:
             return self._expired()
         if isinstance(got, Refuse):

@@ -350,9 +350,9 @@ class Scheduler:
                 idx.insert(t.work.prefix)
         e.busy_until = max(e.busy_until, now) + t.pred_prefill_ms / 1000.0
         e.inflight_prefill[t.id] = t.pred_prefill_ms
-        d = Dispatch(t, e.name, t.state)
-        t.granted = d
-        return d
+        # no back-reference from the ticket: a Dispatch<->Ticket cycle per request left
+        # four objects each for the cyclic collector (stalls of 30-100 ms at 10,000/s)
+        return Dispatch(t, e.name, t.state)
 
     # -- expiry (R12, R13) ---------------------------------------------------------------
 
@@ -448,9 +448,7 @@ class Scheduler:
         t.decode_engine = d.name
         t.state = "decode"
         t.decode_dispatched_at = now
-        g = Dispatch(t, d.name, "decode")
-        t.granted = g
-        return g
+        return Dispatch(t, d.name, "decode")
 
     def decode_failed(self, t: Ticket, now: float) -> list[Dispatch]:
         """A decode attempt failed before response headers: free its slot and exclude the

@@ -59,7 +59,7 @@ class Ticket:
     __slots__ = (
         "id", "work", "state", "engine", "decode_engine", "excluded", "enqueued_at", "waited",
         "pred_prefill_ms", "projected_ttft_ms", "depth", "prefill_dispatched_at",
-        "decode_dispatched_at", "holds_prefill", "holds_decode", "granted", "pd_pending",
+        "decode_dispatched_at", "holds_prefill", "holds_decode", "pd_pending",
         "expected_cached", "prefill_sample",
     )
 
@@ -80,7 +80,6 @@ class Ticket:
         self.decode_dispatched_at: float | None = None
         self.holds_prefill: str | None = None
         self.holds_decode: str | None = None
-        self.granted: Dispatch | None = None
         self.pd_pending = False  # counted in Scheduler.pd_pending (P/D backpressure)
         self.expected_cached = 0.0  # prompt tokens its phase-1 engine is expected to hold cached
         self.prefill_sample: tuple[str, float] | None = None  # (engine, service ms), learned at close
