@@ -125,6 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ov.add_argument("--drain", type=float, default=8.0)
     ov.add_argument("--trace", default="conv", choices=["conv", "code"])
 
+    # experiments in modules of their own: their arguments and run() are theirs
+    import importlib
+    import importlib.util
+
+    for name, module, help_ in _DELEGATED:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_))
+
     sp_ = sub.add_parser("split", help="the cost of serving.workers N: decision round trip in process vs over the channel, authority saturation, relay CPU and TTFT capacity, workers 1 vs 2")
     sp_.add_argument("--parts", default="decisions,saturation,relay,ttft", help="comma-separated: decisions, saturation, relay, ttft (default all)")
     sp_.add_argument("--rate", type=float, default=2000.0, help="decisions: decisions/s (default 2000)")
@@ -160,11 +168,22 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwind: every experiment stops the processes it started
 
 
+_DELEGATED = (
+    ("ha", "narwhal_bench.ha", "failover of leader election under load: kill -9 the leader of three routers on a real etcd (docs/ha.md)"),
+    ("prefix", "narwhal_bench.prefix", "the Mooncake conversation trace against caching mock engines: Narwhal cache-aware and cache-blind, vllm-router cache_aware and round_robin"),
+)
+
+
 def run(args: argparse.Namespace) -> int:
     import signal
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
     cmd = args.bench_command
+    for name, module, _ in _DELEGATED:
+        if cmd == name:
+            import importlib
+
+            return int(importlib.import_module(module).run(args))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     out = Path(args.out) if getattr(args, "out", "") else None
     try:
         if cmd == "load":
