@@ -1,0 +1,820 @@
+"""`narwhal bench prefix` (also `python -m narwhal_bench.prefix`): prefix-cache-aware
+placement, measured (issue 15 item 4). The Mooncake conversation trace replayed against a
+fleet of caching mock engines, in front of which each arm's router runs in turn.
+
+    python -m narwhal_bench.prefix [--arms narwhal-auto,narwhal-events,narwhal-off,vllm-cache-aware,vllm-round-robin]
+        [--duration 140] [--start 600] [--window 1200] [--sample 0.35] [--tokens-per-block 64]
+        [--max-blocks 32] [--cache-tokens 65536] [--budget-ms 3000] [--out DIR] [--img docs]
+    python -m narwhal_bench.prefix --plot-load RUN1/prefix.json RUN2/prefix.json ... [--img docs]
+
+Results and the reading: docs/performance.md, "Prefix cache (`narwhal bench prefix`)".
+
+Workload (module rules, all pure functions below)
+  * Trace: /work/shared/data/traces/mooncake_conversation.jsonl (timestamp ms,
+    input_length, output_length, hash_ids: one ID per 512-token block; requests that
+    share leading IDs share that prefix). Every request starts with ID 0 (a common
+    system prompt); a conversation is the requests sharing hash_ids[:2].
+  * Selection (`select`): the requests with timestamp in [start, start + window) s, and
+    of those only the conversations whose hash_ids[1] passes a seeded coin of
+    probability `sample` (all turns of a conversation are kept or dropped together, so
+    the trace's reuse survives the subsampling).
+  * Time: the window is compressed onto `duration` s (speed-up = window / duration);
+    arrivals keep the trace's order and relative gaps.
+  * Size: each 512-token block becomes `tokens_per_block` tokens; a prompt keeps at most
+    `max_blocks` blocks (its first ones: the shared prefix survives the cap); its length
+    is round(input_length x tokens_per_block / 512), capped at max_blocks x
+    tokens_per_block. Outputs: round(output_length x output_scale), 1 .. max_output.
+  * Text (`block_text`): each hash ID renders as one deterministic ASCII text of
+    tokens_per_block x 4 bytes (the mock counts 4 bytes a token), the same every time;
+    a prompt is one user message whose content is its blocks' texts concatenated and cut
+    at its length (the last block partial), so shared hash prefixes are shared prompt
+    prefixes, byte for byte and token for token.
+  * Request: a streaming chat completion with stream_options.include_usage, max_tokens =
+    the scaled output, and the TTFT budget as x-narwhal-ttft-target-ms (Narwhal reads it;
+    the peers ignore it).
+
+Arms (each in front of a FRESH fleet: the mocks are restarted so every cache starts cold)
+  narwhal-auto       Narwhal predictive, admission.prediction.prefix_cache auto (the
+                     mocks report cached_tokens, so the approximate index is trusted
+                     after the first report)
+  narwhal-events     Narwhal predictive, prefix_cache auto with engines[].kv_events (the
+                     mocks publish vLLM KV events): the exact index
+  narwhal-off        Narwhal predictive, prefix_cache off (cache-blind)
+  vllm-cache-aware   vllm-router --policy cache_aware (its defaults)
+  vllm-round-robin   vllm-router --policy round_robin
+
+Per arm: the mocks' hit rate (sum cached_tokens / sum prompt_tokens over /mock/stats,
+differences across the replay, so Narwhal's start-up profiling is not counted), TTFT
+p50/p90/p99 of answered requests, goodput (share of OFFERED requests answered with TTFT
+<= budget), refusals (429/503/504 before a token), errors, the requests each engine took,
+and for Narwhal arms how often x-narwhal-expected-cached-tokens is within one block of the
+engine's usage.prompt_tokens_details.cached_tokens (absent = 0 on the vllm dialect).
+Every process is started here and stopped by its own process group; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from . import harness as H
+from .client import SSERecorder, make_client
+from .procs import Proc, free_port, layout, log_dir, pin_self, wait_http
+from .stats import Result, fmt_ms, markdown_table, percentile, summarize
+
+__all__ = [
+    "TraceRequest", "load_mooncake", "select", "scale", "block_text", "prompt_content", "request_body",
+    "PrefixRecorder", "header_accuracy", "ARMS", "add_arguments", "run", "main",
+]
+
+DEFAULT_TRACE = Path("/work/shared/data/traces/mooncake_conversation.jsonl")
+TRACE_BLOCK_TOKENS = 512  # the trace's hash_ids block
+BYTES_PER_TOKEN = 4  # the mock's sizing of text (narwhal/mock/tokens.py)
+MOCK_BLOCK = 16  # the mocks' KV block (vLLM's default)
+APPROX_BLOCK_TOKENS = 64  # Narwhal's approximate index block (256 bytes at 4 bytes a token)
+MODEL = "narwhal-demo"
+_TICK = float(os.sysconf("SC_CLK_TCK"))
+
+ARMS: dict[str, str] = {
+    "narwhal-auto": "Narwhal predictive, prefix_cache auto (approximate index)",
+    "narwhal-events": "Narwhal predictive, prefix_cache auto + engines[].kv_events (exact index)",
+    "narwhal-off": "Narwhal predictive, prefix_cache off (cache-blind)",
+    "vllm-cache-aware": "vllm-router --policy cache_aware",
+    "vllm-round-robin": "vllm-router --policy round_robin",
+}
+
+# -- the workload (pure) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    at: float  # seconds from the start of the replay
+    hash_ids: tuple[int, ...]  # the blocks kept (at most max_blocks)
+    prompt_tokens: int  # text tokens of the user message (the mock adds 3 template tokens)
+    output_tokens: int
+    trace_ts_ms: int = 0
+
+
+def load_mooncake(path: str | Path = DEFAULT_TRACE) -> list[dict[str, Any]]:
+    """The trace's rows, by timestamp (stable)."""
+    with open(path, "rb") as f:
+        rows = [orjson.loads(line) for line in f if line.strip()]
+    rows.sort(key=lambda r: r["timestamp"])
+    return rows
+
+
+def _keep_conversation(key: int, sample: float, seed: int) -> bool:
+    return random.Random(f"{seed}:{key}").random() < sample
+
+
+def select(rows: Sequence[dict[str, Any]], *, start_s: float, window_s: float, sample: float = 1.0, seed: int = 1) -> list[dict[str, Any]]:
+    """The rows of [start_s, start_s + window_s), conversations (hash_ids[1]) sampled with
+    probability `sample` by a seeded coin; a one-block request is its own conversation."""
+    out = []
+    lo, hi = start_s * 1000.0, (start_s + window_s) * 1000.0
+    for i, r in enumerate(rows):
+        t = r["timestamp"]
+        if t < lo or t >= hi:
+            continue
+        h = r["hash_ids"]
+        key = h[1] if len(h) > 1 else -1 - i
+        if sample >= 1.0 or _keep_conversation(key, sample, seed):
+            out.append(r)
+    return out
+
+
+def scale(rows: Sequence[dict[str, Any]], *, start_s: float, speedup: float, tokens_per_block: int, max_blocks: int, output_scale: float, max_output: int) -> list[TraceRequest]:
+    """Selected rows as requests: time compressed by `speedup`, sizes scaled (module rules)."""
+    out = []
+    for r in rows:
+        h = tuple(r["hash_ids"][:max_blocks])
+        n = round(r["input_length"] * tokens_per_block / TRACE_BLOCK_TOKENS)
+        n = max(1, min(n, len(h) * tokens_per_block))
+        o = max(1, min(max_output, round(r["output_length"] * output_scale)))
+        out.append(TraceRequest((r["timestamp"] / 1000.0 - start_s) / speedup, h, n, o, int(r["timestamp"])))
+    return out
+
+
+_WORDS = (
+    "amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp", "lagoon",
+    "meadow", "nectar", "obsidian", "pebble", "quartz", "reef", "sierra", "tundra", "umber", "valley", "willow", "xenon",
+    "yarrow", "zephyr", "narwhal", "orca", "plankton", "current", "tide", "krill",
+)
+
+
+def block_text(hash_id: int, tokens_per_block: int) -> str:
+    """The text of one trace block: tokens_per_block x 4 ASCII bytes, a function of the
+    hash ID alone (it starts with "<ID>", so different IDs differ in their first bytes)."""
+    size = tokens_per_block * BYTES_PER_TOKEN
+    parts = [f"<{hash_id}>"]
+    n = len(parts[0])
+    k = 0
+    while n < size:
+        d = hashlib.blake2b(f"{hash_id}:{k}".encode(), digest_size=16).digest()
+        for b in d:
+            w = " " + _WORDS[b % len(_WORDS)]
+            parts.append(w)
+            n += len(w)
+        k += 1
+    return "".join(parts)[:size]
+
+
+def prompt_content(hash_ids: Sequence[int], prompt_tokens: int, tokens_per_block: int) -> str:
+    """The user message: the blocks' texts concatenated, cut at prompt_tokens x 4 bytes."""
+    need = prompt_tokens * BYTES_PER_TOKEN
+    blocks = min(len(hash_ids), math.ceil(need / (tokens_per_block * BYTES_PER_TOKEN)))
+    return "".join(block_text(h, tokens_per_block) for h in hash_ids[:blocks])[:need]
+
+
+def request_body(req: TraceRequest, tokens_per_block: int, model: str = MODEL) -> bytes:
+    return orjson.dumps({
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": req.output_tokens,
+        "messages": [{"role": "user", "content": prompt_content(req.hash_ids, req.prompt_tokens, tokens_per_block)}],
+    })
+
+
+def ideal_hit_rate(reqs: Sequence[TraceRequest], tokens_per_block: int) -> float:
+    """Token hit rate of one unbounded cache that holds every prompt's full trace blocks
+    (the most any router could get from this replay, at trace-block granularity)."""
+    seen: set[tuple[int, ...]] = set()
+    hit = tot = 0
+    for r in sorted(reqs, key=lambda x: x.at):
+        full = r.prompt_tokens // tokens_per_block
+        k = 0
+        while k < full and r.hash_ids[: k + 1] in seen:
+            k += 1
+        hit += min(k * tokens_per_block, r.prompt_tokens - 1)
+        tot += r.prompt_tokens
+        for i in range(full):
+            seen.add(r.hash_ids[: i + 1])
+    return hit / tot if tot else 0.0
+
+
+# -- the client -----------------------------------------------------------------------------
+
+
+class PrefixRecorder(SSERecorder):
+    """SSERecorder that also keeps Narwhal's x-narwhal-* headers and the usage chunk
+    (prompt_tokens, prompt_tokens_details.cached_tokens: absent = 0 on the vllm dialect)."""
+
+    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
+        super().on_headers(status, headers, now)
+        for k, name in ((b"x-narwhal-expected-cached-tokens", "expected_cached"), (b"x-narwhal-projected-ttft-ms", "projected_ttft_ms")):
+            v = headers.get(k)
+            if v is not None:
+                with contextlib.suppress(ValueError):
+                    self.r.extra[name] = int(v)
+
+    def _event(self, ev: bytes, now: float) -> None:
+        super()._event(ev, now)
+        if b'"usage"' not in ev:
+            return
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                obj = orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                continue
+            u = obj.get("usage") if isinstance(obj, dict) else None
+            if isinstance(u, dict):
+                self.r.extra["usage_prompt_tokens"] = u.get("prompt_tokens")
+                d = u.get("prompt_tokens_details")
+                c = d.get("cached_tokens") if isinstance(d, dict) else None
+                self.r.extra["cached_tokens"] = int(c) if isinstance(c, int) else 0
+                self.r.extra["cached_reported"] = isinstance(c, int)
+
+
+async def _one(client: Any, body: bytes, headers: dict[str, str], scheduled: float, timeout_s: float, req: TraceRequest, out: list[Result]) -> None:
+    r = Result(scheduled=scheduled, prompt_tokens=req.prompt_tokens, output_tokens=req.output_tokens)
+    out.append(r)
+    try:
+        await client.request("POST", "/v1/chat/completions", body, PrefixRecorder(r), headers=headers, timeout_s=timeout_s)
+    except asyncio.CancelledError:
+        r.error = r.error or "cut at end of run"
+        if not r.sent:
+            r.sent = scheduled
+        raise
+
+
+async def replay(url: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes], *, budget_ms: int, timeout_s: float, drain_s: float, headers: dict[str, str] | None = None) -> list[Result]:
+    """Open loop: request i leaves at t0 + reqs[i].at; open requests drain_s after the last
+    arrival are cut (errors)."""
+    client = make_client(url, "1", headers=headers)
+    hdr = {"x-narwhal-ttft-target-ms": str(budget_ms)}
+    loop = asyncio.get_running_loop()
+    out: list[Result] = []
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        t0 = time.perf_counter() + 0.05
+        for req, body in zip(reqs, bodies, strict=True):
+            target = t0 + req.at
+            delay = target - time.perf_counter()
+            if delay > 0.0005:
+                await asyncio.sleep(delay)
+            tk = loop.create_task(_one(client, body, hdr, target, timeout_s, req, out))
+            tasks.add(tk)
+            tk.add_done_callback(tasks.discard)
+        if tasks:
+            _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
+            for tk in pending:
+                tk.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+    finally:
+        await client.aclose()
+    return out
+
+
+def header_accuracy(results: Sequence[Result]) -> dict[str, Any] | None:
+    """x-narwhal-expected-cached-tokens against the engine's reported cached_tokens, over
+    answered requests that carry both."""
+    pairs = [(r.extra["expected_cached"], r.extra["cached_tokens"]) for r in results if r.ok and "expected_cached" in r.extra and "cached_tokens" in r.extra]
+    if not pairs:
+        return None
+    n = len(pairs)
+    diff = [e - c for e, c in pairs]
+    return {
+        "n": n,
+        "within_engine_block": sum(1 for d in diff if abs(d) <= MOCK_BLOCK) / n,  # 16 tokens
+        "within_index_block": sum(1 for d in diff if abs(d) <= APPROX_BLOCK_TOKENS) / n,  # 64 tokens
+        "exact_zero_both": sum(1 for e, c in pairs if e == 0 and c == 0) / n,
+        "over": sum(1 for d in diff if d > APPROX_BLOCK_TOKENS) / n,  # expected more than the engine had
+        "under": sum(1 for d in diff if d < -APPROX_BLOCK_TOKENS) / n,
+        "expected_sum": sum(e for e, _ in pairs),
+        "reported_sum": sum(c for _, c in pairs),
+        "abs_err_p50": percentile([abs(d) for d in diff], 50),
+        "abs_err_p90": percentile([abs(d) for d in diff], 90),
+    }
+
+
+# -- the fleet and the routers --------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    engines: list[H.Engine]
+    kv_endpoints: list[str]
+
+    def stop(self) -> None:
+        for e in reversed(self.engines):
+            with contextlib.suppress(Exception):
+                e.proc.stop()
+
+
+def start_fleet(n: int, *, timing: dict[str, Any], cache_tokens: int, cpus: set[int] | None) -> Fleet:
+    engines: list[H.Engine] = []
+    eps: list[str] = []
+    try:
+        for i in range(n):
+            ep = f"tcp://127.0.0.1:{free_port()}"
+            flags = {**timing, "seed": i + 1, "prefix_cache_tokens": cache_tokens, "block_size": MOCK_BLOCK, "kv_events": ep}
+            engines.append(H.mock_engine(f"u{i}", cpus=cpus, timing=flags, output_tokens=4096))
+            eps.append(ep)
+    except BaseException:
+        Fleet(engines, eps).stop()
+        raise
+    return Fleet(engines, eps)
+
+
+def _get_json(url: str) -> Any:
+    import httpx
+
+    return httpx.get(url, timeout=5, trust_env=False).json()
+
+
+def mock_stats(fleet: Fleet) -> list[dict[str, Any]]:
+    return [_get_json(e.url + "/mock/stats") for e in fleet.engines]
+
+
+def wait_idle(fleet: Fleet, timeout_s: float = 30.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if all(s["in_flight"] == 0 for s in mock_stats(fleet)):
+                return True
+        except Exception:  # noqa: BLE001 - an engine that does not answer is not idle
+            return False
+        time.sleep(0.25)
+    return False
+
+
+class Sampler:
+    """Once a second during a replay: each mock's prefill queue and requests in flight,
+    and (Narwhal) the router's /ready status: a timeline that shows stalls and
+    not-ready spells. A daemon thread, stopped by `stop()` (bounded join)."""
+
+    def __init__(self, fleet: Fleet, router_url: str | None, interval_s: float = 1.0) -> None:
+        import threading
+
+        self.fleet = fleet
+        self.router_url = router_url
+        self.interval_s = interval_s
+        self.rows: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, name="prefix-sampler", daemon=True)
+        self.t0 = 0.0
+
+    def start(self) -> Sampler:
+        self.t0 = time.monotonic()
+        self._t.start()
+        return self
+
+    def _loop(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=2.0, trust_env=False) as c:
+            while not self._stop.is_set():
+                row: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 2)}
+                for e in self.fleet.engines:
+                    try:
+                        st = c.get(e.url + "/mock/stats").json()
+                        row[e.name] = (st["prefill_queue"], st["in_flight"])
+                    except Exception as ex:  # noqa: BLE001 - recorded as a failed poll
+                        row[e.name] = type(ex).__name__
+                if self.router_url:
+                    try:
+                        r = c.get(self.router_url + "/ready")
+                        row["ready"] = r.status_code if r.status_code == 200 else f"{r.status_code} {r.text[:120]}"
+                    except Exception as ex:  # noqa: BLE001
+                        row["ready"] = type(ex).__name__
+                self.rows.append(row)
+                self._stop.wait(self.interval_s)
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._t.join(5.0)
+        return self.rows
+
+
+def busy_cpu_s() -> float:
+    """CPU-seconds the whole machine has been busy (all cores, /proc/stat: user + nice +
+    system + irq + softirq + steal)."""
+    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    v = [int(x) for x in f]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / _TICK
+
+
+def quiet_wait(max_s: float, *, threshold: float = 0.25, window_s: float = 5.0) -> float:
+    """Wait (at most max_s) until the machine is quiet: under `threshold` cores busy over a
+    window (other benchmarks share this 2-core machine). Returns the busy cores last seen."""
+    end = time.monotonic() + max_s
+    while True:
+        b0 = busy_cpu_s()
+        time.sleep(window_s)
+        busy = (busy_cpu_s() - b0) / window_s
+        if busy < threshold or time.monotonic() >= end:
+            return busy
+        print(f"    machine busy ({busy:.2f} cores used by others): waiting", flush=True)
+
+
+def _content_key(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=12).digest()
+
+
+def placements(fleet: Fleet) -> dict[bytes, tuple[str, int | None]]:
+    """Which engine served each prompt (the mocks' request records, keyed by the user
+    message) and the cached tokens it found: (engine, cached_tokens)."""
+    out: dict[bytes, tuple[str, int | None]] = {}
+    for e in fleet.engines:
+        for rec in _get_json(e.url + "/mock/requests"):
+            body = rec.get("body")
+            if not isinstance(body, dict):
+                continue
+            msgs = body.get("messages") or []
+            if len(msgs) != 1 or not isinstance(msgs[0].get("content"), str):
+                continue
+            pf = rec.get("prefill") or {}
+            out[_content_key(msgs[0]["content"])] = (e.name, pf.get("cached_tokens"))
+    return out
+
+
+def affinity(reqs: Sequence[TraceRequest], engines: Sequence[str | None]) -> dict[str, Any]:
+    """Follow-up requests (sharing at least two leading trace blocks with an earlier one):
+    the share placed on the engine of the latest earlier request with the longest shared
+    prefix (where its blocks were last computed)."""
+    last: dict[tuple[int, ...], str] = {}
+    follow = same = 0
+    for r, e in sorted(zip(reqs, engines, strict=True), key=lambda x: x[0].at):
+        prev = None
+        for k in range(len(r.hash_ids), 1, -1):
+            prev = last.get(r.hash_ids[:k])
+            if prev is not None:
+                break
+        if prev is not None and e is not None:
+            follow += 1
+            same += e == prev
+        if e is not None:
+            for k in range(2, len(r.hash_ids) + 1):
+                last[r.hash_ids[:k]] = e
+    return {"follow_ups": follow, "same_engine": same / follow if follow else None}
+
+
+def narwhal_arm_config(fleet: Fleet, arm: str, *, budget_ms: int, cache_tokens: int) -> dict[str, Any]:
+    mode = "off" if arm == "narwhal-off" else "auto"
+    cfg = H.narwhal_config(fleet.engines, admission={"mode": "predictive", "ttft_budget_ms": budget_ms,
+                                                     "prediction": {"prefix_cache": mode, "prefix_cache_tokens": cache_tokens}})
+    if arm == "narwhal-events":
+        for e, ep in zip(cfg["engines"], fleet.kv_endpoints, strict=True):
+            e["kv_events"] = ep
+            e["kv_block_size"] = MOCK_BLOCK
+    return cfg
+
+
+def start_vllm_router(fleet: Fleet, policy: str, *, cpus: set[int] | None, timeout_s: float = 60.0) -> H.Started:
+    exe = H.peers_dir() / "vllm-router" / "bin" / "vllm-router"
+    if not exe.exists():
+        raise H.PeerUnavailable(f"vllm-router is not installed ({exe} missing): run scripts/peers/install.sh vllm-router")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--disable-retries", "--log-dir", str(log_dir() / "vllm-router-logs"),
+            "--worker-urls", *[e.url for e in fleet.engines], "--policy", policy]
+    p = Proc(f"vllm-router-{policy}", argv, cpus=cpus).start()
+    try:
+        wait_http(url + "/health", proc=p, timeout_s=timeout_s)
+    except (TimeoutError, RuntimeError) as e:
+        p.stop()
+        raise H.PeerUnavailable(f"vllm-router did not start: {e}") from None
+    return H.Started("vllm-router", url, p, notes=f"vllm-router {H._version('vllm-router', 'vllm-router')} (Rust), --policy {policy}")
+
+
+def start_arm(arm: str, fleet: Fleet, *, budget_ms: int, cache_tokens: int, cpus: set[int] | None) -> tuple[H.Started, dict[str, Any] | None]:
+    if arm.startswith("narwhal"):
+        cfg = narwhal_arm_config(fleet, arm, budget_ms=budget_ms, cache_tokens=cache_tokens)
+        return H.start_narwhal(cfg, cpus=cpus, name=f"narwhal-prefix-{arm}"), cfg
+    policy = {"vllm-cache-aware": "cache_aware", "vllm-round-robin": "round_robin"}[arm]
+    return start_vllm_router(fleet, policy, cpus=cpus), None
+
+
+# -- one arm --------------------------------------------------------------------------------
+
+
+def _stats_delta(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    per = []
+    for b, a in zip(before, after, strict=True):
+        per.append({"name": a["name"], "requests": a["requests"] - b["requests"], "prompt_tokens": a["prompt_tokens"] - b["prompt_tokens"],
+                    "cached_tokens": a["cached_tokens"] - b["cached_tokens"], "cancelled": a["cancelled"] - b["cancelled"],
+                    "peak_in_flight": a["peak_in_flight"], "cache_blocks": (a.get("prefix_cache") or {}).get("blocks")})
+    pt = sum(p["prompt_tokens"] for p in per)
+    ct = sum(p["cached_tokens"] for p in per)
+    reqs = [p["requests"] for p in per]
+    mean = sum(reqs) / len(reqs) if reqs else 0.0
+    return {"engines": per, "prompt_tokens": pt, "cached_tokens": ct, "hit_rate": ct / pt if pt else 0.0,
+            "requests_max_over_mean": (max(reqs) / mean) if mean else None}
+
+
+def run_arm(arm: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes], *, engines: int, timing: dict[str, Any], cache_tokens: int, budget_ms: int,
+            drain_s: float, rcpu: set[int] | None, lcpu: set[int] | None) -> dict[str, Any]:
+    fleet = start_fleet(engines, timing=timing, cache_tokens=cache_tokens, cpus=lcpu)
+    router: H.Started | None = None
+    try:
+        router, cfg = start_arm(arm, fleet, budget_ms=budget_ms, cache_tokens=cache_tokens, cpus=rcpu)
+        if not wait_idle(fleet):
+            raise RuntimeError("engines busy after the router started")
+        before = mock_stats(fleet)
+        c0 = router.proc.cpu()
+        m0 = [e.proc.cpu() for e in fleet.engines]
+        me0 = _self_cpu()
+        b0 = busy_cpu_s()
+        t0 = time.time()
+        sampler = Sampler(fleet, router.url if arm.startswith("narwhal") else None).start()
+        try:
+            res = _aio(replay(router.url, reqs, bodies, budget_ms=budget_ms, timeout_s=reqs[-1].at + drain_s + 10.0, drain_s=drain_s, headers=router.headers))
+        finally:
+            timeline = sampler.stop()
+        wall = time.time() - t0
+        cpu = router.proc.cpu() - c0
+        mock_cpu = [e.proc.cpu() - c for e, c in zip(fleet.engines, m0, strict=True)]
+        # CPU the machine spent on processes other than this run's (other sessions' benchmarks)
+        foreign = busy_cpu_s() - b0 - cpu - sum(mock_cpu) - (_self_cpu() - me0)
+        idle = wait_idle(fleet, 30.0)
+        after = mock_stats(fleet)
+        placed = placements(fleet)
+        view = None
+        if arm.startswith("narwhal"):
+            with contextlib.suppress(Exception):
+                view = [{"name": e["name"], "prefix_cache": e.get("prefix_cache")} for e in _get_json(router.url + "/v1/engines")["data"]]
+    finally:
+        if router is not None:
+            router.stop()
+        fleet.stop()
+    s = summarize(res, ttft_target_s=budget_ms / 1000.0)
+    keys = [_content_key(orjson.loads(b)["messages"][0]["content"]) for b in bodies]
+    where = [placed.get(k, (None, None))[0] for k in keys]
+    cached_client = [r.extra.get("cached_tokens", 0) for r in res if r.ok]
+    prompt_client = [r.extra.get("usage_prompt_tokens") or 0 for r in res if r.ok]
+    out = {
+        "arm": arm, "label": ARMS[arm], "router": router.notes if router else "", "wall_s": wall, "router_cpu_s": cpu, "engines_idle_after": idle,
+        "summary": s, "mocks": _stats_delta(before, after), "narwhal_engines": view,
+        "client_hit_rate": (sum(cached_client) / sum(prompt_client)) if sum(prompt_client) else None,
+        "header_accuracy": header_accuracy(res) if arm.startswith("narwhal") else None,
+        "affinity": affinity(reqs, where),
+        "ttfts": sorted(r.ttft for r in res if r.ok and r.ttft is not None),
+        "config": cfg,
+        "mock_cpu_s": mock_cpu,
+        "foreign_cpu_s": foreign,
+        "foreign_cores": foreign / wall if wall > 0 else None,
+        "timeline": timeline,
+        # per request: offset of its arrival (s), status, refusal/error code, TTFT (s), prompt
+        # tokens, reported cached tokens, x-narwhal-expected-cached-tokens, projected TTFT ms, engine
+        "records": [[round(q.at, 3), r.status, r.code or (r.error[:60] if r.error else None), None if r.ttft is None else round(r.ttft, 4), r.extra.get("usage_prompt_tokens"),
+                     r.extra.get("cached_tokens"), r.extra.get("expected_cached"), r.extra.get("projected_ttft_ms"), w] for (q, r), w in zip(_paired(reqs, res), where, strict=False)],
+    }
+    return out
+
+
+def _paired(reqs: Sequence[TraceRequest], res: Sequence[Result]) -> list[tuple[TraceRequest, Result]]:
+    """Results are appended in send order, which is the arrival order."""
+    return list(zip(reqs, res, strict=False))
+
+
+def _self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _aio(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def table(points: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    for p in points:
+        s, m = p["summary"], p["mocks"]
+        ha = p.get("header_accuracy")
+        rows.append([
+            p["arm"], s["offered"], s["ok"], f"{m['hit_rate']:.3f}",
+            fmt_ms(s["ttft"]["p50"], 0), fmt_ms(s["ttft"]["p90"], 0), fmt_ms(s["ttft"]["p99"], 0),
+            f"{s['goodput']:.3f}", s["refused"], s["errors"],
+            f"{m['requests_max_over_mean']:.2f}" if m["requests_max_over_mean"] else None,
+            f"{p['affinity']['same_engine']:.2f}" if p.get("affinity", {}).get("same_engine") is not None else None,
+            f"{ha['within_engine_block']:.3f} / {ha['within_index_block']:.3f}" if ha else None,
+        ])
+    return markdown_table(["arm", "offered", "answered", "hit rate (mocks)", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "goodput", "refused", "errors",
+                           "busiest engine (requests / mean)", "follow-ups on their prefix's engine", "expected cached within 16 / 64 tokens"], rows)
+
+
+def plot(points: Sequence[dict[str, Any]], path: Path, *, budget_ms: int, title: str) -> Path:
+    from .plots import _plt
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    for p in points:
+        xs = [t * 1000.0 for t in p["ttfts"]]
+        n = p["summary"]["offered"]
+        if not xs:
+            continue
+        style = "-" if p["arm"].startswith("narwhal") else "--"
+        lab = f"{p['arm']} (hit {p['mocks']['hit_rate']:.2f}, goodput {p['summary']['goodput']:.2f})"
+        # left: CDF over answered requests; right: share of OFFERED requests answered by t
+        axes[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, label=lab)
+        axes[1].plot(xs, [(i + 1) / n for i in range(len(xs))], style, label=p["arm"])
+    for ax in axes:
+        ax.axvline(budget_ms, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, log)")
+        ax.grid(alpha=0.3)
+        ax.set_ylim(-0.01, 1.01)
+    axes[0].set_title("TTFT CDF of answered requests", fontsize=10)
+    axes[1].set_title("share of offered requests answered within TTFT (right end: answered share)", fontsize=10)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title + f"; dotted: TTFT budget {budget_ms} ms", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def load_plot(datas: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Hit rate, TTFT p90 (answered) and goodput against the offered prefill load (rho of
+    the replay without any cache), one line per arm, from several runs' prefix.json."""
+    from .plots import _plt
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    arms: dict[str, list[tuple[float, float, float, float]]] = {}
+    for d in datas:
+        rho = d["workload"]["rho_uncached"]
+        for p in d["points"]:
+            arms.setdefault(p["arm"], []).append((rho, p["mocks"]["hit_rate"], (p["summary"]["ttft"]["p90"] or float("nan")) * 1000.0, p["summary"]["goodput"]))
+    for arm, pts in arms.items():
+        pts.sort()
+        style = "-o" if arm.startswith("narwhal") else "--s"
+        for i, ax in enumerate(axes):
+            ax.plot([x[0] for x in pts], [x[i + 1] for x in pts], style, label=arm)
+    budget = datas[0]["args"]["budget_ms"] if datas else None
+    axes[0].set_title("hit rate (mocks: cached / prompt tokens)", fontsize=10)
+    axes[1].set_title("TTFT p90 of answered requests (ms, log)", fontsize=10)
+    axes[1].set_yscale("log")
+    if budget:
+        axes[1].axhline(budget, color="grey", lw=0.8, ls=":")
+    axes[2].set_title("goodput (offered requests answered within the budget)", fontsize=10)
+    axes[2].set_ylim(-0.02, 1.02)
+    for ax in axes:
+        ax.set_xlabel("offered prefill load without cache (rho)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=H.REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="the Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} (default all)")
+    p.add_argument("--start", type=float, default=600.0, help="trace seconds skipped (default 600)")
+    p.add_argument("--window", type=float, default=1200.0, help="trace seconds replayed (default 1200)")
+    p.add_argument("--sample", type=float, default=0.35, help="share of conversations kept, seeded (default 0.35)")
+    p.add_argument("--seed", type=int, default=1, help="the conversation sample's seed")
+    p.add_argument("--duration", type=float, default=140.0, help="seconds the window is compressed onto (default 140)")
+    p.add_argument("--drain", type=float, default=45.0, help="seconds to wait for open requests after the last arrival (default 45)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N selected requests (smoke runs)")
+    p.add_argument("--tokens-per-block", type=int, default=64, help="tokens a 512-token trace block becomes (default 64)")
+    p.add_argument("--max-blocks", type=int, default=32, help="trace blocks kept per prompt, the first ones (default 32)")
+    p.add_argument("--output-scale", type=float, default=0.1, help="output_length multiplier (default 0.1)")
+    p.add_argument("--max-output", type=int, default=64, help="output cap, tokens (default 64)")
+    p.add_argument("--engines", type=int, default=4, help="unified vllm-dialect mock engines (default 4)")
+    p.add_argument("--cache-tokens", type=int, default=65536, help="each mock's --prefix-cache-tokens, and Narwhal's prefix_cache_tokens (default 65536)")
+    p.add_argument("--prefill-base-ms", type=float, default=10.0)
+    p.add_argument("--prefill-per-token-ms", type=float, default=0.4)
+    p.add_argument("--prefill-quadratic-ms", type=float, default=0.00002)
+    p.add_argument("--noise-sigma", type=float, default=0.1)
+    p.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget: Narwhal's ttft_budget_ms and x-narwhal-ttft-target-ms; goodput's target (default 3000)")
+    p.add_argument("--quiet-wait", type=float, default=300.0, help="before each arm, wait at most this long for the machine to be quiet (< 0.25 cores busy; default 300 s)")
+    p.add_argument("--plot-load", nargs="+", metavar="JSON", help="only plot: hit rate, TTFT p90 and goodput against load from these runs' prefix.json, to IMG/prefix-cache-load.png")
+    p.add_argument("--out", default="out/bench", help="write prefix.json / prefix.md here (default out/bench)")
+    p.add_argument("--img", default="docs", help="write prefix-cache-ttft.png here (default docs)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot_load:
+        path = load_plot([json.loads(Path(f).read_text()) for f in args.plot_load], Path(args.img or ".") / "prefix-cache-load.png")
+        print(f"plot: {path}")
+        return 0
+    arms = _names(args.arms)
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        print(f"unknown arms {bad} (known: {', '.join(ARMS)})", file=sys.stderr)
+        return 2
+    rcpu, lcpu = layout()
+    pin_self(lcpu)
+    rows = select(load_mooncake(args.trace), start_s=args.start, window_s=args.window, sample=args.sample, seed=args.seed)
+    speedup = args.window / args.duration
+    reqs = scale(rows, start_s=args.start, speedup=speedup, tokens_per_block=args.tokens_per_block, max_blocks=args.max_blocks,
+                 output_scale=args.output_scale, max_output=args.max_output)
+    if args.limit:
+        reqs = reqs[: args.limit]
+    if not reqs:
+        print("no requests selected", file=sys.stderr)
+        return 2
+    bodies = [request_body(r, args.tokens_per_block) for r in reqs]
+    timing = {"prefill_base_ms": args.prefill_base_ms, "prefill_per_token_ms": args.prefill_per_token_ms, "prefill_quadratic_ms": args.prefill_quadratic_ms,
+              "noise_sigma": args.noise_sigma}
+    t_ms = [args.prefill_base_ms + args.prefill_per_token_ms * (r.prompt_tokens + 3) + args.prefill_quadratic_ms * (r.prompt_tokens + 3) ** 2 for r in reqs]
+    span = reqs[-1].at if len(reqs) > 1 else 1.0
+    uniq = len({r.hash_ids[: i + 1] for r in reqs for i in range(r.prompt_tokens // args.tokens_per_block)})
+    work = {
+        "requests": len(reqs), "offered_rate": len(reqs) / max(span, 1e-9), "speedup": speedup,
+        "prompt_tokens_mean": sum(r.prompt_tokens for r in reqs) / len(reqs), "prompt_tokens_max": max(r.prompt_tokens for r in reqs),
+        "output_tokens_mean": sum(r.output_tokens for r in reqs) / len(reqs),
+        "capped_prompts": sum(1 for r in rows[: len(reqs)] if len(r["hash_ids"]) > args.max_blocks),
+        "prefill_ms_mean_uncached": sum(t_ms) / len(t_ms), "prefill_ms_max_uncached": max(t_ms),
+        "rho_uncached": sum(t_ms) / 1000.0 / (args.engines * max(span, 1e-9)),
+        "ideal_hit_rate": ideal_hit_rate(reqs, args.tokens_per_block),
+        "distinct_full_blocks": uniq, "working_set_tokens": uniq * args.tokens_per_block, "fleet_cache_tokens": args.engines * args.cache_tokens,
+    }
+    started = _dt.datetime.now(_dt.UTC)
+    print(f"prefix: {len(reqs)} requests over {span:.0f} s ({work['offered_rate']:.2f} req/s, speed-up {speedup:.2f}); mean prompt {work['prompt_tokens_mean']:.0f} tokens, "
+          f"uncached prefill rho {work['rho_uncached']:.2f}; ideal hit rate {work['ideal_hit_rate']:.3f}; working set {work['working_set_tokens']} tokens vs fleet cache "
+          f"{work['fleet_cache_tokens']}", flush=True)
+    points = []
+    unavailable: dict[str, str] = {}
+    for arm in arms:
+        busy = quiet_wait(args.quiet_wait)
+        print(f"  arm {arm}: starting a fresh fleet (machine busy {busy:.2f} cores before)", flush=True)
+        try:
+            pt = run_arm(arm, reqs, bodies, engines=args.engines, timing=timing, cache_tokens=args.cache_tokens, budget_ms=args.budget_ms,
+                         drain_s=args.drain, rcpu=rcpu, lcpu=lcpu)
+        except H.PeerUnavailable as e:
+            unavailable[arm] = str(e)
+            print(f"  arm {arm}: unavailable: {e}", flush=True)
+            continue
+        points.append(pt)
+        s, m = pt["summary"], pt["mocks"]
+        ha = pt["header_accuracy"]
+        pt["busy_before_cores"] = busy
+        print(f"  arm {arm}: other processes used {pt['foreign_cores']:.2f} cores during the replay", flush=True)
+        print(f"  arm {arm}: follow-ups on the engine of their prefix: {pt['affinity']['same_engine']}", flush=True)
+        print(f"  arm {arm}: hit {m['hit_rate']:.3f} TTFT p50/p90/p99 {fmt_ms(s['ttft']['p50'], 0)}/{fmt_ms(s['ttft']['p90'], 0)}/{fmt_ms(s['ttft']['p99'], 0)} ms "
+              f"goodput {s['goodput']:.3f} refused {s['refused']} {s['refusal_codes']} errors {s['errors']} {s['error_samples']} "
+              f"engines {[e['requests'] for e in m['engines']]}" + (f" header within 16/64: {ha['within_engine_block']:.3f}/{ha['within_index_block']:.3f}" if ha else ""), flush=True)
+    ended = _dt.datetime.now(_dt.UTC)
+    data = {"started": started.isoformat(timespec="seconds"), "ended": ended.isoformat(timespec="seconds"), "commit": _commit(), "argv": sys.argv,
+            "args": vars(args), "workload": work, "timing": timing, "points": points, "unavailable": unavailable,
+            "pinning": f"router CPU {sorted(rcpu)}, load tool + mocks CPU {sorted(lcpu or ())}" if rcpu else "not pinned"}
+    md = table(points)
+    print("\n" + md, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "prefix.json").write_text(json.dumps(data, indent=1, default=str))
+        (out / "prefix.md").write_text(md + "\n")
+    if args.img and points:
+        path = plot(points, Path(args.img) / "prefix-cache-ttft.png", budget_ms=args.budget_ms,
+                    title=f"Mooncake conversation trace, {len(reqs)} requests in {span:.0f} s, {args.engines} caching mocks")
+        print(f"plot: {path}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m narwhal_bench.prefix", description="Prefix-cache-aware placement on the Mooncake trace (issue 15 item 4).")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
