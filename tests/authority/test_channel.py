@@ -41,47 +41,42 @@ def _admit(rid: int, at: float) -> ipc.Admit:
     return ipc.Admit(rid, "chat", 40, None, 4, 60000.0, at, None, [], [])
 
 
-def test_a_grant_freed_in_the_same_read_as_the_queueing_reaches_the_queued_request() -> None:
-    """Regression: the waiter of a queued request was registered a loop turn after its
-    Admit; a Close freeing the slot in the same read then granted nobody, and the request
-    hung holding the slot (issue 13 benchmark, 2 workers)."""
+def _replay(reads: list[list[Any]]) -> list[Any]:
+    """One engine with one slot; each list of messages arrives in one read (no loop turn
+    between reads); the frames the session sent back."""
     async def main() -> list[Any]:
         cfg = parse_config({"admission": {"mode": "open", "phase_concurrency": {"prefill": 1, "decode": 1}, "prediction": {"profile_on_start": False}}})
         control = ControlPlane(cfg, [EngineSpec("u0", "http://127.0.0.1:9", "unified", "vllm", None, None)])
         s = WorkerSession(0, LocalControls(control), on_up=lambda *a: None, on_penalise=lambda *a: None, on_lost=lambda *a: None)
         t = _Transport()
         s.channel.connection_made(t)  # type: ignore[arg-type]
-        now = control.clock.now()
-        first = [ipc.Arrive(1, now), ipc.Arrive(2, now), _admit(1, now), _admit(2, now)]
-        s.channel.data_received(b"".join(ipc.encode(m) for m in first))
-        # request 1 ends and request 2 is admitted (queued) in one read
-        s.channel.data_received(b"".join(ipc.encode(m) for m in [ipc.Close(1, now, "u0", None, None, None, None, 4, "length", None, None), ipc.End(1, "completed")]))
+        for read in reads:
+            s.channel.data_received(b"".join(ipc.encode(m) for m in read))
         for _ in range(5):
             await asyncio.sleep(0)
         await control.client.aclose()
         return _decode_all(bytes(t.out))
 
-    got = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def _close(rid: int) -> list[Any]:
+    return [ipc.Close(rid, NOW, "u0", None, None, None, None, 4, "length", None, None), ipc.End(rid, "completed")]
+
+
+NOW = 1000.0
+
+
+def test_a_grant_freed_in_the_next_read_reaches_the_queued_request() -> None:
+    """Regression: the waiter of a queued request was registered a loop turn after its
+    Admit; a Close freeing the slot before that turn granted nobody, and the request
+    hung holding the slot (issue 13 benchmark, 2 workers)."""
+    got = _replay([[ipc.Arrive(1, NOW), ipc.Arrive(2, NOW), _admit(1, NOW), _admit(2, NOW)], _close(1)])
     admitted = {m.rid: m for m in got if isinstance(m, ipc.Admitted)}
     assert admitted[1].engine == "u0" and admitted[2].engine is None  # 2 queued behind 1
     assert any(isinstance(m, ipc.Granted) and m.rid == 2 for m in got), got
 
 
-def test_same_read_queue_then_free() -> None:
-    """The queueing Admit and the freeing Close arrive in ONE read."""
-    async def main() -> list[Any]:
-        cfg = parse_config({"admission": {"mode": "open", "phase_concurrency": {"prefill": 1, "decode": 1}, "prediction": {"profile_on_start": False}}})
-        control = ControlPlane(cfg, [EngineSpec("u0", "http://127.0.0.1:9", "unified", "vllm", None, None)])
-        s = WorkerSession(0, LocalControls(control), on_up=lambda *a: None, on_penalise=lambda *a: None, on_lost=lambda *a: None)
-        t = _Transport()
-        s.channel.connection_made(t)  # type: ignore[arg-type]
-        now = control.clock.now()
-        s.channel.data_received(b"".join(ipc.encode(m) for m in [ipc.Arrive(1, now), ipc.Arrive(2, now), _admit(1, now)]))
-        s.channel.data_received(b"".join(ipc.encode(m) for m in [_admit(2, now), ipc.Close(1, now, "u0", None, None, None, None, 4, "length", None, None), ipc.End(1, "completed")]))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        await control.client.aclose()
-        return _decode_all(bytes(t.out))
-
-    got = asyncio.run(main())
+def test_a_grant_freed_in_the_same_read_reaches_the_queued_request() -> None:
+    got = _replay([[ipc.Arrive(1, NOW), ipc.Arrive(2, NOW), _admit(1, NOW)], [_admit(2, NOW), *_close(1)]])
     assert any(isinstance(m, ipc.Granted) and m.rid == 2 for m in got), got
