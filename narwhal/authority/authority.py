@@ -26,7 +26,7 @@ from ..core.admission import Scheduler
 from ..core.clock import Clock, MonotonicClock
 from ..core.fleet import PHASE1_ROLES, Breaker, EngineState
 from ..core.prediction import Margin, OutputLengthLearner
-from ..core.prefix import MAX_BLOCKS, PrefixIndex
+from ..core.prefix import APPROX_BLOCK_TOKENS, MAX_BLOCKS, PrefixIndex
 from ..core.sizing import PromptSizer
 from ..core.state import RouterState
 from ..core.tickets import Dispatch, Refuse, Ticket
@@ -49,11 +49,9 @@ def _prefix_indexes(mode: str, tokens: int, engines: list[EngineSpec]) -> dict[s
         if s.kv_events and mode in ("auto", "events"):  # exact: the engine's own events (kvevents.py)
             out[s.name] = PrefixIndex(per, trusted=True, token=True, block_tokens=float(s.kv_block_size))
         else:
-            out[s.name] = PrefixIndex(max(64, min(tokens // _APPROX_BLOCK_TOKENS, per)), trusted=mode == "approximate")
+            out[s.name] = PrefixIndex(max(64, min(tokens // APPROX_BLOCK_TOKENS, per)), trusted=mode == "approximate")
     return out
 
-
-_APPROX_BLOCK_TOKENS = 64  # a block of the approximate index at ~4 bytes per token
 
 
 def _cap(slots: int, limit: int | None) -> int:

@@ -21,6 +21,7 @@ class ControlPlane(Authority):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
+        self._tasks = []
         self.kv_feeds: dict[str, kvevents.EventFeed] = {}
         if self.config.ha is not None:  # leader election: standby until elected
             self.elector = Elector(self, self.config.ha)
@@ -62,7 +63,7 @@ class ControlPlane(Authority):
             self.profiling["*start"] = asyncio.create_task(after_first_poll(), name="narwhal-profile-start")
 
     async def stop(self) -> None:
-        tasks = [*getattr(self, "_tasks", ()), *self.profiling.values()]
+        tasks = [*self._tasks, *self.profiling.values()]
         for t in tasks:
             t.cancel()
         for t in tasks:

@@ -11,11 +11,12 @@ from narwhal_generated import dialects as D
 from ..core.fleet import EngineState
 from . import profiler
 from .authority import Authority
+from .control import ControlPlane
 
 __all__ = ["engine_view", "engines", "ready", "state_snapshot"]
 
 
-def engine_view(a: Authority, e: EngineState) -> dict[str, Any]:
+def engine_view(a: ControlPlane, e: EngineState) -> dict[str, Any]:
     now = a.clock.now()
     reasons = e.ineligible_reasons(a.state.maintenance_waves)
     pc = a.prompt_counters.get(e.name)
@@ -53,12 +54,12 @@ def engine_view(a: Authority, e: EngineState) -> dict[str, Any]:
     }
 
 
-def _feed(a: Authority, name: str) -> dict[str, Any]:
-    feed = getattr(a, "kv_feeds", {}).get(name)
+def _feed(a: ControlPlane, name: str) -> dict[str, Any]:
+    feed = a.kv_feeds.get(name)
     return {"events": feed.snapshot()} if feed is not None else {}
 
 
-def engines(a: Authority, *, sizing: dict[str, Any]) -> dict[str, Any]:
+def engines(a: ControlPlane, *, sizing: dict[str, Any]) -> dict[str, Any]:
     """GET /v1/engines. `sizing`: the data plane's prompt sizing method (tokenizer or
     estimate) over the authority's learned ratio."""
     return {
@@ -75,14 +76,13 @@ def engines(a: Authority, *, sizing: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _ha(a: Authority) -> dict[str, Any] | None:
+def _ha(a: ControlPlane) -> dict[str, Any] | None:
     """Leader election (ha): state, fencing token, lease, the recent state changes."""
-    le = getattr(getattr(a, "elector", None), "leadership", None)
-    if le is None:
+    el = a.elector
+    if el is None:
         return None
     took = a.took_over_at
-    return {"name": a.elector.name, "key": a.config.ha.key, "took_over_at": None if took is None else round(took, 3),  # type: ignore[attr-defined,union-attr]
-            **le.snapshot(a.clock.now())}
+    return {"name": el.name, "key": el.cfg.key, "took_over_at": None if took is None else round(took, 3), **el.leadership.snapshot(a.clock.now())}
 
 
 def ready(a: Authority) -> tuple[int, dict[str, Any]]:
@@ -97,7 +97,7 @@ def ready(a: Authority) -> tuple[int, dict[str, Any]]:
     return 503, {"ready": False, "state": reason, "reason": reason, **extra}
 
 
-def state_snapshot(a: Authority) -> dict[str, Any]:
+def state_snapshot(a: ControlPlane) -> dict[str, Any]:
     """What the authority's metrics collector exports."""
     return {
         "books": a.books.snapshot(),

@@ -29,9 +29,10 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["PrefixIndex", "text_keys", "token_keys", "rendered", "APPROX_BLOCK_BYTES", "MAX_PROMPT_BLOCKS", "MAX_BLOCKS"]
+__all__ = ["PrefixIndex", "text_keys", "token_keys", "rendered", "APPROX_BLOCK_BYTES", "APPROX_BLOCK_TOKENS", "MAX_PROMPT_BLOCKS", "MAX_BLOCKS"]
 
 APPROX_BLOCK_BYTES = 256  # ~64 tokens of English text
+APPROX_BLOCK_TOKENS = 64  # what one approximate block is assumed to hold before the sizer has learned bytes per token
 MAX_PROMPT_BLOCKS = 4096  # keys computed for one prompt at most (1 MiB of text at 256 bytes)
 MAX_BLOCKS = 1 << 21  # keys held over all engines at most (~150 MiB)
 _ROOT = b"narwhal-prefix"

@@ -59,7 +59,10 @@ class DataPlane:
         self.prompt_counters: dict[str, PromptCounter] = {}
         # admission.prediction.prefix_cache: requests carry their prefix blocks (core/prefix.py)
         mode = config.admission.prediction.prefix_cache
-        self.models_prefix = mode != "off"
+        # text keys only where some engine gets an approximate index (authority.py
+        # _prefix_indexes): with events everywhere they would be computed for nothing
+        phase1 = [s for s in engines if s.role != "decode"]
+        self.models_prefix = mode == "approximate" or (mode == "auto" and any(not s.kv_events for s in phase1))
         # engines with KV events (exact): the prompt's token IDs from the first such
         # engine's /tokenize, keyed in its block size
         kv = [s for s in engines if s.kv_events and s.role != "decode"] if mode in ("auto", "events") else []
