@@ -19,8 +19,11 @@ Rules (exact, so a router can reproduce the IDs; `bpt` = MockConfig.bytes_per_to
     messages without pieces of their own) that no earlier ID has hashed yet. So no ID
     depends on a later message: a conversation that extends an earlier one (the same
     messages plus new ones at the end) starts with exactly the earlier one's IDs, and
-    shares all its full cache blocks. (Bytes of trailing messages that own no piece
-    affect no ID; their template tokens still count.)
+    shares all its full cache blocks when bpt >= 1. (Bytes of trailing messages that own
+    no piece affect no ID; their template tokens still count.) With bpt < 1 (more tokens
+    than bytes) the count is not additive: the last piece may start at byte N, belong to
+    no byte, and go to the last message, so an extended conversation can differ from the
+    earlier one in that last ID.
   * Role IDs: ROLE_IDS for the usual roles; any other role string r gets
     ROLE_ID_BASE + 16 + crc32(r) % 240. A message that is not an object has role "".
 """

@@ -4,6 +4,7 @@ one-process router calls."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from narwhal import ipc
@@ -60,23 +61,29 @@ def _replay(reads: list[list[Any]]) -> list[Any]:
     return asyncio.run(main())
 
 
-def _close(rid: int) -> list[Any]:
-    return [ipc.Close(rid, NOW, "u0", None, None, None, None, 4, "length", None, None), ipc.End(rid, "completed")]
+def _close(rid: int, at: float) -> list[Any]:
+    return [ipc.Close(rid, at, "u0", None, None, None, None, 4, "length", None, None), ipc.End(rid, "completed")]
 
 
-NOW = 1000.0
+def _now() -> float:
+    """The worker's reading of the system-wide monotonic clock (ipc.py), as the authority's
+    own clock reads it: a fixed number would be stale health on a machine booted less than
+    monitoring.stale_after_ms before it (R01 monitoring_degraded)."""
+    return time.monotonic()
 
 
 def test_a_grant_freed_in_the_next_read_reaches_the_queued_request() -> None:
     """Regression: the waiter of a queued request was registered a loop turn after its
     Admit; a Close freeing the slot before that turn granted nobody, and the request
     hung holding the slot (issue 13 benchmark, 2 workers)."""
-    got = _replay([[ipc.Arrive(1, NOW), ipc.Arrive(2, NOW), _admit(1, NOW), _admit(2, NOW)], _close(1)])
+    now = _now()
+    got = _replay([[ipc.Arrive(1, now), ipc.Arrive(2, now), _admit(1, now), _admit(2, now)], _close(1, now)])
     admitted = {m.rid: m for m in got if isinstance(m, ipc.Admitted)}
     assert admitted[1].engine == "u0" and admitted[2].engine is None  # 2 queued behind 1
     assert any(isinstance(m, ipc.Granted) and m.rid == 2 for m in got), got
 
 
 def test_a_grant_freed_in_the_same_read_reaches_the_queued_request() -> None:
-    got = _replay([[ipc.Arrive(1, NOW), ipc.Arrive(2, NOW), _admit(1, NOW)], [_admit(2, NOW), *_close(1)]])
+    now = _now()
+    got = _replay([[ipc.Arrive(1, now), ipc.Arrive(2, now), _admit(1, now)], [_admit(2, now), *_close(1, now)]])
     assert any(isinstance(m, ipc.Granted) and m.rid == 2 for m in got), got
