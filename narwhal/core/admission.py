@@ -131,6 +131,16 @@ class Scheduler:
         engine's TPOT, `decode_slots` at a time (their prefills are in the backlog)."""
         return (len(e.queue) + 1) * out_len * e.decode.predict_ms(float(e.decode_in_use + e.external)) / e.decode_slots
 
+    def _mean_depth(self, waves: Any) -> float:
+        """Requests prefilling or queued per placement-eligible phase-1 engine."""
+        k = depth = 0
+        for e in self._phase1:
+            if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
+                continue
+            k += 1
+            depth += len(e.inflight_prefill) + len(e.queue)
+        return depth / k if k else 0.0
+
     def project(self, n: float, now: float) -> list[tuple[float, float, EngineState]]:
         """(projected TTFT ms, solo TTFT ms, engine) for every eligible phase-1 engine."""
         decoders = self._decode_candidates(set())
@@ -180,6 +190,7 @@ class Scheduler:
         out_len: float | None = None
         caches = self.prefix if (work.prefix or work.token_prefix) else None
         best_cached = 0.0
+        behind = self._mean_depth(waves) if predictive else 0.0
         for e in self._phase1:
             if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
                 continue
@@ -225,9 +236,14 @@ class Scheduler:
                     min_solo = solo
                 d = len(e.inflight_prefill) + len(e.queue)
                 m_e = factors[_BUCKET[d] if d < _NB else -1]
-                key: Any = p_e * m_e
+                # refusals.yaml R10 note (placement cost): the projected TTFT plus the
+                # delay this prefill adds to the requests expected to queue behind it on
+                # the engine (`behind`, Little's law: as many as wait there now), times the
+                # margin. Cheaper prefill (a cached prefix, a faster engine) weighs more as
+                # the fleet's queues grow; idle, it is the projected TTFT alone.
+                key: Any = (p_e + pf * behind) * m_e
                 if tpot_rank:
-                    if key <= budget:
+                    if p_e * m_e <= budget:
                         tp = e.decode.predict_ms(e.joining_batch()) if e.role == "unified" else 0.0
                         key = (0, tp, key)
                     else:

@@ -9,6 +9,7 @@ are this plane's own request histograms and how to count a prompt on an engine t
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -63,10 +64,12 @@ class DataPlane:
         # _prefix_indexes): with events everywhere they would be computed for nothing
         phase1 = [s for s in engines if s.role != "decode"]
         self.models_prefix = mode == "approximate" or (mode == "auto" and any(not s.kv_events for s in phase1))
-        # engines with KV events (exact): the prompt's token IDs from the first such
-        # engine's /tokenize, keyed in its block size
+        # engines with KV events (exact): the prompt's token IDs from one such engine's
+        # /tokenize, taken in turn (one engine does not tokenize for the whole fleet),
+        # keyed in the first one's block size
         kv = [s for s in engines if s.kv_events and s.role != "decode"] if mode in ("auto", "events") else []
         self.kv_tokenizer: EngineSpec | None = kv[0] if kv else None
+        self._tokenizers = itertools.cycle(kv) if kv else None
         self.telemetry = Telemetry()
 
     def model_of(self, name: str) -> str:
@@ -86,12 +89,14 @@ class DataPlane:
         """The prompt's block keys over its token IDs (engines with KV events), or ()
         when they cannot be had within TOKENIZE_TIMEOUT_S. Costs one /tokenize round
         trip to the engine per request with a text prompt; none for token-ID prompts."""
-        e = self.kv_tokenizer
-        if e is None:
+        first = self.kv_tokenizer
+        if first is None or self._tokenizers is None:
             return ()
+        bs = first.kv_block_size
         p = body.get("prompt")
         if route == "completion" and isinstance(p, list) and all(type(t) is int for t in p):
-            return token_keys(p, e.kv_block_size)
+            return token_keys(p, bs)
+        e = next(self._tokenizers)
         req: dict[str, Any] = {"model": self.model_of(e.name)}
         if route == "chat":
             req["messages"] = body.get("messages")
@@ -105,7 +110,7 @@ class DataPlane:
             return ()
         if not isinstance(toks, list) or not all(type(t) is int for t in toks):
             return ()
-        return token_keys(toks, e.kv_block_size)
+        return token_keys(toks, bs)
 
     def sizing(self) -> dict[str, Any]:
         return {"method": "tokenizer" if self.count_tokens else "estimate"}

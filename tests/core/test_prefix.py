@@ -150,10 +150,34 @@ def test_placement_weighs_cache_and_load_in_one_number() -> None:
     s.prefix["cached"].insert(HISTORY)
     first = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
     assert isinstance(first, Dispatch) and first.engine == "cached"  # 50 ms there against 2,610 idle
-    # 3 s of other prefills ahead on the cached engine: now the idle engine projects lower
+    # R10 note, placement cost = projected TTFT + prefill x requests expected behind it
+    # (the first request prefills on `cached`: 0.5 per engine), times the margin.
+    # 3 s of other prefills ahead on the cached engine: 3,000 + 50 + 25 against the idle
+    # engine's 2,610 + 1,305: the cache still wins, though the idle engine projects lower
     cached.busy_until = clk.now() + 3.0
     second = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
-    assert isinstance(second, Dispatch) and second.engine == "idle"
+    assert isinstance(second, Dispatch) and second.engine == "cached"
+    assert second.ticket.projected_ttft_ms == pytest.approx(3050)
+    # 5 s ahead (two in flight there now: 1 per engine): 5,000 + 50 + 50 against 2 x 2,610
+    cached.busy_until = clk.now() + 5.0
+    third = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    assert isinstance(third, Dispatch) and third.engine == "cached"
+    cached.busy_until = clk.now() + 6.5  # three there (1.5): 6,500 + 50 + 75 > 2.5 x 2,610
+    fourth = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    assert isinstance(fourth, Dispatch) and fourth.engine == "idle"
+    assert fourth.ticket.projected_ttft_ms == pytest.approx(2610)
+
+
+def test_an_idle_fleet_places_on_the_lowest_projected_ttft_alone() -> None:
+    # nothing prefilling or queued anywhere: the cost is the projected TTFT itself, so a
+    # 40 ms backlog on the cached engine loses to no backlog only if the cache saves less
+    clk = ManualClock()
+    cached, idle = engine("cached"), engine("idle")
+    s = sched(cached, idle)
+    s.prefix["cached"].insert(HISTORY[:1])  # one block: saves 64 ms
+    cached.busy_until = clk.now() + 0.07  # 70 ms ahead
+    got = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    assert isinstance(got, Dispatch) and got.engine == "idle"  # 2,610 < 70 + 2,546
 
 
 def test_an_untrusted_index_projects_full_length() -> None:
