@@ -13,8 +13,9 @@ Close and End; P/D adds PrefillDone and WantDecode/Granted, a retry Retry/Grante
 `rid` numbers a worker's requests (the authority keys them by worker too); `at` is the
 worker's reading of the system-wide monotonic clock.
 
-Writes are coalesced: every message sent in one turn of the event loop leaves in one
-write when the turn ends.
+Writes are coalesced: the answers to one read leave in one write when the read is
+handled; any other message sent in one turn of the event loop leaves in one write when
+the turn ends.
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ class Channel(asyncio.Protocol):
         self._buf = bytearray()
         self._out: list[bytes] = []
         self._flush_scheduled = False
+        self._reading = False  # inside data_received: its answers leave when the read is done
         self.closed = False
         self.sent = 0  # messages, for the benchmark and the tests
         self.received = 0
@@ -294,6 +296,7 @@ class Channel(asyncio.Protocol):
         buf += data
         pos = 0
         n = len(buf)
+        self._reading = True
         try:
             while n - pos >= _LEN:
                 size = int.from_bytes(buf[pos:pos + _LEN], "big")
@@ -310,17 +313,28 @@ class Channel(asyncio.Protocol):
             self._fail(x)
             return
         finally:
+            self._reading = False
             if pos:
                 del buf[:pos]
+        # what the handlers answered leaves now, in one write, not a loop turn later
+        if self._out:
+            self._flush()
 
     def send(self, msg: Any) -> None:
         if self.closed:
             raise ConnectionResetError("the channel is closed")
         self._out.append(encode(msg))
         self.sent += 1
-        if not self._flush_scheduled:
+        if not self._flush_scheduled and not self._reading:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
+
+    def send_now(self, msg: Any) -> None:
+        """send, and write what is pending at once: a call whose caller now waits for the
+        answer (nothing else of this turn would join it in time to matter)."""
+        self.send(msg)
+        if not self._reading:
+            self._flush()
 
     def _flush(self) -> None:
         self._flush_scheduled = False

@@ -128,6 +128,39 @@ def test_one_turns_messages_leave_in_one_write() -> None:
     assert writes == [b"".join(ipc.encode(m) for m in EXAMPLES[:5])]
 
 
+def test_the_answers_to_one_read_leave_in_one_write_when_it_is_handled() -> None:
+    """No loop turn between a read and its answers (issue 13: the decision round trip)."""
+    async def main() -> list[bytes]:
+        t = _Transport()
+        ch: ipc.Channel
+
+        def answer(m: Any) -> None:
+            ch.send(ipc.Arrived(m.rid, None, {}))
+
+        ch = ipc.Channel(answer, lambda exc: None)
+        ch.connection_made(t)
+        ch.data_received(ipc.encode(ipc.Arrive(1, 1.0)) + ipc.encode(ipc.Arrive(2, 1.0)))
+        assert t.writes == [ipc.encode(ipc.Arrived(1, None, {})) + ipc.encode(ipc.Arrived(2, None, {}))]
+        await asyncio.sleep(0)
+        return t.writes
+
+    assert len(asyncio.run(main())) == 1  # nothing left for the end of the turn
+
+
+def test_send_now_writes_what_is_pending_with_it_in_order() -> None:
+    async def main() -> list[bytes]:
+        t = _Transport()
+        ch = ipc.Channel(lambda m: None, lambda exc: None)
+        ch.connection_made(t)
+        ch.send(ipc.End(1, "completed"))
+        ch.send_now(ipc.Arrive(2, 1.0))  # a caller waits for its answer
+        assert t.writes == [ipc.encode(ipc.End(1, "completed")) + ipc.encode(ipc.Arrive(2, 1.0))]
+        await asyncio.sleep(0)
+        return t.writes
+
+    assert len(asyncio.run(main())) == 1
+
+
 def test_the_wire_is_orjson_arrays_in_field_order() -> None:
     m = ipc.Retry(7, "d0", "E03", "decode", 1.5)
     assert orjson.loads(ipc.encode(m)[4:]) == [m.TAG, *[getattr(m, f.name) for f in fields(m)]]

@@ -75,7 +75,7 @@ class Link:
             raise AuthorityLost("the admission authority is gone")
         f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending[rid] = f
-        self.channel.send(msg)
+        self.channel.send_now(msg)  # the request waits for it: no loop turn's delay
         return f
 
     def next_rid(self) -> int:
