@@ -171,6 +171,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 _DELEGATED = (
     ("ha", "narwhal_bench.ha", "failover of leader election under load: kill -9 the leader of three routers on a real etcd (docs/ha.md)"),
     ("prefix", "narwhal_bench.prefix", "the Mooncake conversation trace against caching mock engines: Narwhal cache-aware and cache-blind, vllm-router cache_aware and round_robin"),
+    ("prefix-model", "narwhal_bench.prefix_model", "a queueing model of the prefix bench: what any placement rule could get on its workload (seconds, no processes)"),
 )
 
 

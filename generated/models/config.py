@@ -72,7 +72,7 @@ class Prediction(BaseModel):
     prefix_cache: Annotated[
         Literal['auto', 'events', 'approximate', 'off'],
         Field(
-            description="How prefill is projected for prompts an engine may hold in its prefix cache (core/prefix.py). approximate: an index of what the router sent where (blocks of the rendered prompt), its capacity following the cached_tokens the engines report; events: only engines with engines[].kv_events, from the engine's own KV events (others are projected at full length); auto: events where configured, approximate elsewhere; off: every prompt at full length. Placement on the lowest cost (projected TTFT plus the delay its prefill adds to the requests expected behind it: refusals.yaml R10 note) then weighs cache affinity and load in one number, and R08/R10 use the cached projection."
+            description="How prefill is projected for prompts an engine may hold in its prefix cache (core/prefix.py). approximate: an index of what the router sent where (blocks of the rendered prompt), its capacity following the cached_tokens the engines report; events: only engines with engines[].kv_events, from the engine's own KV events (others are projected at full length); auto: events where configured, approximate elsewhere; off: every prompt at full length. Placement on the lowest cost (projected TTFT minus what the cache saves the requests expected behind it: refusals.yaml R10 note) then weighs cache affinity and load in one number, and R08/R10 use the cached projection."
         ),
     ] = 'auto'
     prefix_cache_tokens: Annotated[

@@ -190,7 +190,7 @@ class Scheduler:
         out_len: float | None = None
         caches = self.prefix if (work.prefix or work.token_prefix) else None
         best_cached = 0.0
-        behind = self._mean_depth(waves) if predictive else 0.0
+        behind = 1.0 + self._mean_depth(waves) if predictive else 0.0
         for e in self._phase1:
             if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
                 continue
@@ -225,9 +225,12 @@ class Scheduler:
             th = e.prefill.lin.theta
             pf = th[0] + th[1] * u + th[2] * uu
             pf = (pf if pf > 0.0 else 0.0) * e.prefill.drift.correction
+            saved = 0.0
             if cached > 0.0:  # the next engine starts from the full prompt again
                 u = n / 1000.0
                 uu = u * u
+                full = (th[0] + th[1] * u + th[2] * uu) * e.prefill.drift.correction
+                saved = full - pf if full > pf else 0.0
             solo = pf + solo_extra  # R08: the prompt alone (no decode-slot wait)
             busy = e.busy_until * 1000.0 - now_ms
             p_e = (busy if busy > 0.0 else 0.0) + e.queued_work_ms + pf + extra
@@ -236,12 +239,13 @@ class Scheduler:
                     min_solo = solo
                 d = len(e.inflight_prefill) + len(e.queue)
                 m_e = factors[_BUCKET[d] if d < _NB else -1]
-                # refusals.yaml R10 note (placement cost): the projected TTFT plus the
-                # delay this prefill adds to the requests expected to queue behind it on
-                # the engine (`behind`, Little's law: as many as wait there now), times the
-                # margin. Cheaper prefill (a cached prefix, a faster engine) weighs more as
-                # the fleet's queues grow; idle, it is the projected TTFT alone.
-                key: Any = (p_e + pf * behind) * m_e
+                # refusals.yaml R10 note (placement cost): the projected TTFT minus the
+                # prefill its cached prefix saves there, once for each request expected to
+                # queue behind it (`behind`, Little's law: as many as wait now) and once
+                # for the copy it does not make (elsewhere the prefix is stored again and
+                # evicts about as much that a later request would find), times the margin.
+                # With nothing cached it is the projected TTFT alone.
+                key: Any = (p_e - saved * behind) * m_e
                 if tpot_rank:
                     if p_e * m_e <= budget:
                         tp = e.decode.predict_ms(e.joining_batch()) if e.role == "unified" else 0.0

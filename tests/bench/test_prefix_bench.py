@@ -118,3 +118,31 @@ def test_recorder_reads_usage_cached_tokens_from_a_caching_mock() -> None:
     assert first.extra["cached_tokens"] == 0 and first.extra["usage_prompt_tokens"] == 3 * 64 + 3
     # the whole prompt but its last token, in full 16-token blocks: 195 tokens -> 192
     assert second.extra["cached_tokens"] == 192 and second.extra["cached_reported"] is True
+
+
+def _conversations(turns: int, convs: int, gap_s: float) -> list[TraceRequest]:
+    """`convs` conversations of `turns` turns, each turn 4 blocks longer than the last."""
+    out = []
+    for t in range(turns):
+        for c in range(convs):
+            ids = (0, *range(1000 * (c + 1), 1000 * (c + 1) + 4 * (t + 1)))
+            out.append(TraceRequest((t * convs + c) * gap_s, ids, 64 * len(ids), 8))
+    return out
+
+
+def test_the_model_of_the_bench_sees_what_each_rule_reuses() -> None:
+    from narwhal_bench.prefix_model import RULES, simulate
+
+    reqs = _conversations(turns=5, convs=8, gap_s=0.05)
+    got = {rule: simulate(reqs, rule, engines=4, cache_tokens=1 << 20) for rule in RULES}
+    # with room for everything, a rule that follows the cache finds every earlier turn
+    # there: the reuse ceiling; the cache-blind rule finds only what landed by chance
+    ceiling = ideal_hit_rate(reqs, 64)
+    assert got["oracle"]["hit_rate"] == got["cost"]["hit_rate"] > got["blind"]["hit_rate"]
+    assert abs(got["oracle"]["hit_rate"] - ceiling) < 0.02
+    assert got["cost"]["same_engine"] == 1.0
+    for r in got.values():
+        assert 0.0 <= r["hit_rate"] <= 1.0 and r["p50"] <= r["p90"] <= r["p99"] and 0.0 <= r["goodput"] <= 1.0
+    # a cache too small for one conversation reuses only block 0 at best
+    tiny = simulate(reqs, "cost", engines=4, cache_tokens=64)
+    assert tiny["hit_rate"] < got["cost"]["hit_rate"]

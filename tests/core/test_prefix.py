@@ -17,7 +17,7 @@ from narwhal.core.prefix import (
     text_keys,
     token_keys,
 )
-from narwhal.core.tickets import Dispatch, Refuse, Work
+from narwhal.core.tickets import Dispatch, Enqueued, Refuse, Work
 from narwhal_generated import errors as E
 
 # -- keys ------------------------------------------------------------------------------
@@ -150,34 +150,52 @@ def test_placement_weighs_cache_and_load_in_one_number() -> None:
     s.prefix["cached"].insert(HISTORY)
     first = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
     assert isinstance(first, Dispatch) and first.engine == "cached"  # 50 ms there against 2,610 idle
-    # R10 note, placement cost = projected TTFT + prefill x requests expected behind it
-    # (the first request prefills on `cached`: 0.5 per engine), times the margin.
-    # 3 s of other prefills ahead on the cached engine: 3,000 + 50 + 25 against the idle
-    # engine's 2,610 + 1,305: the cache still wins, though the idle engine projects lower
+    # R10 note, placement cost = projected TTFT - prefill saved by the cache x (1 +
+    # requests prefilling or queued per engine), times the margin. The cache saves
+    # 2,610 - 50 = 2,560 ms here.
+    # 3 s ahead on the cached engine, the first request prefilling there (0.5 per engine):
+    # 3,050 - 3,840 against 2,610: the cache wins, though the idle engine projects lower
     cached.busy_until = clk.now() + 3.0
-    second = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    second = s.admit(work(clk, 2600, HISTORY, budget=20_000), clk.now())
     assert isinstance(second, Dispatch) and second.engine == "cached"
     assert second.ticket.projected_ttft_ms == pytest.approx(3050)
-    # 5 s ahead (two in flight there now: 1 per engine): 5,000 + 50 + 50 against 2 x 2,610
-    cached.busy_until = clk.now() + 5.0
-    third = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    # 7 s ahead, two there (1 per engine): 7,050 - 5,120 = 1,930 < 2,610
+    cached.busy_until = clk.now() + 7.0
+    third = s.admit(work(clk, 2600, HISTORY, budget=20_000), clk.now())
     assert isinstance(third, Dispatch) and third.engine == "cached"
-    cached.busy_until = clk.now() + 6.5  # three there (1.5): 6,500 + 50 + 75 > 2.5 x 2,610
-    fourth = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+    cached.busy_until = clk.now() + 9.5  # three there (1.5): 9,550 - 6,400 = 3,150 > 2,610
+    fourth = s.admit(work(clk, 2600, HISTORY, budget=20_000), clk.now())
     assert isinstance(fourth, Dispatch) and fourth.engine == "idle"
     assert fourth.ticket.projected_ttft_ms == pytest.approx(2610)
 
 
-def test_an_idle_fleet_places_on_the_lowest_projected_ttft_alone() -> None:
-    # nothing prefilling or queued anywhere: the cost is the projected TTFT itself, so a
-    # 40 ms backlog on the cached engine loses to no backlog only if the cache saves less
+def test_an_idle_fleet_weighs_the_cache_once_for_the_copy_it_saves() -> None:
+    # nothing prefilling or queued anywhere: cost = projected TTFT - saved x 1 (the copy
+    # a placement elsewhere would store); one cached block saves 64 ms
+    for ahead_s, want in ((0.1, "cached"), (0.13, "idle")):  # 100 + 2,546 - 64 < 2,610 < 130 + 2,546 - 64
+        clk = ManualClock()
+        cached, idle = engine("cached"), engine("idle")
+        s = sched(cached, idle)
+        s.prefix["cached"].insert(HISTORY[:1])
+        cached.busy_until = clk.now() + ahead_s
+        got = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
+        assert isinstance(got, Dispatch) and got.engine == want, ahead_s
+
+
+def test_with_nothing_cached_the_queues_change_nothing() -> None:
+    # the cost differs from the projected TTFT only by what a cache saves: with no
+    # prefix held anywhere, a loaded fleet ranks on the projected TTFT alone
     clk = ManualClock()
-    cached, idle = engine("cached"), engine("idle")
-    s = sched(cached, idle)
-    s.prefix["cached"].insert(HISTORY[:1])  # one block: saves 64 ms
-    cached.busy_until = clk.now() + 0.07  # 70 ms ahead
-    got = s.admit(work(clk, 2600, HISTORY, budget=10_000), clk.now())
-    assert isinstance(got, Dispatch) and got.engine == "idle"  # 2,610 < 70 + 2,546
+    a, b = engine("a"), engine("b")
+    s = sched(a, b)
+    for _ in range(4):  # four requests prefilling or queued: 2 per engine
+        assert isinstance(s.admit(work(clk, 100, (), budget=60_000), clk.now()), (Dispatch, Enqueued))
+    a.busy_until = clk.now() + 1.0
+    b.busy_until = clk.now() + 1.2
+    lowest = min(s.project(2600, clk.now()), key=lambda x: x[0])
+    got = s.admit(work(clk, 2600, HISTORY, budget=60_000), clk.now())
+    assert not isinstance(got, Refuse) and got.ticket.expected_cached == 0.0
+    assert got.ticket.engine == lowest[2].name and got.ticket.projected_ttft_ms == pytest.approx(lowest[0])
 
 
 def test_an_untrusted_index_projects_full_length() -> None:
