@@ -464,10 +464,11 @@ class H1Pool:
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(key, loop, self.idle_timeout), key[0], key[1]),
-                self.connect_timeout,
-            )
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that
+            # arrives in the turn the connection completes (an R13 deadline, a client
+            # gone), and the request would run on (tests/engines/test_http1.py)
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Conn(key, loop, self.idle_timeout), key[0], key[1])
         except TimeoutError:
             ms = f"{self.connect_timeout * 1000:g}"
             raise ConnectTimeout(f"no connection within {ms} ms", f"connect to {key[0]}:{key[1]} timed out after {ms} ms") from None

@@ -190,3 +190,37 @@ def test_connection_reused_after_a_complete_stream_whose_last_chunk_comes_later(
             srv.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_cancel_while_connecting_is_never_lost() -> None:
+    """Regression: Python 3.11's asyncio.wait_for returns the result and drops the cancel
+    when the connection completes in the same loop turn the caller is cancelled (an R13
+    deadline, a client gone): the request then ran on to a whole answer (the conformance
+    probe's x-narwhal-deadline-ms: 1 answered 200). Cancelled at every point of a
+    connect, it ends cancelled or holds a connection, never both unnoticed."""
+    async def main() -> list[str]:
+        srv, _ = await serve(canned(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"))
+        port = srv.sockets[0].getsockname()[1]
+        pool = H1Pool()
+        lost = []
+        try:
+            for turns in range(12):
+                for _ in range(20):
+                    task = asyncio.ensure_future(pool._connect(("127.0.0.1", port)))
+                    for _ in range(turns):
+                        await asyncio.sleep(0)
+                    if task.done():
+                        task.result()._abort()
+                        continue
+                    task.cancel()
+                    try:
+                        conn = await task
+                    except asyncio.CancelledError:
+                        continue
+                    lost.append(f"cancelled after {turns} turns, yet connected")
+                    conn._abort()
+        finally:
+            srv.close()
+        return lost
+
+    assert asyncio.run(main()) == []
