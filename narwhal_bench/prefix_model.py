@@ -40,26 +40,20 @@ import random
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from narwhal.mock.timing import Timing
 
 from . import prefix as P
 
-__all__ = ["RULES", "Timing", "simulate", "add_arguments", "run", "main"]
+__all__ = ["RULES", "BENCH_TIMING", "simulate", "add_arguments", "run", "main"]
 
 RULES = ("blind", "ttft", "cost", "affinity", "oracle")
 TEMPLATE_TOKENS = 3  # the mock's chat template tokens around one user message
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
-    base_ms: float = 10.0
-    per_token_ms: float = 0.4
-    quadratic_ms: float = 0.00002
-    sigma: float = 0.1
-
-    def t(self, u: float) -> float:
-        return self.base_ms + self.per_token_ms * u + self.quadratic_ms * u * u
+# the bench's mock timing (narwhal bench prefix defaults: --prefill-*-ms, --noise-sigma)
+BENCH_TIMING = Timing(prefill_base_ms=10.0, prefill_per_token_ms=0.4, prefill_quadratic_ms=0.00002, noise_sigma=0.1)
 
 
 class _Lru:
@@ -92,7 +86,7 @@ def _q(xs: list[float], p: float) -> float:
 
 
 def simulate(reqs: Sequence[P.TraceRequest], rule: str, *, engines: int = 4, cache_tokens: int = 65536, tokens_per_block: int = 64,
-             budget_ms: float = 3000.0, timing: Timing = Timing(), seed: int = 7) -> dict[str, Any]:
+             budget_ms: float = 3000.0, timing: Timing = BENCH_TIMING, seed: int = 7) -> dict[str, Any]:
     """One rule over the requests: hit rate, TTFT p50/p90/p99 ms, goodput, refusals,
     follow-ups on their conversation's last engine."""
     if rule not in RULES:
@@ -114,22 +108,22 @@ def simulate(reqs: Sequence[P.TraceRequest], rule: str, *, engines: int = 4, cac
         opts = []
         for e in range(engines):
             c = min(n - 1, caches[e].match(hs) * bpt)
-            opts.append((max(0.0, free_at[e] - now), timing.t(n - c), c, e))
+            opts.append((max(0.0, free_at[e] - now), timing.prefill_ms(n - c), c, e))
         if rule == "blind":
-            full = timing.t(n)
+            full = timing.prefill_ms(n)
             ch = min(opts, key=lambda o: o[0] + full)
         elif rule == "ttft":
             ch = min(opts, key=lambda o: o[0] + o[1])
         elif rule in ("cost", "oracle"):
             behind = 1.0 + sum(sum(1 for f in ends[x] if f > now) for x in range(engines)) / engines
-            full = timing.t(n)
+            full = timing.prefill_ms(n)
             ch = min(opts, key=lambda o: o[0] + o[1] - (full - o[1]) * behind)
         else:  # affinity: vllm-router cache_aware (threshold 0.3, balance 64 requests)
             loads = [sum(1 for f in ends[x] if f > now) for x in range(engines)]
             best = max(opts, key=lambda o: o[2])
             ch = best if best[2] / n > 0.3 and max(loads) - min(loads) <= 64 else min(opts, key=lambda o: loads[o[3]])
         back, pf, c, e = ch
-        proj = back + (timing.t(n) if rule == "blind" else pf)
+        proj = back + (timing.prefill_ms(n) if rule == "blind" else pf)
         key = r.hash_ids[:2]
         if len(r.hash_ids) >= 2 and key in last:
             follow += 1
@@ -140,7 +134,7 @@ def simulate(reqs: Sequence[P.TraceRequest], rule: str, *, engines: int = 4, cac
         if len(r.hash_ids) >= 2:
             last[key] = e
         start = max(now, free_at[e])
-        free_at[e] = start + pf * math.exp(rnd.gauss(0.0, timing.sigma))
+        free_at[e] = start + pf * math.exp(rnd.gauss(0.0, timing.noise_sigma))
         ends[e] = [f for f in ends[e] if f > now] + [free_at[e]]
         caches[e].insert(hs)
         hit += c
@@ -172,11 +166,11 @@ def run(args: argparse.Namespace) -> int:
     rows = P.select(P.load_mooncake(args.trace), start_s=args.start, window_s=args.window, sample=args.sample, seed=args.seed)
     print("| duration s (rho uncached) | rule | hit rate | TTFT p50 / p90 / p99 ms | goodput | refused | follow-ups on their engine | p90 blind / p90 rule |")
     print("|---|---|---|---|---|---|---|---|")
-    tm = Timing()
+    tm = BENCH_TIMING
     for d in [float(x) for x in args.durations.split(",") if x]:
         reqs = P.scale(rows, start_s=args.start, speedup=args.window / d, tokens_per_block=args.tokens_per_block, max_blocks=args.max_blocks,
                        output_scale=0.1, max_output=64)
-        rho = sum(tm.t(r.prompt_tokens + TEMPLATE_TOKENS) for r in reqs) / 1000.0 / (args.engines * max(reqs[-1].at, 1e-9))
+        rho = sum(tm.prefill_ms(r.prompt_tokens + TEMPLATE_TOKENS) for r in reqs) / 1000.0 / (args.engines * max(reqs[-1].at, 1e-9))
         res = {rule: [simulate(reqs, rule, engines=args.engines, cache_tokens=args.cache_tokens, tokens_per_block=args.tokens_per_block,
                                budget_ms=args.budget_ms, seed=7 + s) for s in range(args.seeds)] for rule in RULES}
 
