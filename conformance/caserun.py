@@ -16,16 +16,35 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import matchers
+from .books import Books
+from .capabilities import Capabilities
 from .cases import Case
+from .etcd import EtcdServer
 from .transport import COMPLETION_ROUTES, Background, Exchange, RequestData, document, raw_exchange
 
-if TYPE_CHECKING:
-    from .runner import Runner
+__all__ = ["CaseRun", "Mismatch", "StepError", "RunContext"]
 
-__all__ = ["CaseRun", "Mismatch", "StepError"]
+
+class RunContext(Protocol):
+    """What a case run needs of its run (runner.py Runner provides it)."""
+
+    target: str
+    admin_token: str | None
+    headers: dict[str, str]
+    etcd: EtcdServer | None
+    caps: Capabilities
+
+    def send(self, req: RequestData) -> Exchange: ...
+    def books(self) -> Books | None: ...
+    def fleet(self, body: dict[str, Any]) -> None: ...
+    def etcd_control(self, action: str) -> None: ...
+    def records(self, rid: str) -> list[dict[str, Any]]: ...
+    def new_rid(self, label: str) -> str: ...
+    def ready_status(self) -> int | None: ...
+    def engines_view(self) -> dict[str, dict[str, Any]]: ...
 
 _POLL_S = 0.02
 
@@ -46,7 +65,7 @@ class StepError(Exception):
 class CaseRun:
     """The state of one case while it runs."""
 
-    def __init__(self, runner: Runner, case: Case) -> None:
+    def __init__(self, runner: RunContext, case: Case) -> None:
         self.r, self.case = runner, case
         self.failures: list[Mismatch] = []
         self.unchecked: list[str] = []
