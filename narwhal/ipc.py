@@ -9,7 +9,10 @@ channel breaks).
 
 A request makes a few messages, never one per token: Arrive/Arrived (R01, R02, offered),
 Admit/Admitted (R08-R11, R14), when queued a Granted or Refused later, FirstToken,
-Close and End; P/D adds PrefillDone and WantDecode/Granted, a retry Retry/Granted.
+Close and End; P/D adds PrefillDone and WantDecode/Granted, a retry Retry/Granted. The
+worker sends Admit behind Arrive without waiting for Arrived (usually in the same write),
+so arrival and admission cost one round trip; the authority ignores the Admit (and the
+End) of an arrival it refused.
 `rid` numbers a worker's requests (the authority keys them by worker too); `at` is the
 worker's reading of the system-wide monotonic clock.
 

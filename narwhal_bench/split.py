@@ -507,7 +507,8 @@ def _us(v: float | None) -> str:
 
 def _summ(r: dict[str, Any]) -> dict[str, Any]:
     n = r["counts"].get("completed", 0)
-    out = {"arrive": _pct(r["arrive_us"]), "admit": _pct(r["admit_us"]), "lag": _pct(r["lag_us"]), "completed": n,
+    both = [a + b for a, b in zip(r["arrive_us"], r["admit_us"], strict=True)]  # the request's whole wait for admission
+    out = {"arrive": _pct(r["arrive_us"]), "admit": _pct(r["admit_us"]), "both": _pct(both), "lag": _pct(r["lag_us"]), "completed": n,
            "achieved_per_s": n / r["window_s"] if r["window_s"] else 0.0, "counts": r["counts"], "window_s": r["window_s"]}
     return out
 
@@ -612,7 +613,7 @@ def decisions(*, rate: float = 2000.0, warm_s: float = 2.0, window_s: float = 10
         runs.append(run)
         for name, sm in (("in process (LocalDoor)", ls), ("over the channel (RemoteDoor -> WorkerSession)", rs),
                          ("over the channel, an authority that decides nothing (bare Channel answering at once)", es)):
-            for what in ("arrive", "admit"):
+            for what in ("arrive", "admit", "both"):
                 q = sm[what]
                 rows.append([f"#{k + 1}{'' if attempt == 0 else f'.{attempt + 1}'} ({at})", name, what, _us(q["p50"]), _us(q["p90"]), _us(q["p99"]), _us(q["max"]), f"{sm['achieved_per_s']:,.0f}",
                              _us(sm["lag"]["p99"])])
@@ -620,7 +621,7 @@ def decisions(*, rate: float = 2000.0, warm_s: float = 2.0, window_s: float = 10
         rows.append([f"#{k + 1}{'' if attempt == 0 else f'.{attempt + 1}'}", "floor: bare echo over a socket pair, CPU 0 <-> 1", "one message each way", _us(q["p50"]), _us(q["p90"]), _us(q["p99"]), _us(q["max"]),
                      f"{rate:,.0f}", "—"])
         print(f"  decisions #{k + 1}: channel arrive p50/p99 {_us(rs['arrive']['p50'])}/{_us(rs['arrive']['p99'])} µs, admit {_us(rs['admit']['p50'])}/"
-              f"{_us(rs['admit']['p99'])} µs; no-decision echo arrive {_us(es['arrive']['p50'])}/{_us(es['arrive']['p99'])} µs; floor {_us(q['p50'])}/{_us(q['p99'])} µs; "
+              f"{_us(rs['admit']['p99'])} µs, both {_us(rs['both']['p50'])}/{_us(rs['both']['p99'])} µs; no-decision echo arrive {_us(es['arrive']['p50'])}/{_us(es['arrive']['p99'])} µs; floor {_us(q['p50'])}/{_us(q['p99'])} µs; "
               f"others {others:.2f} cores", flush=True)
     rep.data["decisions"] = {"rate": rate, "warm_s": warm_s, "window_s": window_s, "engines": engines, "mode": mode, "cycle": cycle, "runs": runs,
                              "pinning": f"authority (this process) on CPU {sorted(rcpu or ())}, the client process on CPU {sorted(lcpu or ())}"}

@@ -146,6 +146,9 @@ class LocalEntry:
         self.lease: LocalLease | None = None
         self.ended = False
 
+    async def arrived(self) -> Refuse | None:
+        return None  # decided in LocalDoor.arrive: a refused arrival never has an entry
+
     async def admit(self, order: Order) -> LocalLease | Refuse:
         return self.admit_now(order)
 

@@ -6,9 +6,14 @@ objects per request, and these are their whole vocabulary:
   * `Door.arrive(at)` -> `Entry | Refuse`: the request is offered (C01, the books) and
     decided against the rows that need the router's state before its body is read: R01
     (router not ready) and R02 (retention full).
+  * `Entry.arrived()` -> `Refuse | None`: the arrival's decision when `arrive` returned
+    before it was known (over IPC the worker sends Arrive and reads the body meanwhile):
+    R01 or R02 with the books already closed, or None (offered and held). The data plane
+    awaits it before it answers anything else, so the rows keep their precedence.
   * `Entry.admit(order)` -> `Lease | Refuse`: the sized request against R08-R11 and R14,
-    placed on a phase-1 engine (granted or queued). `Entry.end(cls)` closes the books
-    (exactly one terminal class per offered request) and anything still held.
+    placed on a phase-1 engine (granted or queued); an arrival refused meanwhile comes
+    back as its Refuse. `Entry.end(cls)` closes the books (exactly one terminal class per
+    offered request) and anything still held.
   * `Lease`: one admitted request's place in the fleet:
       granted()            the phase-1 grant (at once, or after a queue wait: R12/R13 expiry
                            comes back as a `Refuse` with its fields),
@@ -96,6 +101,8 @@ class Lease(Protocol):
 
 
 class Entry(Protocol):
+    async def arrived(self) -> Refuse | None: ...
+
     async def admit(self, order: Order) -> Lease | Refuse: ...
 
     def end(self, cls: str) -> None: ...

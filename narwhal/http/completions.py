@@ -250,18 +250,30 @@ class CompletionEndpoint:
         try:
             adm = r.config.admission
             limit = r.config.serving.max_request_bytes
+            failed: _TooLarge | _Fragmented | _TooSlow | None = None
             try:
                 body = await _read_body(scope, receive, limit, r.config.serving.read_timeout_ms / 1000.0)
-            except _TooLarge as e:  # R03
-                if not e.ended:
+            except (_TooLarge, _Fragmented, _TooSlow) as e:
+                failed = e
+            except _Gone:
+                cls = "cancelled"
+                return
+            # With workers the arrival (R01, R02) is decided while the body is read: a
+            # refused one answers with its own row, as it would have before the body.
+            refused = await entry.arrived()
+            if refused is not None:
+                if failed is not None and not (isinstance(failed, _TooLarge) and failed.ended):
+                    await drain_request(scope, receive, limit=drain, timeout_s=1.0)
+                await send_row(send, refused.row, rid=rid, **refused.fields)
+                cls = refused.row.counter
+                return
+            if isinstance(failed, _TooLarge):  # R03
+                if not failed.ended:
                     await drain_request(scope, receive, limit=drain)
                 await send_row(send, E.R03, rid=rid, limit=limit)
                 cls = E.R03.counter
                 return
-            except _Gone:
-                cls = "cancelled"
-                return
-            except _Fragmented:  # H10
+            if isinstance(failed, _Fragmented):  # H10
                 await sink.respond(*_rendered(E.H10, limit=FRAGMENT_PIECES, min_bytes=FRAGMENT_MIN_BYTES))
                 cls = E.H10.counter
                 # no client sends real bodies so: its reconnects are refused at accept
@@ -270,7 +282,7 @@ class CompletionEndpoint:
                 # a short linger only: draining such a body costs what H10 saves
                 await drain_request(scope, receive, limit=65536, timeout_s=0.2)
                 return
-            except _TooSlow:  # H07
+            if isinstance(failed, _TooSlow):  # H07
                 await sink.respond(*_rendered(E.H07, limit_ms=r.config.serving.read_timeout_ms))
                 cls = E.H07.counter
                 # linger (bounded): a close while the client's bytes still arrive makes the

@@ -3,12 +3,14 @@
 to the authority, whose answers they await. Same calls, same answers as in process.
 
 Invariants
-  * A request has at most one call in flight to the authority at a time (its own
-    sequence: arrive, admit, [wait], [decode slot], [retry]), so answers are matched by
-    the request's `rid`; controls by their `qid`.
-  * A request whose task is cancelled while its arrival is being decided still ends in
-    the books: an End(cancelled) follows its Arrive (the authority ignores an End for a
-    request it refused).
+  * Arrive does not wait: the worker reads the body while it is decided, and sends Admit
+    behind it (one round trip for both). Its answer, Arrived, is matched by `rid` in
+    `arrivals`; every other answer by `rid` in `pending`, where a request has at most one
+    call in flight (admit, [wait], [decode slot], [retry]); controls by their `qid`.
+  * An arrival the authority refused (R01, R02: its books closed there) ignores the
+    Admit behind it; the worker answers with the arrival's row, and its End is ignored.
+  * A request whose task is cancelled at any point still ends in the books: the End
+    (cancelled) its data plane sends follows its Arrive.
   * When the channel is lost (the authority died), every waiting call fails with
     `AuthorityLost` (a ConnectionError: the request ends as the client's connection
     does) and one-way messages are dropped; the worker stops (narwhal/workers.py).
@@ -47,6 +49,7 @@ class Link:
     def __init__(self) -> None:
         self.channel = ipc.Channel(self._on_message, self._on_lost)
         self.pending: dict[int, asyncio.Future[Any]] = {}  # rid -> the call in flight
+        self.arrivals: dict[int, asyncio.Future[ipc.Arrived]] = {}  # rid -> its Arrive
         self.calls: dict[int, asyncio.Future[Any]] = {}  # qid -> a control call
         self.hello: asyncio.Future[ipc.Hello] = asyncio.get_running_loop().create_future()
         self.lost = asyncio.Event()
@@ -57,7 +60,7 @@ class Link:
         self.on_facts: Callable[[str, list[Any]], None] = lambda engine, facts: None
         self.on_penalise: Callable[[str, float], None] = lambda addr, seconds: None
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
-            ipc.Arrived: self._answer, ipc.Granted: self._answer, ipc.Refused: self._answer, ipc.NoRetry: self._answer,
+            ipc.Arrived: self._arrived, ipc.Granted: self._answer, ipc.Refused: self._answer, ipc.NoRetry: self._answer,
             ipc.Admitted: self._admitted, ipc.Answer: self._answered, ipc.Scrape: self._scrape,
             ipc.Facts: lambda m: self.on_facts(m.engine, m.facts), ipc.Penalise: lambda m: self.on_penalise(m.addr, m.seconds),
             ipc.Hello: self._hello,
@@ -110,6 +113,11 @@ class Link:
         if f is not None and not f.done():
             f.set_result(msg)
 
+    def _arrived(self, msg: ipc.Arrived) -> None:
+        f = self.arrivals.pop(msg.rid, None)
+        if f is not None and not f.done():
+            f.set_result(msg)
+
     def _admitted(self, msg: ipc.Admitted) -> None:
         f = self.pending.pop(msg.rid, None)
         if f is None or f.done():
@@ -136,10 +144,11 @@ class Link:
         if exc is not None:
             log.warning("worker: the channel to the authority broke: %s", exc)
         gone = AuthorityLost("the admission authority is gone")
-        for f in [*self.pending.values(), *self.calls.values()]:
+        for f in [*self.pending.values(), *self.arrivals.values(), *self.calls.values()]:
             if not f.done():
                 f.set_exception(gone)
         self.pending.clear()
+        self.arrivals.clear()
         self.calls.clear()
         if not self.hello.done():
             self.hello.set_exception(gone)
@@ -193,26 +202,50 @@ class RemoteLease:
 
 
 class RemoteEntry:
-    __slots__ = ("link", "rid", "ended")
+    __slots__ = ("link", "rid", "ended", "_arrival")
 
-    def __init__(self, link: Link, rid: int) -> None:
+    def __init__(self, link: Link, rid: int, arrival: asyncio.Future[ipc.Arrived]) -> None:
         self.link = link
         self.rid = rid
         self.ended = False
+        self._arrival = arrival
+
+    async def arrived(self) -> Refuse | None:
+        got = await self._arrival  # at once when it is in
+        return None if got.row is None else Refuse(E.ROWS[got.row], fields=got.fields)
 
     async def admit(self, order: Order) -> RemoteLease | Refuse:
         o = order
-        got = await self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix), list(o.token_prefix)))
+        f = self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix), list(o.token_prefix)))
+        try:
+            refused = await self.arrived()
+        except BaseException:  # the authority lost, or this request cancelled
+            self._drop(f)
+            raise
+        if refused is not None:  # the authority ignores this Admit (no entry there)
+            self._drop(f)
+            return refused
+        got = await f
         if type(got) is ipc.Refused:
             return _refuse(got)
         msg, follow = got
         return RemoteLease(self.link, self.rid, msg, follow)
+
+    def _drop(self, f: asyncio.Future[Any]) -> None:
+        """The Admit's answer will not be awaited: forget it (and any error it holds)."""
+        self.link.pending.pop(self.rid, None)
+        if f.done():
+            if not f.cancelled():
+                f.exception()
+        else:
+            f.cancel()
 
     def end(self, cls: str) -> None:
         if self.ended:
             return
         self.ended = True
         self.link.pending.pop(self.rid, None)
+        self.link.arrivals.pop(self.rid, None)
         self.link.send(ipc.End(self.rid, cls))
 
 
@@ -223,17 +256,17 @@ class RemoteDoor:
         self.link = link
 
     async def arrive(self, at: float) -> RemoteEntry | Refuse:
+        """Sends Arrive and returns at once: its decision is `RemoteEntry.arrived()`."""
         link = self.link
+        if link.channel.closed:
+            raise AuthorityLost("the admission authority is gone")
         rid = link.next_rid()
-        try:
-            got: ipc.Arrived = await link.request(rid, ipc.Arrive(rid, at))
-        except asyncio.CancelledError:
-            link.pending.pop(rid, None)
-            link.send(ipc.End(rid, "cancelled"))  # the arrival may have been offered
-            raise
-        if got.row is not None:
-            return Refuse(E.ROWS[got.row], fields=got.fields)
-        return RemoteEntry(link, rid)
+        f: asyncio.Future[ipc.Arrived] = asyncio.get_running_loop().create_future()
+        link.arrivals[rid] = f
+        # written at the end of this loop turn: when the body is in already, the Admit
+        # sent in the same turn leaves with it (one write, one read, one answer)
+        link.channel.send(ipc.Arrive(rid, at))
+        return RemoteEntry(link, rid, f)
 
 
 class RemoteControls:

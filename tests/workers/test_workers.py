@@ -200,7 +200,8 @@ class Served:
                     if owner is None:
                         time.sleep(0.005)
             h = {"content-type": "application/json", **(headers or {})}
-            conn.request(method, path, body=None if body is None else json.dumps(body), headers=h)
+            raw = body if body is None or isinstance(body, bytes) else json.dumps(body)
+            conn.request(method, path, body=raw, headers=h)
             r = conn.getresponse()
             data = r.read()
             return r.status, {k.lower(): v for k, v in r.getheaders()}, data, owner
@@ -538,6 +539,12 @@ def test_every_worker_gives_the_authoritys_answers(tmp_path: Path, fleet: list[R
                     err = orjson.loads(data)["error"]
                     assert (status, err["code"], err["type"], hdrs.get("retry-after")) == (503, "router_not_ready", "unavailable_error", "1"), (status, data)
                     assert "standby" in err["message"], err
+            # the arrival is decided while the worker reads the body (remote.py): a body
+            # that would be R04 (not JSON) still gets the arrival's R01, as in one process
+            bad = _from_both(r, "POST", "/v1/chat/completions", b"{not json")
+            for answers in bad.values():
+                for status, _, data in answers:
+                    assert (status, orjson.loads(data)["error"]["code"]) == (503, "router_not_ready"), (status, data)
             ready = _from_both(r, "GET", "/ready")
             for answers in ready.values():
                 for status, _, data in answers:
