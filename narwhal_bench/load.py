@@ -25,7 +25,7 @@ import csv
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ import orjson
 from .client import H1Pool, H2Client, H2Pool, SSERecorder
 from .stats import Result
 
-__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "run_closed_loop", "default_trace"]
+__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace"]
 
 _FILLER = "the quick brown fox jumps over the lazy dog while narwhals route tokens "
 
@@ -195,16 +195,24 @@ async def run_open_loop(
     drain_s: float = 30.0,
 ) -> list[Result]:
     """Send every arrival on time; wait at most drain_s after the last for the rest."""
-    loop = asyncio.get_running_loop()
     out: list[Result] = []
+    await open_loop([a.at for a in arrivals], lambda i, target: _one(client, shape, arrivals[i], target, timeout_s, out), drain_s=drain_s)
+    return out
+
+
+async def open_loop(offsets: Sequence[float], start: Callable[[int, float], Coroutine[Any, Any, None]], *, drain_s: float) -> None:
+    """Start `start(i, scheduled)` as a task at t0 + offsets[i] (t0: 50 ms from now, on
+    time.perf_counter), in order; wait at most drain_s after the last start for them all,
+    then cancel the rest (and give them 5 s to unwind)."""
+    loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
     t0 = time.perf_counter() + 0.05
-    for a in arrivals:
-        target = t0 + a.at
+    for i, at in enumerate(offsets):
+        target = t0 + at
         delay = target - time.perf_counter()
         if delay > 0.0005:
             await asyncio.sleep(delay)
-        tk = loop.create_task(_one(client, shape, a, target, timeout_s, out))
+        tk = loop.create_task(start(i, target))
         tasks.add(tk)
         tk.add_done_callback(tasks.discard)
     if tasks:
@@ -213,7 +221,6 @@ async def run_open_loop(
             tk.cancel()
         if pending:
             await asyncio.wait(pending, timeout=5.0)
-    return out
 
 
 async def run_closed_loop(

@@ -75,6 +75,7 @@ import orjson
 
 from . import harness as H
 from .client import SSERecorder, make_client
+from .load import open_loop
 from .procs import Proc, free_port, layout, log_dir, pin_self, wait_http
 from .stats import Result, fmt_ms, markdown_table, percentile, summarize
 
@@ -261,25 +262,11 @@ async def replay(url: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes]
     arrival are cut (errors)."""
     client = make_client(url, "1", headers=headers)
     hdr = {"x-narwhal-ttft-target-ms": str(budget_ms)}
-    loop = asyncio.get_running_loop()
     out: list[Result] = []
-    tasks: set[asyncio.Task[None]] = set()
+    if len(bodies) != len(reqs):
+        raise ValueError(f"{len(reqs)} requests and {len(bodies)} bodies")
     try:
-        t0 = time.perf_counter() + 0.05
-        for req, body in zip(reqs, bodies, strict=True):
-            target = t0 + req.at
-            delay = target - time.perf_counter()
-            if delay > 0.0005:
-                await asyncio.sleep(delay)
-            tk = loop.create_task(_one(client, body, hdr, target, timeout_s, req, out))
-            tasks.add(tk)
-            tk.add_done_callback(tasks.discard)
-        if tasks:
-            _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-            for tk in pending:
-                tk.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
+        await open_loop([r.at for r in reqs], lambda i, target: _one(client, bodies[i], hdr, target, timeout_s, reqs[i], out), drain_s=drain_s)
     finally:
         await client.aclose()
     return out
@@ -703,16 +690,13 @@ def _names(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload and fleet (module rules): shared with prefix_model.py."""
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="the Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} (default all)")
     p.add_argument("--start", type=float, default=600.0, help="trace seconds skipped (default 600)")
     p.add_argument("--window", type=float, default=1200.0, help="trace seconds replayed (default 1200)")
     p.add_argument("--sample", type=float, default=0.35, help="share of conversations kept, seeded (default 0.35)")
     p.add_argument("--seed", type=int, default=1, help="the conversation sample's seed")
-    p.add_argument("--duration", type=float, default=140.0, help="seconds the window is compressed onto (default 140)")
-    p.add_argument("--drain", type=float, default=45.0, help="seconds to wait for open requests after the last arrival (default 45)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N selected requests (smoke runs)")
     p.add_argument("--tokens-per-block", type=int, default=64, help="tokens a 512-token trace block becomes (default 64)")
     p.add_argument("--max-blocks", type=int, default=32, help="trace blocks kept per prompt, the first ones (default 32)")
     p.add_argument("--output-scale", type=float, default=0.1, help="output_length multiplier (default 0.1)")
@@ -724,6 +708,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-quadratic-ms", type=float, default=0.00002)
     p.add_argument("--noise-sigma", type=float, default=0.1)
     p.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget: Narwhal's ttft_budget_ms and x-narwhal-ttft-target-ms; goodput's target (default 3000)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p)
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} (default all)")
+    p.add_argument("--duration", type=float, default=140.0, help="seconds the window is compressed onto (default 140)")
+    p.add_argument("--drain", type=float, default=45.0, help="seconds to wait for open requests after the last arrival (default 45)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N selected requests (smoke runs)")
     p.add_argument("--quiet-wait", type=float, default=300.0, help="before each arm, wait at most this long for the machine to be quiet (< 0.25 cores busy; default 300 s)")
     p.add_argument("--plot-load", nargs="+", metavar="JSON", help="only plot: hit rate, TTFT p90 and goodput against load from these runs' prefix.json, to IMG/prefix-cache-load.png")
     p.add_argument("--out", default="out/bench", help="write prefix.json / prefix.md here (default out/bench)")

@@ -148,31 +148,23 @@ def simulate(reqs: Sequence[P.TraceRequest], rule: str, *, engines: int = 4, cac
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=str(P.DEFAULT_TRACE))
+    P.add_workload_arguments(p)
     p.add_argument("--durations", default="220,180,160,140,110", help="seconds the window is compressed onto, one load point each (prefix --duration)")
     p.add_argument("--seeds", type=int, default=3, help="noise seeds per point (default 3)")
-    p.add_argument("--start", type=float, default=600.0)
-    p.add_argument("--window", type=float, default=1200.0)
-    p.add_argument("--sample", type=float, default=0.35)
-    p.add_argument("--seed", type=int, default=1, help="the conversation sample's seed")
-    p.add_argument("--tokens-per-block", type=int, default=64)
-    p.add_argument("--max-blocks", type=int, default=32)
-    p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--cache-tokens", type=int, default=65536)
-    p.add_argument("--budget-ms", type=float, default=3000.0)
 
 
 def run(args: argparse.Namespace) -> int:
     rows = P.select(P.load_mooncake(args.trace), start_s=args.start, window_s=args.window, sample=args.sample, seed=args.seed)
     print("| duration s (rho uncached) | rule | hit rate | TTFT p50 / p90 / p99 ms | goodput | refused | follow-ups on their engine | p90 blind / p90 rule |")
     print("|---|---|---|---|---|---|---|---|")
-    tm = BENCH_TIMING
+    tm = Timing(prefill_base_ms=args.prefill_base_ms, prefill_per_token_ms=args.prefill_per_token_ms, prefill_quadratic_ms=args.prefill_quadratic_ms,
+                noise_sigma=args.noise_sigma)
     for d in [float(x) for x in args.durations.split(",") if x]:
         reqs = P.scale(rows, start_s=args.start, speedup=args.window / d, tokens_per_block=args.tokens_per_block, max_blocks=args.max_blocks,
-                       output_scale=0.1, max_output=64)
+                       output_scale=args.output_scale, max_output=args.max_output)
         rho = sum(tm.prefill_ms(r.prompt_tokens + TEMPLATE_TOKENS) for r in reqs) / 1000.0 / (args.engines * max(reqs[-1].at, 1e-9))
         res = {rule: [simulate(reqs, rule, engines=args.engines, cache_tokens=args.cache_tokens, tokens_per_block=args.tokens_per_block,
-                               budget_ms=args.budget_ms, seed=7 + s) for s in range(args.seeds)] for rule in RULES}
+                               budget_ms=args.budget_ms, timing=tm, seed=7 + s) for s in range(args.seeds)] for rule in RULES}
 
         def mean(rule: str, k: str, res: dict[str, list[dict[str, Any]]] = res) -> float:
             return float(sum(x[k] for x in res[rule]) / len(res[rule]))

@@ -69,7 +69,7 @@ from typing import Any
 from . import harness as H
 from .experiments import Report, _run, phase
 from .load import RequestShape, fixed_rate
-from .procs import layout, pin_self, python
+from .procs import cpu_seconds, layout, pin_self, python
 from .stats import fmt_ms, markdown_table, percentile, summarize
 
 __all__ = ["split", "decisions", "saturation", "relay_split", "ttft_split", "floor", "await_quiet", "Others", "tree_pids", "tree_cpu"]
@@ -108,20 +108,6 @@ def _check() -> None:
 # -- /proc -------------------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2:].split()
-
-
-def proc_cpu(pid: int) -> float:
-    """utime + stime of one process (all its threads), seconds; 0 once it is gone."""
-    st = _stat(pid)
-    return 0.0 if st is None else (int(st[11]) + int(st[12])) / _TICK
-
-
 def tree_pids(pid: int) -> list[int]:
     """pid and its live descendants, through /proc/<pid>/task/*/children."""
     out: list[int] = []
@@ -153,7 +139,7 @@ def _role(pid: int, root: int) -> str:
 
 def tree_cpu(pid: int) -> dict[int, float]:
     """CPU seconds of every process of the tree rooted at pid."""
-    return {p: proc_cpu(p) for p in tree_pids(pid)}
+    return {p: cpu_seconds(p, tree=False) for p in tree_pids(pid)}
 
 
 # -- part 1: the seam's round trip -------------------------------------------------------------
@@ -338,7 +324,7 @@ class _GCWatch:
 
 
 def _self_cpu() -> float:
-    return proc_cpu(os.getpid())
+    return cpu_seconds(os.getpid(), tree=False)
 
 
 async def _inproc(controls: Any, p: dict[str, Any]) -> dict[str, Any]:
@@ -664,7 +650,7 @@ class Others:
         self.c0 = self._ours()
 
     def _ours(self) -> dict[int, float]:
-        out = {os.getpid(): proc_cpu(os.getpid())}
+        out = {os.getpid(): cpu_seconds(os.getpid(), tree=False)}
         for r in self.roots:
             out.update(tree_cpu(r))
         return out
@@ -696,9 +682,9 @@ def await_quiet(exclude: Sequence[int] = (), *, max_wait_s: float | None = None,
     while True:
         _check()
         pids = [os.getpid(), *exclude]
-        c0, m0 = sum(proc_cpu(p) for p in pids), _machine()
+        c0, m0 = sum(cpu_seconds(p, tree=False) for p in pids), _machine()
         time.sleep(sample_s)
-        c1, m1 = sum(proc_cpu(p) for p in pids), _machine()
+        c1, m1 = sum(cpu_seconds(p, tree=False) for p in pids), _machine()
         others = max(0.0, m1[0] - m0[0] - (c1 - c0)) / (m1[2] - m0[2])
         waited = time.monotonic() - t_start
         if others < QUIET_CORES or waited >= limit:

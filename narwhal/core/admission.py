@@ -131,14 +131,13 @@ class Scheduler:
         engine's TPOT, `decode_slots` at a time (their prefills are in the backlog)."""
         return (len(e.queue) + 1) * out_len * e.decode.predict_ms(float(e.decode_in_use + e.external)) / e.decode_slots
 
-    def _mean_depth(self, waves: Any) -> float:
+    def _mean_depth(self) -> float:
         """Requests prefilling or queued per placement-eligible phase-1 engine."""
         k = depth = 0
         for e in self._phase1:
-            if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
-                continue
-            k += 1
-            depth += len(e.inflight_prefill) + len(e.queue)
+            if self.eligible(e):
+                k += 1
+                depth += len(e.inflight_prefill) + len(e.queue)
         return depth / k if k else 0.0
 
     def project(self, n: float, now: float) -> list[tuple[float, float, EngineState]]:
@@ -190,7 +189,7 @@ class Scheduler:
         out_len: float | None = None
         caches = self.prefix if (work.prefix or work.token_prefix) else None
         best_cached = 0.0
-        behind = 1.0 + self._mean_depth(waves) if predictive else 0.0
+        behind = -1.0  # 1 + mean depth: counted once, when a cache first saves something
         for e in self._phase1:
             if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
                 continue
@@ -245,6 +244,8 @@ class Scheduler:
                 # for the copy it does not make (elsewhere the prefix is stored again and
                 # evicts about as much that a later request would find), times the margin.
                 # With nothing cached it is the projected TTFT alone.
+                if saved > 0.0 and behind < 0.0:
+                    behind = 1.0 + self._mean_depth()
                 key: Any = (p_e - saved * behind) * m_e
                 if tpot_rank:
                     if p_e * m_e <= budget:

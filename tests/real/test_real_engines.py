@@ -125,6 +125,13 @@ def llamacpp_default() -> Iterator[Any]:
         yield eng
 
 
+def _events(r: Any) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed answer (httpx response), [DONE] left out."""
+    for line in r.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def _answer(url: str, prompt: str, *, stream: bool, max_tokens: int = 16) -> dict[str, Any]:
     """finish, output events / completion tokens, usage, text and the usage source of one
     greedy chat answer, read the way a client reads it."""
@@ -146,10 +153,7 @@ def _answer(url: str, prompt: str, *, stream: bool, max_tokens: int = 16) -> dic
         finish, events, text, usage = None, 0, "", None
         with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
+            for ev in _events(r):
                 usage = ev.get("usage") or usage
                 for c in ev.get("choices") or ():
                     if (c.get("delta") or {}).get("content"):
@@ -419,10 +423,7 @@ def _stream_turn(h: Any, url: str, msgs: list[dict[str, Any]], max_tokens: int) 
     with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         headers = r.headers
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
+        for ev in _events(r):
             usage = ev.get("usage") or usage
             for c in ev.get("choices") or ():
                 if (c.get("delta") or {}).get("content"):
