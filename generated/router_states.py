@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ['RouterStateRow', 'ROWS', 'BY_ID', 'S01', 'S02', 'S03', 'S04', 'S05', 'BY_STATE', 'NOT_READY_PRECEDENCE']
+__all__ = ['RouterStateRow', 'ROWS', 'BY_ID', 'S06', 'S01', 'S02', 'S03', 'S04', 'S05', 'BY_STATE', 'NOT_READY_PRECEDENCE']
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +17,16 @@ class RouterStateRow:
     set_by: str
     quote: str
 
-# S01: Row order is the precedence of reasons when several hold at once (fenced first).
+# S06: Set once by SIGTERM (narwhal serve; with serving.workers > 1 the authority process): never cleared, the process is stopping. Requests already admitted run on for serving.shutdown_grace_ms; the listener stays open serving.shutdown_delay_ms so load balancers see /ready 503 before connections are refused. An ha leader resigns at once (leadership L19: its key deleted), so a standby takes over within a watch round trip.
+S06 = RouterStateRow(
+    id='S06',
+    state='draining',
+    ready=False,
+    set_by='signal',
+    quote='On SIGTERM: /ready answers 503 with state draining at once (new requests get R01 with Retry-After)',
+)
+
+# S01: Row order is the precedence of reasons when several hold at once (draining first: a router that is stopping says so whatever else holds; then fenced).
 S01 = RouterStateRow(
     id='S01',
     state='active',
@@ -60,7 +69,7 @@ S05 = RouterStateRow(
     quote='monitoring_degraded means engine health data is older than monitoring.stale_after_ms, so placement cannot be trusted.',
 )
 
-ROWS: tuple[RouterStateRow, ...] = (S01, S02, S03, S04, S05,)
+ROWS: tuple[RouterStateRow, ...] = (S06, S01, S02, S03, S04, S05,)
 BY_ID: dict[str, RouterStateRow] = {r.id: r for r in ROWS}
 BY_STATE: dict[str, RouterStateRow] = {r.state: r for r in ROWS}
 NOT_READY_PRECEDENCE: tuple[str, ...] = tuple(r.state for r in ROWS if not r.ready)

@@ -24,9 +24,9 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import ValidationError
 
-from narwhal_generated.models.config import NarwhalConfig
+from narwhal_generated.models.config import Engine, NarwhalConfig
 
-__all__ = ["ConfigError", "load_config", "parse_config", "NarwhalConfig", "EMBEDDED_FLEET"]
+__all__ = ["ConfigError", "load_config", "parse_config", "parse_engines", "has_discovery", "NarwhalConfig", "EMBEDDED_FLEET"]
 
 # NARWHAL.md: with no engines, the embedded simulated fleet (one prefill and one decode
 # engine of the vllm dialect) runs in-process on free loopback ports.
@@ -106,35 +106,76 @@ def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: {f!r} is listed twice")
     ha = cfg.ha
     if ha is not None:
+        # renew_interval_ms and fence_margin_ms follow the TTL unless given (an operator
+        # who sets only lease_ttl_ms, even the schema's minimum, can start)
+        if ha.renew_interval_ms is None:
+            ha.renew_interval_ms = min(1000, ha.lease_ttl_ms // 3)
+        if ha.fence_margin_ms is None:
+            ha.fence_margin_ms = min(500, ha.lease_ttl_ms // 4)
         if 3 * ha.renew_interval_ms > ha.lease_ttl_ms:
             raise ConfigError(f"{source}: ha.renew_interval_ms: at most a third of ha.lease_ttl_ms ({ha.lease_ttl_ms // 3})")
         if ha.fence_margin_ms + ha.renew_interval_ms >= ha.lease_ttl_ms:
             raise ConfigError(f"{source}: ha.fence_margin_ms: with ha.renew_interval_ms it must stay under ha.lease_ttl_ms")
     if cfg.engines is None:
         return
-    if not cfg.engines:
+    if not cfg.engines and not has_discovery(cfg):
         raise ConfigError(f"{source}: engines: an empty fleet serves nothing; omit the key for the embedded fleet")
+    check_engines(cfg.engines, source=source, key="engines")
+    if has_discovery(cfg):
+        return  # a fleet that changes at run time may be P/D-incomplete for a while (R09)
+    roles = {e.role for e in cfg.engines}
+    if ("prefill" in roles) != ("decode" in roles):
+        missing = "decode" if "prefill" in roles else "prefill"
+        raise ConfigError(f"{source}: engines: prefill and decode engines come together; no {missing} engine is configured")
+
+
+def has_discovery(cfg: NarwhalConfig) -> bool:
+    """A run-time source of engines is configured (discovery.file, discovery.etcd)."""
+    d = cfg.discovery
+    return d.file is not None or d.etcd is not None
+
+
+def check_engines(engines: list[Engine], *, source: str, key: str) -> None:
+    """What a schema cannot say of a list of engines[] entries: unique names, one
+    userinfo per host and port, two-phase roles for the vllm dialect only."""
     seen: set[str] = set()
     userinfo: dict[tuple[str | None, int | None], str] = {}
-    for i, e in enumerate(cfg.engines):
+    for i, e in enumerate(engines):
         if e.name in seen:
-            raise ConfigError(f"{source}: engines[{i}].name: {e.name!r} is used twice")
+            raise ConfigError(f"{source}: {key}[{i}].name: {e.name!r} is used twice")
         seen.add(e.name)
         try:
             u = urlsplit(e.url)
             origin = (u.hostname, u.port)
         except ValueError as x:
-            raise ConfigError(f"{source}: engines[{i}].url: {x}") from None
+            raise ConfigError(f"{source}: {key}[{i}].url: {x}") from None
         info = u.netloc.rpartition("@")[0]
         if userinfo.setdefault(origin, info) != info:
             # the message names no credentials
-            raise ConfigError(f"{source}: engines[{i}].url: engines on one host and port must carry the same userinfo")
+            raise ConfigError(f"{source}: {key}[{i}].url: engines on one host and port must carry the same userinfo")
         if e.dialect != "vllm" and e.role != "unified":
-            raise ConfigError(f"{source}: engines[{i}].role: the {e.dialect} dialect has no vLLM two-phase protocol; use role unified")
-    roles = {e.role for e in cfg.engines}
-    if ("prefill" in roles) != ("decode" in roles):
-        missing = "decode" if "prefill" in roles else "prefill"
-        raise ConfigError(f"{source}: engines: prefill and decode engines come together; no {missing} engine is configured")
+            raise ConfigError(f"{source}: {key}[{i}].role: the {e.dialect} dialect has no vLLM two-phase protocol; use role unified")
+
+
+def parse_engines(data: Any, *, source: str, key: str = "engines") -> list[Engine]:
+    """engines[] entries from a run-time source (a discovery file, etcd values, the admin
+    API's body): validated by the same schema and checks as the configuration's. Errors
+    name the source and the key path (`fleet.yaml: engines[2].role: ...`)."""
+    if not isinstance(data, list):
+        raise ConfigError(f"{source}: {key}: expected a list of engines[] entries")
+    out: list[Engine] = []
+    for i, item in enumerate(data):
+        try:
+            out.append(Engine.model_validate(item))
+        except ValidationError as e:
+            lines = []
+            for err in e.errors(include_url=False):
+                loc = (key, i, *err["loc"])
+                msg = "unknown key" if err["type"] == "extra_forbidden" else _https_engine({key: data, "engines": data}, {**err, "loc": ("engines", i, *err["loc"])}) or err["msg"]
+                lines.append(f"{_loc(loc)}: {msg}")
+            raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+    check_engines(out, source=source, key=key)
+    return out
 
 
 def load_config(path: str | Path | None) -> NarwhalConfig:

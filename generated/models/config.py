@@ -205,7 +205,7 @@ class Upstream(BaseModel):
 
 
 class EtcdItem(RootModel[StrictStr]):
-    root: Annotated[StrictStr, Field(pattern='^http://[^/@\\s]+(:[0-9]+)?/?$')]
+    root: Annotated[StrictStr, Field(pattern='^https?://[^/@\\s]+(:[0-9]+)?/?$')]
 
 
 class Name(RootModel[StrictStr]):
@@ -227,7 +227,7 @@ class Ha(BaseModel):
     etcd: Annotated[
         list[EtcdItem],
         Field(
-            description='etcd client URLs (http://host:port); the router talks to the first that answers.',
+            description='etcd client URLs (http://host:port, or https:// with ca_file and, for client-certificate auth, cert_file and key_file); the router talks to the first that answers.',
             max_length=16,
             min_length=1,
         ),
@@ -251,21 +251,21 @@ class Ha(BaseModel):
         ),
     ] = 3000
     renew_interval_ms: Annotated[
-        StrictInt,
+        StrictInt | None,
         Field(
-            description='How often the leader renews its lease (at most a third of lease_ttl_ms).',
+            description='How often the leader renews its lease (at most a third of lease_ttl_ms). null: derived from the TTL, min(1000, lease_ttl_ms / 3).',
             ge=100,
             le=20000,
         ),
-    ] = 1000
+    ] = None
     fence_margin_ms: Annotated[
-        StrictInt,
+        StrictInt | None,
         Field(
-            description="The leader fences itself this long before its lease could expire in etcd (the last confirmed renewal's send time plus the TTL).",
+            description="The leader fences itself this long before its lease could expire in etcd (the last confirmed renewal's send time plus the TTL). null: derived from the TTL, min(500, lease_ttl_ms / 4).",
             ge=50,
             le=10000,
         ),
-    ] = 500
+    ] = None
     request_timeout_ms: Annotated[
         StrictInt,
         Field(
@@ -278,6 +278,132 @@ class Ha(BaseModel):
         Name | None,
         Field(description="This candidate's name in etcd and the logs (default: host:pid)."),
     ] = None
+    ca_file: Annotated[
+        StrictStr | None,
+        Field(
+            description="PEM file of the CA(s) that sign etcd's server certificates (https:// endpoints); null: the system's trust store."
+        ),
+    ] = None
+    cert_file: Annotated[
+        StrictStr | None,
+        Field(description="PEM client certificate for etcd's --client-cert-auth (with key_file)."),
+    ] = None
+    key_file: Annotated[StrictStr | None, Field(description='PEM private key of cert_file.')] = None
+    username: Annotated[
+        StrictStr | None,
+        Field(
+            description="etcd user (etcd auth enabled): the router authenticates with it and password_env's password and sends the token etcd returns on every call.",
+            max_length=256,
+        ),
+    ] = None
+    password_env: Annotated[
+        StrictStr | None,
+        Field(
+            description="The environment variable that holds username's password (never the password itself in the file).",
+            pattern='^[A-Za-z_][A-Za-z0-9_]{0,127}$',
+        ),
+    ] = None
+
+
+class Endpoint(RootModel[StrictStr]):
+    root: Annotated[StrictStr, Field(pattern='^https?://[^/@\\s]+(:[0-9]+)?/?$')]
+
+
+class EtcdSource(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    endpoints: Annotated[
+        list[Endpoint] | None,
+        Field(
+            description="etcd client URLs; null: ha.etcd (and ha's TLS and user settings when this section sets none).",
+            max_length=16,
+            min_length=1,
+        ),
+    ] = None
+    prefix: Annotated[
+        StrictStr,
+        Field(
+            description="Every key under it is one engine (the key's last segment is only a label: the value's name is the engine's).",
+            max_length=512,
+            min_length=1,
+            pattern='^/[!-~]*$',
+        ),
+    ] = '/narwhal/engines/'
+    request_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description='The longest one etcd call may take; a watch that breaks is re-established after a full read, with back-off up to 5 s.',
+            ge=50,
+            le=30000,
+        ),
+    ] = 2000
+    max_engines: Annotated[
+        StrictInt,
+        Field(
+            description='At most this many engines from the prefix: more is an error that leaves the fleet as it was (a bound on what a writer of the prefix can make the router hold).',
+            ge=1,
+            le=4096,
+        ),
+    ] = 256
+    ca_file: Annotated[
+        StrictStr | None,
+        Field(
+            description="PEM file of the CA(s) that sign etcd's server certificates (https:// endpoints); null: the system's trust store."
+        ),
+    ] = None
+    cert_file: Annotated[
+        StrictStr | None,
+        Field(description="PEM client certificate for etcd's --client-cert-auth (with key_file)."),
+    ] = None
+    key_file: Annotated[StrictStr | None, Field(description='PEM private key of cert_file.')] = None
+    username: Annotated[
+        StrictStr | None,
+        Field(
+            description="etcd user (etcd auth enabled): the router authenticates with it and password_env's password and sends the token etcd returns on every call.",
+            max_length=256,
+        ),
+    ] = None
+    password_env: Annotated[
+        StrictStr | None,
+        Field(
+            description="The environment variable that holds username's password (never the password itself in the file).",
+            pattern='^[A-Za-z_][A-Za-z0-9_]{0,127}$',
+        ),
+    ] = None
+
+
+class Discovery(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    file: Annotated[
+        StrictStr | None,
+        Field(
+            description='A YAML or JSON file: a list of engines[] entries (or a mapping with the key engines). Read at start and whenever it changes (checked every file_interval_ms, by its size, time and content: works for a file replaced by rename, as Kubernetes ConfigMaps are). A file that does not parse or validate leaves the fleet as it was, is logged with file, line and key, and counted on /metrics.'
+        ),
+    ] = None
+    file_interval_ms: Annotated[
+        StrictInt,
+        Field(description='How often discovery.file is checked for a change.', ge=100, le=60000),
+    ] = 1000
+    etcd: EtcdSource | None = None
+    drain_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description='An engine that leaves (removed from its source, DELETE /admin/engines/{name}, replaced) takes no new request at once; the requests running on it have this long to finish, then they are cancelled (class failed, streams end with an error event) and the engine is gone.',
+            ge=0,
+            le=3600000,
+        ),
+    ] = 30000
+    max_file_bytes: Annotated[
+        StrictInt,
+        Field(
+            description='A discovery file larger than this is refused (the fleet stays as it was).',
+            ge=1024,
+            le=67108864,
+        ),
+    ] = 4194304
 
 
 class Serving(BaseModel):
@@ -364,6 +490,22 @@ class Serving(BaseModel):
             validate_default=True,
         ),
     ] = 1
+    shutdown_delay_ms: Annotated[
+        StrictInt,
+        Field(
+            description='On SIGTERM the router answers /ready 503 (state draining) and new completion requests R01 at once, but keeps its listener open this long so that load balancers notice before connections are refused; then it stops accepting. A second SIGTERM or SIGINT stops at once.',
+            ge=0,
+            le=600000,
+        ),
+    ] = 5000
+    shutdown_grace_ms: Annotated[
+        StrictInt,
+        Field(
+            description='On SIGTERM, requests already admitted have this long (counted from the signal) to finish; the rest are then cancelled (class cancelled, streams end with an error event) and the process exits 0.',
+            ge=0,
+            le=3600000,
+        ),
+    ] = 30000
 
 
 class Admission(BaseModel):
@@ -389,9 +531,10 @@ class NarwhalConfig(BaseModel):
     engines: Annotated[
         list[Engine] | None,
         Field(
-            description='The fleet. null (the default) starts the embedded simulated fleet: one prefill and one decode engine of the vllm dialect.'
+            description='The fleet at start. null (the default) starts the embedded simulated fleet (one prefill and one decode engine of the vllm dialect) unless a discovery source is configured. Engines can be added, replaced and removed at run time (PUT/DELETE /admin/engines/{name}, discovery, a configuration reload): spec/tables/lifecycle.yaml.'
         ),
     ] = None
+    discovery: Annotated[Discovery, Field(validate_default=True)] = {}
     monitoring: Annotated[Monitoring, Field(validate_default=True)] = {}
     admin: Annotated[Admin, Field(validate_default=True)] = {}
     ha: Annotated[

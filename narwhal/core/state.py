@@ -39,7 +39,7 @@ class NoElection:
 
 
 class RouterState:
-    __slots__ = ("operator", "election", "wave", "maintenance_waves", "stale_after", "_oldest_health")
+    __slots__ = ("operator", "election", "wave", "maintenance_waves", "stale_after", "_oldest_health", "draining")
 
     def __init__(self, *, wave: str | None, stale_after_s: float, election: Election | None = None) -> None:
         self.operator = "active"  # "active" | "standby" (S03)
@@ -48,6 +48,7 @@ class RouterState:
         self.maintenance_waves: set[str] = set()
         self.stale_after = stale_after_s
         self._oldest_health: float | None = None  # None: no engines to watch
+        self.draining = False  # S06: SIGTERM received; never cleared (the process is stopping)
 
     def set_operator(self, state: str) -> None:
         if state not in ("active", "standby"):
@@ -66,6 +67,7 @@ class RouterState:
 
     def reasons(self, now: float) -> list[str]:
         held = {
+            "draining": self.draining,
             "fenced": self.election.fenced(now),
             "standby": self.operator == "standby" or self.election.standby(now),
             "maintenance": self.wave is not None and self.wave in self.maintenance_waves,

@@ -54,6 +54,9 @@ def render_tables_md(spec: Spec) -> str:
     out += ["", "## Leader election (`ha`)", "", "| ID | state | event | next | action |", "|---|---|---|---|---|"]
     for r in spec.rows("leadership"):
         out.append(f"| {r['id']} | {r['state']} | {r['event']} | {r['next']} | {r['action']} |")
+    out += ["", "## Engine lifecycle (fleet membership)", "", "| ID | state | event | next | action |", "|---|---|---|---|---|"]
+    for r in spec.rows("lifecycle"):
+        out.append(f"| {r['id']} | {r['state']} | {r['event']} | {r['next']} | {r['action']} |")
     out += ["", "## Notes", ""]
     for tname, t in spec.tables.items():
         for k, v in t.get("notes", {}).items():

@@ -6,7 +6,7 @@ Beyond the schema, the cross-table invariants checked here are:
   * error codes are unique (a code names one row);
   * every assembly `refusal:` names an existing failure row;
   * every `notes:` key names a row of its table;
-  * the leadership table has exactly one row per (state, event) pair.
+  * the leadership and lifecycle tables have exactly one row per (state, event) pair.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ TABLE_FILES = (
     "dialects.yaml",
     "router_states.yaml",
     "leadership.yaml",
+    "lifecycle.yaml",
 )
 
 # JSON Schemas turned into pydantic models: (schema file, generated module name).
@@ -88,6 +89,22 @@ def load_spec(root: Path) -> Spec:
     return spec
 
 
+def _check_total(spec: Spec, table: str) -> None:
+    """A state machine's table: exactly one row per (state, event) pair."""
+    rel = f"spec/tables/{table}.yaml"
+    pairs: dict[tuple[str, str], str] = {}
+    for r in spec.tables[table]["rows"]:
+        key = (r["state"], r["event"])
+        if key in pairs:
+            raise _fail(rel, f"{r['id']}: ({key[0]}, {key[1]}) already has row {pairs[key]}")
+        pairs[key] = r["id"]
+    states = {s for s, _ in pairs} | {r["next"] for r in spec.tables[table]["rows"]}
+    events = {e for _, e in pairs}
+    missing = sorted((s, e) for s in states for e in events if (s, e) not in pairs)
+    if missing:
+        raise _fail(rel, f"no row for {missing}")
+
+
 def _cross_check(spec: Spec) -> None:
     seen: dict[str, str] = {}
     for tname, table in spec.tables.items():
@@ -113,17 +130,8 @@ def _cross_check(spec: Spec) -> None:
     for r in spec.tables["assembly"]["rows"]:
         if "refusal" in r and r["refusal"] not in failure_ids:
             raise _fail("spec/tables/assembly.yaml", f"{r['id']} refers to unknown failure row {r['refusal']}")
-    pairs: dict[tuple[str, str], str] = {}
-    for r in spec.tables["leadership"]["rows"]:
-        key = (r["state"], r["event"])
-        if key in pairs:
-            raise _fail("spec/tables/leadership.yaml", f"{r['id']}: ({key[0]}, {key[1]}) already has row {pairs[key]}")
-        pairs[key] = r["id"]
-    states = {s for s, _ in pairs}
-    events = {e for _, e in pairs}
-    missing = sorted((s, e) for s in states for e in events if (s, e) not in pairs)
-    if missing:
-        raise _fail("spec/tables/leadership.yaml", f"no row for {missing}")
+    for machine in ("leadership", "lifecycle"):
+        _check_total(spec, machine)
     classes = {k["name"] for k in spec.tables["accounting"]["terminal_classes"]}
     for tname in ("refusals", "failures"):
         for r in spec.tables[tname]["rows"]:

@@ -219,6 +219,7 @@ _FIELD_TYPES: dict[str, dict[str, str]] = {
     },
     "router_states": {"id": "str", "state": "str", "ready": "bool", "set_by": "str", "quote": "str"},
     "leadership": {"id": "str", "state": "str", "event": "str", "next": "str", "action": "str", "quote": "str"},
+    "lifecycle": {"id": "str", "state": "str", "event": "str", "next": "str", "action": "str", "quote": "str"},
 }
 
 
@@ -277,6 +278,21 @@ def _leadership(spec: Spec) -> str:
     )
 
 
+def _lifecycle(spec: Spec) -> str:
+    text, _ = _row_module(
+        spec, "lifecycle", "Transition",
+        "Engine lifecycle (fleet membership): one row per (state, event); TRANSITIONS is the\n"
+        "lookup narwhal/core/lifecycle.py applies, a missing pair is a bug.",
+        list(_FIELD_TYPES["lifecycle"]), ["TRANSITIONS", "STATES", "EVENTS", "ACTIONS"],
+    )
+    return text + (
+        "TRANSITIONS: dict[tuple[str, str], Transition] = {(r.state, r.event): r for r in ROWS}\n"
+        "STATES: tuple[str, ...] = tuple(dict.fromkeys(r.state for r in ROWS))\n"
+        "EVENTS: tuple[str, ...] = tuple(dict.fromkeys(r.event for r in ROWS))\n"
+        "ACTIONS: tuple[str, ...] = tuple(sorted({r.action for r in ROWS}))\n"
+    )
+
+
 def _accounting(spec: Spec) -> str:
     t = spec.tables["accounting"]
     counters = {c["name"]: c["metric"] for c in t["counters"]}
@@ -304,5 +320,6 @@ def render_modules(spec: Spec) -> dict[str, str]:
         "dialects.py": _dialects(spec),
         "router_states.py": _states(spec),
         "leadership.py": _leadership(spec),
+        "lifecycle.py": _lifecycle(spec),
         "accounting.py": _accounting(spec),
     }

@@ -3,11 +3,11 @@ authority and every data-plane worker), and the engine client built for it."""
 
 from __future__ import annotations
 
-from narwhal_generated.models.config import NarwhalConfig
+from narwhal_generated.models.config import Engine, NarwhalConfig
 
 from .client import EngineClient, split_userinfo
 
-__all__ = ["EngineSpec", "config_engines", "engine_client"]
+__all__ = ["EngineSpec", "config_engines", "engine_spec", "engine_client"]
 
 
 class EngineSpec:
@@ -48,9 +48,14 @@ class EngineSpec:
                    kv_block_size=int(d.get("kv_block_size") or 16))  # type: ignore[call-overload]
 
 
+def engine_spec(e: Engine) -> EngineSpec:
+    """One validated engines[] entry as the router keeps it."""
+    return EngineSpec(e.name, e.url, e.role, e.dialect, e.wave, e.model, max_concurrency=e.max_concurrency,
+                      kv_events=e.kv_events.root if e.kv_events is not None else None, kv_block_size=e.kv_block_size)
+
+
 def config_engines(config: NarwhalConfig) -> list[EngineSpec]:
-    return [EngineSpec(e.name, e.url, e.role, e.dialect, e.wave, e.model, max_concurrency=e.max_concurrency,
-                       kv_events=e.kv_events.root if e.kv_events is not None else None, kv_block_size=e.kv_block_size) for e in config.engines or ()]
+    return [engine_spec(e) for e in config.engines or ()]
 
 
 def engine_client(config: NarwhalConfig, engines: list[EngineSpec]) -> EngineClient:

@@ -33,6 +33,8 @@ LAYERS = {
     "narwhal/worker": {"narwhal.authority", "narwhal.http", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.core.prediction", "narwhal.mock", *ABOVE, *TOOLS},
     # the ASGI shell: over the data plane only
     "narwhal/http": {"narwhal.authority", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.mock", *ABOVE, *TOOLS},
+    # fleet sources: emit what they read; the authority applies it (never the other way)
+    "narwhal/fleet": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/mock": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", *ABOVE, *TOOLS},
     "narwhal/specgen": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/ipc.py": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
