@@ -75,7 +75,7 @@ M06 = Transition(
     quote='A joining engine has no drain timer.',
 )
 
-# M07: update vs replace: the same name with the same url, role, dialect and model is an update (wave, max_concurrency, kv_events, kv_block_size change in place; slots already held stay held); any of those four changed is a replace: the old engine leaves (M16) and the new one joins when the old one is gone.
+# M07: update vs replace: the same name with the same url, role, dialect, model and kv_events is an update (wave, max_concurrency and kv_block_size change in place; slots already held stay held); any of those five changed is a replace: the old engine leaves (M16) and the new one joins when the old one is gone. To replace an engine without a gap in its capacity, add the new one under a new name and then remove the old (pod names do this by themselves).
 M07 = Transition(
     id='M07',
     state='joining',
@@ -285,12 +285,12 @@ M29 = Transition(
     quote='running requests finish within discovery.drain_timeout_ms',
 )
 
-# M30: cut: every request holding a slot on the engine is cancelled by its data plane: class failed, and a stream that has sent response headers ends with an error event (E06, engine unreachable: the engine left the fleet); then release (M04).
+# M30: cut: every data plane aborts its connections to the engine, so each request on it fails its attempt with E06 (engine unreachable: it left the fleet): before response headers a decode attempt is retried on another engine (T05), after them the stream ends with an error event, class failed. The engine is released (M29) once the last of them has closed; their leases close within one turn of their data plane's loop, or with their worker (a dead worker's requests end as failed).
 M30 = Transition(
     id='M30',
     state='draining',
     event='drain_timeout',
-    next='gone',
+    next='draining',
     action='cut',
     quote='then are cancelled in the failed class',
 )

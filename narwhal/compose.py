@@ -24,7 +24,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
-from .config import EMBEDDED_FLEET, NarwhalConfig
+from .config import EMBEDDED_FLEET, NarwhalConfig, has_discovery
 from .core.clock import Clock
 from .http.app import create_app
 from .http.server import free_port, raise_nofile, serving_config, settle_heap
@@ -124,7 +124,7 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, shutdown_tr
         shutdown_trigger = stop.wait
     n = worker_count(config)
     async with contextlib.AsyncExitStack() as stack:
-        if config.engines is None:
+        if config.engines is None and not has_discovery(config):
             engines = await stack.enter_async_context(embedded_fleet(config))
         else:
             engines = config_engines(config)

@@ -79,7 +79,6 @@ class Supervisor:
         self.stopping = False
         self._watchers: list[asyncio.Task[None]] = []
         self._hello_config = config.model_dump(mode="json", by_alias=True)
-        self._hello_engines = [e.as_dict() for e in engines]
         controls.control.on_facts(self._facts)
 
     def _facts(self, engine: str, facts: list[Any]) -> None:
@@ -126,7 +125,8 @@ class Supervisor:
         self.ups[i] = asyncio.Event()
         self.sessions[i] = session
         self.procs[i] = proc
-        session.send(ipc.Hello(i, self._hello_config, self._hello_engines))
+        # the fleet as it is now (it changes at run time: later changes follow as Facts)
+        session.send(ipc.Hello(i, self._hello_config, [s.as_dict() for s in self.controls.control.specs.values()]))
         self._watchers.append(asyncio.create_task(self._watch(i, proc, session), name=f"narwhal-worker-{i}"))
 
     async def _watch(self, i: int, proc: asyncio.subprocess.Process, session: WorkerSession) -> None:

@@ -38,12 +38,13 @@ __all__ = ["Authority"]
 log = logging.getLogger("narwhal")
 
 
-def _prefix_indexes(mode: str, tokens: int, engines: list[EngineSpec]) -> dict[str, PrefixIndex]:
-    """admission.prediction.prefix_cache: one index per phase-1 engine it covers."""
+def _prefix_indexes(mode: str, tokens: int, engines: list[EngineSpec], *, share: int = 0) -> dict[str, PrefixIndex]:
+    """admission.prediction.prefix_cache: one index per phase-1 engine it covers, each
+    MAX_BLOCKS over the engines covered (`share`: that many, for one joining engine)."""
     if mode == "off":
         return {}
     covered = [s for s in engines if s.role in PHASE1_ROLES and (mode != "events" or s.kv_events)]
-    per = MAX_BLOCKS // max(1, len(covered))
+    per = MAX_BLOCKS // max(1, share or len(covered))
     out = {}
     for s in covered:
         if s.kv_events and mode in ("auto", "events"):  # exact: the engine's own events (kvevents.py)
@@ -67,17 +68,9 @@ class Authority:
         self.state = RouterState(wave=config.serving.wave, stale_after_s=m.stale_after_ms / 1000.0)
         self.specs = {s.name: s for s in engines}
         self.engines: dict[str, EngineState] = {}
-        for s in engines:
-            self.engines[s.name] = EngineState(
-                s.name, s.url, role=s.role, dialect=s.dialect, wave=s.wave, model=s.model,
-                # engines[].max_concurrency caps both phases' slots: a unified request holds
-                # its decode slot from dispatch to its end, so decode slots in use are
-                # exactly the requests in flight at that engine
-                prefill_slots=_cap(a.phase_concurrency.prefill, s.max_concurrency),
-                decode_slots=_cap(a.phase_concurrency.decode, s.max_concurrency),
-                max_concurrency=s.max_concurrency,
-                breaker=Breaker(m.breaker_failures, m.breaker_cooldown_ms / 1000.0),
-            )
+        for s in engines:  # engines[] at start begin active (lifecycle.yaml M01 note)
+            self.engines[s.name] = self.engine_state(s, lifecycle="active", source="config")
+        self.leaving: set[str] = set()  # engines in lifecycle draining (membership.py)
         p = a.prediction
         self.scheduler = Scheduler(
             self.engines.values(),
@@ -89,6 +82,7 @@ class Authority:
             tpot_budget_ms=p.tpot_budget_ms,
             prefix=_prefix_indexes(p.prefix_cache, p.prefix_cache_tokens, engines),
         )
+        self._prefix_covered = len(self.scheduler.prefix)
         # the learned bytes-per-token estimate (an exact count, when the data plane has
         # one, comes with the request: Order.exact_prompt_tokens)
         self.sizer = PromptSizer()
@@ -105,6 +99,36 @@ class Authority:
         self.started_at = self.clock.now()
         self.took_over_at: float | None = None  # the last take-over as elected leader (load.py)
         self.health_observed()
+
+    def engine_state(self, s: EngineSpec, *, lifecycle: str, source: str) -> EngineState:
+        """The router's state of one engine as it registers (at start, or joining)."""
+        a, m = self.config.admission, self.config.monitoring
+        return EngineState(
+            s.name, s.url, role=s.role, dialect=s.dialect, wave=s.wave, model=s.model,
+            # engines[].max_concurrency caps both phases' slots: a unified request holds
+            # its decode slot from dispatch to its end, so decode slots in use are
+            # exactly the requests in flight at that engine
+            prefill_slots=_cap(a.phase_concurrency.prefill, s.max_concurrency),
+            decode_slots=_cap(a.phase_concurrency.decode, s.max_concurrency),
+            max_concurrency=s.max_concurrency,
+            breaker=Breaker(m.breaker_failures, m.breaker_cooldown_ms / 1000.0),
+            lifecycle=lifecycle, now=self.clock.now(), source=source,
+        )
+
+    def prefix_index(self, s: EngineSpec) -> PrefixIndex | None:
+        """A joining engine's prefix index (admission.prediction.prefix_cache), sized as
+        one more engine's share of the fleet's bound at its join."""
+        p = self.config.admission.prediction
+        self._prefix_covered += 1
+        return _prefix_indexes(p.prefix_cache, p.prefix_cache_tokens, [s], share=self._prefix_covered).get(s.name)
+
+    # -- hooks the control plane fills (membership.py) ---------------------------------
+
+    def observed(self, e: EngineState) -> None:
+        """A health poll or a profile's outcome about `e` (lifecycle M01)."""
+
+    def released(self) -> None:
+        """A lease closed while an engine is leaving (lifecycle M29)."""
 
     def health_observed(self) -> None:
         """Tell the router state the age of the oldest engine's newest observation."""
@@ -233,5 +257,7 @@ class Authority:
         self.reconcile()
 
     def set_draining(self, name: str, on: bool) -> None:
+        """POST /admin/engines/{name}/drain (the control plane runs it through the
+        lifecycle table: membership.py)."""
         self.engines[name].draining = on
         self.reconcile()

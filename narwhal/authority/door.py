@@ -135,6 +135,8 @@ class LocalLease:
         elif o.ok_engine is not None:
             a.engine_ok(o.ok_engine)
         a.wake(a.scheduler.finish(self.t, o.at))
+        if a.leaving:  # lifecycle M29: the last lease on a leaving engine releases it
+            a.released()
 
 
 class LocalEntry:

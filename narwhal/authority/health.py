@@ -18,7 +18,7 @@ from ..upstream.client import UpstreamError
 from . import load, profiler
 from .authority import Authority
 
-__all__ = ["monitor", "poll_once"]
+__all__ = ["monitor", "poll_once", "poll_one"]
 
 log = logging.getLogger("narwhal")
 
@@ -57,6 +57,17 @@ async def _poll(a: Authority, e: EngineState) -> None:
         e.breaker.failure(now)
     if was != e.eligible(a.state.maintenance_waves):
         a.reconcile()
+    if e.lifecycle.state == "joining":
+        a.observed(e)  # lifecycle M01
+
+
+async def poll_one(a: Authority, e: EngineState) -> None:
+    """A joining engine's first poll, at once rather than at the next round."""
+    try:
+        await _poll(a, e)
+    except Exception:  # a bug must not stop the join; the next round polls it again
+        log.exception("health poll of %s failed", e.name)
+    a.health_observed()
 
 
 async def poll_once(a: Authority) -> None:

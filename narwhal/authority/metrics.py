@@ -20,6 +20,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from narwhal_generated import accounting as A
+from narwhal_generated import lifecycle as M
+from narwhal_generated import router_states as S
 
 __all__ = ["render", "PROFILE_STATUSES", "Family"]
 
@@ -59,7 +61,7 @@ class _StateCollector(Collector):
         q.add_metric(["decode"], s["decode_queued"])
         yield q
         ready = GaugeMetricFamily("narwhal_router_state", "1 for the router's current state.", labels=["state"])
-        for st in ("active", "standby", "fenced", "maintenance", "monitoring_degraded"):
+        for st in ("active", *S.NOT_READY_PRECEDENCE):
             ready.add_metric([st], 1.0 if s["state"] == st else 0.0)
         yield ready
         inflight = GaugeMetricFamily("narwhal_engine_inflight", "Requests holding a phase slot, per engine and phase.", labels=["engine", "phase"])
@@ -71,8 +73,20 @@ class _StateCollector(Collector):
         tpot = GaugeMetricFamily("narwhal_engine_profile_tpot_seconds", "Profiled TPOT at batch 1 (with decode correction).", labels=["engine"])
         pblocks = GaugeMetricFamily("narwhal_prefix_index_blocks", "Prompt blocks the router believes the engine holds in its prefix cache (core/prefix.py).", labels=["engine"])
         pcap = GaugeMetricFamily("narwhal_prefix_index_capacity_blocks", "The prefix index's size limit for the engine, in blocks (follows the engine's reports).", labels=["engine"])
+        fleet = s["fleet"]
+        ch = CounterMetricFamily("narwhal_fleet_changes", "Fleet membership changes by kind (spec/tables/lifecycle.yaml): join, ready (joined), update, replace, leave, cut (drain timeout), gone.", labels=["change"])
+        for k in ("join", "ready", "update", "leave", "cut", "gone"):
+            ch.add_metric([k], fleet["changes"].get(k, 0))
+        yield ch
+        se = CounterMetricFamily("narwhal_fleet_source_errors", "Reads of a fleet source (discovery file, etcd) that changed nothing because they could not be read or validated.", labels=["source"])
+        for src, n in sorted(fleet["source_errors"].items()):
+            se.add_metric([src], n)
+        yield se
+        life = GaugeMetricFamily("narwhal_engine_lifecycle", "1 for the engine's lifecycle state (spec/tables/lifecycle.yaml).", labels=["engine", "state"])
         prof = GaugeMetricFamily("narwhal_engine_profile_status", "1 for the engine's profile status (failed: predictive admission uses default models for it).", labels=["engine", "status"])
         for e in s["engines"]:
+            for st in M.STATES[:-1]:  # gone engines are not listed
+                life.add_metric([e["name"], st], 1.0 if e["lifecycle"]["state"] == st else 0.0)
             for st in PROFILE_STATUSES:
                 prof.add_metric([e["name"], st], 1.0 if e["profile"]["status"] == st else 0.0)
             inflight.add_metric([e["name"], "prefill"], e["load"]["prefill_in_use"])
@@ -87,7 +101,7 @@ class _StateCollector(Collector):
             if e.get("prefix_cache") is not None:
                 pblocks.add_metric([e["name"]], e["prefix_cache"]["blocks"])
                 pcap.add_metric([e["name"]], e["prefix_cache"]["capacity_blocks"])
-        yield from (inflight, queued, healthy, eligible, breaker, drift, tpot, prof, pblocks, pcap)
+        yield from (inflight, queued, healthy, eligible, breaker, drift, tpot, prof, pblocks, pcap, life)
 
 
 class _Merged(Collector):

@@ -216,6 +216,7 @@ def _outcome(a: Authority, e: EngineState, ok: bool, reason: str | None, detail:
     e.profile_status = "ok" if ok else "failed"
     e.profile_error = None if ok else reason
     e.profile_reported = e.profile_status
+    a.observed(e)  # lifecycle M01: a joining engine's profile has its outcome
     if ok:
         e.profile_failures = 0
         if before == "failed":

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..upstream.engines import EngineSpec
 from . import metrics, views
 from .control import ControlPlane
 from .door import LocalDoor
@@ -61,6 +62,21 @@ class LocalControls:
 
     async def drain(self, engine: str, on: bool) -> None:
         self.control.set_draining(engine, on)
+
+    async def put_engine(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """PUT /admin/engines/{name}: `entry` validated by the caller (config.parse_engines)."""
+        c = self.control
+        spec = EngineSpec.from_dict(entry)
+        what = c.membership.put(spec, source="admin")
+        e = c.engines.get(spec.name)
+        return {"engine": spec.name, "change": what, "lifecycle": e.lifecycle.state if e is not None else "gone"}
+
+    async def delete_engine(self, name: str) -> dict[str, Any]:
+        """DELETE /admin/engines/{name}: drain it, then remove it (lifecycle M04, M12)."""
+        c = self.control
+        if name not in c.engines:
+            return {"engine": name, "lifecycle": None}
+        return {"engine": name, "lifecycle": c.membership.remove(name), "drain_timeout_ms": c.config.discovery.drain_timeout_ms}
 
     async def profile(self, engine: str) -> str:
         return self.control.profile(engine)

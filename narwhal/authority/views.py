@@ -31,6 +31,9 @@ def engine_view(a: ControlPlane, e: EngineState) -> dict[str, Any]:
         "eligible": not reasons,
         "ineligible_reasons": reasons,
         "draining": e.draining,
+        "lifecycle": {**e.lifecycle.snapshot(now), "source": e.source,
+                      "leave_in_s": round(max(0.0, e.leave_by - now), 3) if e.leave_by is not None and e.lifecycle.state == "draining" else None,
+                      "rejoins_after": e.pending is not None},
         "circuit_breaker": e.breaker.snapshot(),
         "last_health_age_ms": None if e.last_observed is None else round((now - e.last_observed) * 1000.0, 1),
         "last_error": e.last_error,
@@ -72,6 +75,7 @@ def engines(a: ControlPlane, *, sizing: dict[str, Any]) -> dict[str, Any]:
             "books": a.books.snapshot(),
             "held": a.held,
             "ha": _ha(a),
+            "fleet": a.membership.snapshot(),
         },
     }
 
@@ -100,6 +104,7 @@ def ready(a: Authority) -> tuple[int, dict[str, Any]]:
 def state_snapshot(a: ControlPlane) -> dict[str, Any]:
     """What the authority's metrics collector exports."""
     return {
+        "fleet": a.membership.snapshot(),
         "books": a.books.snapshot(),
         "held": a.held,
         "queued": a.scheduler.queued,

@@ -83,9 +83,37 @@ class Scheduler:
         self.queued = 0  # phase-1 waiters over all engines
         self.pd_pending = 0  # P/D tickets past prefill dispatch and not on a decode slot
         self._next_id = 0
+        self._phase1: list[EngineState] = []
+        self._decoders: list[EngineState] = []
+        self._prefillers: list[EngineState] = []
+        self._roles()
+
+    # -- membership (spec/tables/lifecycle.yaml) ----------------------------------------
+
+    def _roles(self) -> None:
         self._phase1 = [e for e in self.engines.values() if e.role in PHASE1_ROLES]
         self._decoders = [e for e in self.engines.values() if e.role == "decode"]
         self._prefillers = [e for e in self._phase1 if e.role == "prefill"]
+
+    def add(self, e: EngineState, index: PrefixIndex | None = None) -> None:
+        """A new engine (lifecycle joining: not placeable until M01)."""
+        if e.name in self.engines:
+            raise ValueError(f"engine {e.name!r} is already in the scheduler")
+        self.engines[e.name] = e
+        if index is not None:
+            self.prefix[e.name] = index
+        self._roles()
+
+    def remove(self, name: str) -> EngineState:
+        """Release an engine (M04, M29): it must hold nothing (no slot, no queue), so no
+        ticket names it any more but in `excluded` sets, where a name is harmless."""
+        e = self.engines[name]
+        if not e.holds_nothing():
+            raise ValueError(f"engine {name!r} still holds requests")
+        del self.engines[name]
+        self.prefix.pop(name, None)
+        self._roles()
+        return e
 
     # -- views -----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The router's view of each engine: eligibility, slots, queues and what it has learned.
 
-Eligible (R09 note) = healthy, not draining, its wave not in maintenance, circuit breaker
+Eligible (R09 note) = healthy, lifecycle active (spec/tables/lifecycle.yaml: not joining,
+not drained by the operator, not leaving), its wave not in maintenance, circuit breaker
 closed, role fits the phase. `ineligible_reasons` names every reason that holds, for
-/v1/engines.
+/v1/engines: `joining`, `draining` (the operator's drain, or leaving the fleet).
 
 Circuit breaker: `breaker_failures` consecutive failures (health polls or requests) open
 it; it stays open for `breaker_cooldown` seconds and closes on the first successful health
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from .lifecycle import Lifecycle
 from .prediction import DecodeModel, LinearModel, PrefillModel
 from .tickets import Ticket
 
@@ -73,6 +75,9 @@ class EngineState:
         decode_slots: int = 64,
         breaker: Breaker | None = None,
         max_concurrency: int | None = None,
+        lifecycle: str = "active",
+        now: float = 0.0,
+        source: str = "config",
     ) -> None:
         self.name, self.url, self.role, self.dialect = name, url, role, dialect
         self.wave, self.model = wave, model
@@ -80,7 +85,13 @@ class EngineState:
         self.healthy = True
         self.last_observed: float | None = None
         self.last_error: str | None = None
-        self.draining = False
+        # spec/tables/lifecycle.yaml; `draining` mirrors "not placeable" for the
+        # scheduler's hot loop (membership.py keeps the two in step)
+        self.lifecycle = Lifecycle(lifecycle, now)
+        self.draining = not self.lifecycle.placeable
+        self.source = source  # who named it: config, admin, file, etcd
+        self.pending: object | None = None  # M31: the spec that joins once this one is gone
+        self.leave_by: float | None = None  # M12: the drain timer's deadline
         self.breaker = breaker or Breaker()
         # slots and queues
         self.prefill_slots, self.decode_slots = prefill_slots, decode_slots
@@ -117,7 +128,7 @@ class EngineState:
         if not self.healthy:
             out.append("unhealthy")
         if self.draining:
-            out.append("draining")
+            out.append("joining" if self.lifecycle.state == "joining" else "draining")
         if self.wave is not None and self.wave in maintenance_waves:
             out.append("wave_maintenance")
         if self.breaker.open:
@@ -133,6 +144,10 @@ class EngineState:
         )
 
     # -- capacity ------------------------------------------------------------------------
+
+    def holds_nothing(self) -> bool:
+        """No request holds a slot or waits in a queue here (lifecycle idle, M29)."""
+        return not (self.prefill_in_use or self.decode_in_use or self.queue or self.inflight_prefill)
 
     def phase1_free(self) -> bool:
         """A phase-1 slot: prefill for a prefill engine; prefill and decode for a unified one."""

@@ -1,8 +1,13 @@
 """The admin API under /admin/ (bearer token from the variable admin.token_env names,
 compared in constant time; with no token configured the routes answer 404, H01).
 
-Requests are checked here (H03-H05: engine and wave names are the configuration's); the
-operation itself is the authority's (`plane.controls`), whichever worker took the call."""
+Requests are checked here (H03-H05: engine and wave names are the fleet's; an engine
+entry is validated by the configuration's own schema and checks); the operation itself
+is the authority's (`plane.controls`), whichever worker took the call.
+
+PUT /admin/engines/{name} (one engines[] entry; `name` may be left out, else it must be
+the path's) adds an engine or updates or replaces one; DELETE drains it and removes it
+(spec/tables/lifecycle.yaml). Both answer what was done and the engine's lifecycle."""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from starlette.routing import Route
 
 from narwhal_generated import errors as E
 
+from ..config import ConfigError, parse_engines
+from ..upstream.engines import engine_spec
 from ..worker.plane import DataPlane
 from .errors import row_response
 
@@ -34,7 +41,9 @@ def _ok(**extra: Any) -> Response:
 
 def admin_routes(plane: DataPlane) -> list[Route]:
     controls = plane.controls
-    known_waves = {e.wave for e in plane.engines.values()} | {plane.config.serving.wave}
+
+    def known_waves() -> set[str | None]:  # the fleet changes at run time
+        return {e.wave for e in plane.engines.values()} | {plane.config.serving.wave}
 
     async def guard(request: Request) -> Response | None:
         want = admin_token(plane)
@@ -78,7 +87,7 @@ def admin_routes(plane: DataPlane) -> list[Route]:
         v = await body(request, "maintenance", bool)
         if isinstance(v, Response):
             return v
-        if name not in known_waves:
+        if name not in known_waves():
             return row_response(E.H05, param="wave", detail=f"no engine and not this router is in wave {name!r}")
         await controls.set_wave(name, v)
         return _ok(wave=name, maintenance=v)
@@ -103,7 +112,42 @@ def admin_routes(plane: DataPlane) -> list[Route]:
             return row_response(E.H05, param="name", detail=f"no engine named {request.path_params['name']!r}")
         return _ok(engine=e.name, profile=await controls.profile(e.name))
 
+    async def put_engine(request: Request) -> Response:
+        if (g := await guard(request)) is not None:
+            return g
+        name = request.path_params["name"]
+        raw = await request.body()
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return row_response(E.H04, param=None, detail="the body is not valid JSON")
+        if not isinstance(obj, dict):
+            return row_response(E.H04, param=None, detail="the body must be one engines[] entry (an object)")
+        if obj.setdefault("name", name) != name:
+            return row_response(E.H04, param="name", detail=f"the body's name {obj['name']!r} is not the path's {name!r}")
+        try:
+            (entry,) = parse_engines([obj], source=f"PUT /admin/engines/{name}", key="engine")
+        except ConfigError as x:
+            # "engine[0].role: ..." -> param "role": the field, as the other admin rows name it
+            msg = str(x).split(": ", 1)[-1]
+            field = msg.split(":", 1)[0].removeprefix("engine[0]").lstrip(".") or None
+            return row_response(E.H04, param=field, detail=msg.replace("engine[0].", ""))
+        return _ok(**await controls.put_engine(engine_spec(entry).as_dict()))
+
+    async def delete_engine(request: Request) -> Response:
+        if (g := await guard(request)) is not None:
+            return g
+        name = request.path_params["name"]
+        if name not in plane.engines:
+            return row_response(E.H05, param="name", detail=f"no engine named {name!r}")
+        got = await controls.delete_engine(name)
+        if got.get("lifecycle") is None:
+            return row_response(E.H05, param="name", detail=f"no engine named {name!r}")
+        return _ok(**got)
+
     return [
+        Route("/admin/engines/{name}", put_engine, methods=["PUT"]),
+        Route("/admin/engines/{name}", delete_engine, methods=["DELETE"]),
         Route("/admin/state", set_state, methods=["POST"]),
         Route("/admin/waves/{wave}/maintenance", wave, methods=["POST"]),
         Route("/admin/engines/{name}/drain", drain, methods=["POST"]),

@@ -30,6 +30,7 @@ import orjson
 
 from .http1 import (
     BodyTooLarge,
+    ConnectionFailed,
     ConnectTimeout,
     H1Error,
     H1Pool,
@@ -96,6 +97,11 @@ class Upstream:
         except H1Error as e:
             raise _map(e) from None
 
+    def cut(self, detail: str) -> None:
+        """The router ends this exchange now (the engine left the fleet): the reader gets
+        E06 with `detail` (words for a client)."""
+        self._resp._conn.fail(ConnectionFailed(detail, detail))
+
     async def aclose(self, *, complete: bool = False) -> None:
         """complete: the response ended logically (data: [DONE] seen): keep the connection."""
         self._resp.close(complete=complete)
@@ -140,6 +146,10 @@ class EngineClient:
             return up.status, body
         finally:
             await up.aclose()
+
+    def forget(self, url: str) -> None:
+        """The engine at url left the fleet: its idle connections and credentials go."""
+        self._pool.forget(url)
 
     def stats(self) -> dict[str, Any]:
         return self._pool.stats()

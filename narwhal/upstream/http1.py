@@ -342,6 +342,14 @@ class _Conn(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def fail(self, error: H1Error) -> None:
+        """End the exchange now with `error` (the router cut it): the reader wakes and
+        raises it, the connection is aborted (the engine sees the request end)."""
+        if self._error is None:
+            self._error = error
+        self._abort()
+        self._wake()
+
     def _abort(self) -> None:
         self.closed = True
         self.keep_alive = False
@@ -542,6 +550,13 @@ class H1Pool:
                 raise
             return H1Response(self, conn)
         raise ConnectionFailed("unreachable")  # pragma: no cover
+
+    def forget(self, url: str) -> None:
+        """An engine left the fleet: close its idle connections, drop its credentials."""
+        key = self._key(urlsplit(url))
+        for c in self._idle.pop(key, ()):
+            c._abort()
+        self._auth.pop(key, None)
 
     def close(self) -> None:
         for q in self._idle.values():

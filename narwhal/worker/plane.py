@@ -3,7 +3,11 @@
 It holds no fleet truth: engines are their static specs (name, URL, role, dialect,
 model), admission is the `door` (narwhal/core/lease.py), and the only things learned here
 are this plane's own request histograms and how to count a prompt on an engine that can
-(facts the authority finds while profiling, sent here).
+(facts the authority finds while profiling, sent here). The fleet itself changes by facts
+too (spec/tables/lifecycle.yaml, narwhal/authority/membership.py): ["spec", entry] (an
+engine joins or changes settings; it arrives before any grant names it), ["gone"] (it
+left: its pooled connections go), ["cut"] (it is leaving past its drain timeout: every
+exchange with it ends now, E06).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class DataPlane:
         self.clock = clock or MonotonicClock()
         self.worker = worker  # the `worker` label of this plane's metrics
         self.engines: dict[str, EngineSpec] = {s.name: s for s in engines}
+        # the open exchanges with each engine (worker/request.py registers each leg), so
+        # that a cut (lifecycle M30) reaches them; a request's leg costs one add/discard
+        self.legs: dict[str, set[Any]] = {}
         self.door = door
         # the operations and read models of the authority (admin API, /v1/engines, /ready,
         # /metrics): narwhal.authority.service.Controls in process, or its IPC proxy
@@ -54,12 +61,18 @@ class DataPlane:
         # operator's deny-list (the other router-only fields go in parse_request)
         self.deny_fields = frozenset(config.upstream.deny_fields)
         self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
+        self.prompt_counters: dict[str, PromptCounter] = {}
+        self._fleet_views()
+        self.telemetry = Telemetry()
+
+    def _fleet_views(self) -> None:
+        """What this plane derives from the fleet's specs; again after every change."""
+        engines = list(self.engines.values())
         # host names of the fleet: an engine's own error message passed on to a client
         # names none of them (narwhal/core/relay.py, engine_message)
         self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))
-        self.prompt_counters: dict[str, PromptCounter] = {}
         # admission.prediction.prefix_cache: requests carry their prefix blocks (core/prefix.py)
-        mode = config.admission.prediction.prefix_cache
+        mode = self.config.admission.prediction.prefix_cache
         # text keys only where some engine gets an approximate index (authority.py
         # _prefix_indexes): with events everywhere they would be computed for nothing
         phase1 = [s for s in engines if s.role != "decode"]
@@ -70,13 +83,35 @@ class DataPlane:
         kv = [s for s in engines if s.kv_events and s.role != "decode"] if mode in ("auto", "events") else []
         self.kv_tokenizer: EngineSpec | None = kv[0] if kv else None
         self._tokenizers = itertools.cycle(kv) if kv else None
-        self.telemetry = Telemetry()
 
     def model_of(self, name: str) -> str:
         return self.engines[name].model or self.config.serving.model
 
     def learn_facts(self, engine: str, facts: list[Any]) -> None:
-        """The authority found something about `engine` (Authority.all_facts)."""
+        """The authority found something about `engine` (Authority.all_facts), or the
+        fleet changed (module docstring)."""
+        if facts and facts[0] == "spec":
+            s = EngineSpec.from_dict(facts[1])
+            if s.authorization is not None:
+                self.client.authorize(s.url, s.authorization)
+            old = self.engines.get(engine)
+            if old is not None:  # settings changed in place (lifecycle M07): keep what was learned
+                s.kv_block_size = old.kv_block_size if old.kv_events == s.kv_events else s.kv_block_size
+            self.engines[engine] = s
+            self._fleet_views()
+            return
+        if facts and facts[0] == "cut":
+            for leg in list(self.legs.get(engine, ())):
+                leg.cut(f"engine {engine} left the fleet (discovery.drain_timeout_ms)")
+            return
+        if facts and facts[0] == "gone":
+            s = self.engines.pop(engine, None)
+            self.prompt_counters.pop(engine, None)
+            self.legs.pop(engine, None)
+            if s is not None and not any(o.url.split("/")[2] == s.url.split("/")[2] for o in self.engines.values()):
+                self.client.forget(s.url)
+            self._fleet_views()
+            return
         s = self.engines.get(engine)
         if s is None or not facts:
             return

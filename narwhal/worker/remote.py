@@ -298,3 +298,9 @@ class RemoteControls:
 
     async def profile(self, engine: str) -> str:
         return str(await self.link.call("profile", engine))
+
+    async def put_engine(self, entry: dict[str, Any]) -> dict[str, Any]:
+        return dict(await self.link.call("put_engine", entry))
+
+    async def delete_engine(self, name: str) -> dict[str, Any]:
+        return dict(await self.link.call("delete_engine", name))

@@ -177,9 +177,17 @@ class _Run:
         """The prefill leg of the vLLM two-phase protocol; returns kv_transfer_params."""
         body = prefill_body(self.body, route=self.req.route, model=e.model)
         ok = False
+        r = self.r
         try:
             try:
-                status, raw = await self.r.client.post_json(e.url + _ROUTE_PATH[self.req.route], body, headers=self.headers)
+                up = await r.client.open("POST", e.url + _ROUTE_PATH[self.req.route], body=orjson.dumps(body), headers=self.headers)
+                legs = r.legs.setdefault(e.name, set())  # a cut (lifecycle M30) reaches this leg
+                legs.add(up)
+                try:
+                    status, raw = up.status, await up.read(r.client.max_body_bytes)
+                finally:
+                    legs.discard(up)
+                    await up.aclose()
             except UpstreamError as x:
                 raise self._upstream(x, e, "prefill engine") from None
             if status >= 400:
@@ -231,6 +239,8 @@ class _Run:
         sink = self.sink
         buffered: list[bytes] = []
         complete = False
+        legs = r.legs.setdefault(e.name, set())  # a cut (lifecycle M30) reaches this leg
+        legs.add(up)
         try:
             if up.status >= 400:
                 raw = await up.read(min(1 << 20, r.client.max_body_bytes))
@@ -268,6 +278,7 @@ class _Run:
         except UpstreamError as x:
             raise self._upstream(x, e) from None
         finally:
+            legs.discard(up)
             await up.aclose(complete=complete)
         now = r.clock.now()
         if relay.engine_error is not None:

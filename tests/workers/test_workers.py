@@ -455,6 +455,7 @@ def _authority_view(e: dict[str, Any]) -> dict[str, Any]:
     data = [{k: v for k, v in x.items() if k != "last_health_age_ms"} for x in e["data"]]
     for x in data:
         x["load"] = {k: v for k, v in x["load"].items() if k != "backlog_ms"}
+        x["lifecycle"] = {k: v for k, v in x["lifecycle"].items() if k != "since_s"}
     return {"router": e["router"], "data": data}
 
 
