@@ -563,9 +563,26 @@ H10 = ErrorRow(
     quote='Every client and every engine may be slow, silent, huge or hostile. Every buffer, wait and count has a bound with a default a public deployment can live with.',
 )
 
+# H11: POST /admin/config/reload (and SIGHUP, which logs it): the file named by narwhal serve --config could not be read or does not validate; the message names the key. Nothing changed.
+H11 = ErrorRow(
+    id='H11',
+    order=None,
+    when='configuration_invalid',
+    status=400,
+    type='invalid_request_error',
+    code='invalid_configuration',
+    param=None,
+    retry_after=None,
+    counter='none',
+    unsized=False,
+    retryable=False,
+    message='The configuration was not reloaded; nothing changed: {detail}',
+    quote='the whole file is validated first (an invalid one changes nothing and answers with the errors)',
+)
+
 REFUSALS: tuple[ErrorRow, ...] = (R01, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13, R14,)
 FAILURES: tuple[ErrorRow, ...] = (E01, E02, E03, E04, E05, E06, E07,)
-HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06, H07, H08, H09, H10,)
+HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06, H07, H08, H09, H10, H11,)
 ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}
 BY_WHEN: dict[str, ErrorRow] = {r.when: r for r in ROWS.values()}
 BY_CODE: dict[str, ErrorRow] = {r.code: r for r in ROWS.values()}

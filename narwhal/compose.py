@@ -64,6 +64,7 @@ class Router:
 
         self.controls.scrapers[0] = scrape
         self.control.on_facts(self.plane.learn_facts)
+        self.control.on_config(self.plane.reconfigure)  # a reload reaches the data plane
 
     async def start(self) -> None:
         await self.control.start()

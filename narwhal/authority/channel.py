@@ -30,7 +30,7 @@ __all__ = ["WorkerSession"]
 
 log = logging.getLogger("narwhal")
 
-_OPS = frozenset(("ready", "engines", "metrics", "set_state", "set_wave", "drain", "profile", "put_engine", "delete_engine"))
+_OPS = frozenset(("ready", "engines", "metrics", "set_state", "set_wave", "drain", "profile", "put_engine", "delete_engine", "reload"))
 
 
 class WorkerSession:

@@ -38,6 +38,13 @@ class ControlPlane(Authority):
             subscribe=self._subscribe_kv, unsubscribe=self._unsubscribe_kv, poll=self._poll_now,
         )
         self.sources: dict[str, Source] = configured(self.config)  # narwhal/fleet: name -> run(emit)
+        self._source_tasks: list[asyncio.Task[Any]] = []
+        # the configuration file (narwhal serve --config) and what was loaded from it
+        # (reconfig.py: POST /admin/config/reload, SIGHUP)
+        self.config_path: str | None = None
+        self.config_hash: str | None = None
+        self.config_loaded_at: float | None = None
+        self._config_listeners: list[Any] = []
         if self.config.ha is not None:  # leader election: standby until elected
             self.elector = Elector(self, self.config.ha)
             self.elector.take_over = self.take_over
@@ -61,6 +68,27 @@ class ControlPlane(Authority):
             return
         self.membership.source_ok(item.source)
         self.membership.apply(item.source, item.engines)
+
+    def on_config(self, listener: Any) -> None:
+        """`listener(config)` whenever a reload changes the running configuration."""
+        self._config_listeners.append(listener)
+
+    def tell_config(self, config: Any) -> None:
+        for listener in self._config_listeners:
+            listener(config)
+
+    def restart_sources(self, sources: dict[str, Source]) -> None:
+        """A reload changed discovery: the old sources stop, the new ones start (their
+        first snapshot is diffed against the engines the old ones named)."""
+        for t in self._source_tasks:
+            t.cancel()
+        for gone in set(self.sources) - set(sources):
+            self.membership.apply(gone, ())  # a source no longer configured: its engines leave
+        self.sources = sources
+        self._start_sources()
+
+    def _start_sources(self) -> None:
+        self._source_tasks = [asyncio.create_task(self._run_source(n, run), name=f"narwhal-fleet-{n}") for n, run in self.sources.items()]
 
     def _subscribe_kv(self, e: EngineState, spec: EngineSpec) -> None:
         idx = self.scheduler.prefix.get(e.name)
@@ -102,8 +130,7 @@ class ControlPlane(Authority):
             self.elector.start()
         for name in list(self.scheduler.prefix):
             self._subscribe_kv(self.engines[name], self.specs[name])
-        for sname, run in self.sources.items():
-            self._tasks.append(asyncio.create_task(self._run_source(sname, run), name=f"narwhal-fleet-{sname}"))
+        self._start_sources()
         if self.config.admission.prediction.profile_on_start:
             # profile once the first health poll says which engines answer; an engine that
             # is down now is profiled when a later poll finds it up (profiler.maybe_reprofile)
@@ -127,7 +154,7 @@ class ControlPlane(Authority):
                 await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self.profiling.values(), *self._kv_tasks.values()]
+        tasks = [*self._tasks, *self.profiling.values(), *self._kv_tasks.values(), *self._source_tasks]
         for t in tasks:
             t.cancel()
         for t in tasks:

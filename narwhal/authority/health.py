@@ -77,10 +77,9 @@ async def poll_once(a: Authority) -> None:
 
 
 async def monitor(a: Authority) -> None:
-    interval = a.config.monitoring.poll_interval_ms / 1000.0
     while True:
         try:
             await poll_once(a)
         except Exception:  # a bug must not stop monitoring; staleness would show it
             log.exception("health poll failed")
-        await asyncio.sleep(interval)
+        await asyncio.sleep(a.config.monitoring.poll_interval_ms / 1000.0)  # a reload may change it

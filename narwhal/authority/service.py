@@ -71,6 +71,16 @@ class LocalControls:
         e = c.engines.get(spec.name)
         return {"engine": spec.name, "change": what, "lifecycle": e.lifecycle.state if e is not None else "gone"}
 
+    async def reload(self) -> dict[str, Any]:
+        """POST /admin/config/reload: {"ok": True, ...what changed} or {"ok": False,
+        "row": "H11" | "H05", "detail": ...} (nothing changed)."""
+        from . import reconfig
+
+        try:
+            return {"ok": True, **await reconfig.reload(self.control)}
+        except reconfig.ReloadError as e:
+            return {"ok": False, "row": "H05" if e.missing else "H11", "detail": str(e)}
+
     async def delete_engine(self, name: str) -> dict[str, Any]:
         """DELETE /admin/engines/{name}: drain it, then remove it (lifecycle M04, M12)."""
         c = self.control

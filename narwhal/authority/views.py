@@ -76,6 +76,7 @@ def engines(a: ControlPlane, *, sizing: dict[str, Any]) -> dict[str, Any]:
             "held": a.held,
             "ha": _ha(a),
             "fleet": a.membership.snapshot(),
+            "config": {"path": a.config_path, "sha256": a.config_hash, "loaded_at": a.config_loaded_at},
         },
     }
 

@@ -145,7 +145,16 @@ def admin_routes(plane: DataPlane) -> list[Route]:
             return row_response(E.H05, param="name", detail=f"no engine named {name!r}")
         return _ok(**got)
 
+    async def reload(request: Request) -> Response:
+        if (g := await guard(request)) is not None:
+            return g
+        got = await controls.reload()
+        if not got.pop("ok"):
+            return row_response(E.ROWS[got["row"]], param=None, detail=got["detail"])
+        return _ok(**got)
+
     return [
+        Route("/admin/config/reload", reload, methods=["POST"]),
         Route("/admin/engines/{name}", put_engine, methods=["PUT"]),
         Route("/admin/engines/{name}", delete_engine, methods=["DELETE"]),
         Route("/admin/state", set_state, methods=["POST"]),

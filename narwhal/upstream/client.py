@@ -147,6 +147,13 @@ class EngineClient:
         finally:
             await up.aclose()
 
+    def reconfigure(self, *, connect_timeout_s: float, idle_timeout_s: float, max_body_bytes: int) -> None:
+        """A configuration reload's upstream bounds, for every request from now on."""
+        self.idle_timeout_s = idle_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._pool.connect_timeout = connect_timeout_s
+        self._pool.idle_timeout = idle_timeout_s
+
     def forget(self, url: str) -> None:
         """The engine at url left the fleet: its idle connections and credentials go."""
         self._pool.forget(url)

@@ -84,6 +84,17 @@ class DataPlane:
         self.kv_tokenizer: EngineSpec | None = kv[0] if kv else None
         self._tokenizers = itertools.cycle(kv) if kv else None
 
+    def reconfigure(self, config: NarwhalConfig) -> None:
+        """A configuration reload (narwhal/authority/reconfig.py): admission budgets and
+        upstream bounds apply to every request from now on; requests running keep what
+        they started with where they copied it."""
+        self.config = config
+        u = config.upstream
+        self.client.reconfigure(connect_timeout_s=u.connect_timeout_ms / 1000.0, idle_timeout_s=u.idle_timeout_ms / 1000.0, max_body_bytes=u.max_event_bytes)
+        self.deny_fields = frozenset(u.deny_fields)
+        self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
+        self._fleet_views()
+
     def model_of(self, name: str) -> str:
         return self.engines[name].model or self.config.serving.model
 

@@ -304,3 +304,6 @@ class RemoteControls:
 
     async def delete_engine(self, name: str) -> dict[str, Any]:
         return dict(await self.link.call("delete_engine", name))
+
+    async def reload(self) -> dict[str, Any]:
+        return dict(await self.link.call("reload"))

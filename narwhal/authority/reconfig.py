@@ -1,0 +1,102 @@
+"""Configuration reload (POST /admin/config/reload, SIGHUP): read the file again, validate
+it whole, and change what changes at run time all at once (narwhal/core/reload.py says
+which keys; failures.yaml H11 answers an invalid file, and nothing changes then).
+
+What "at once" means: every change below is made in one turn of the authority's loop (no
+await between the first and the last), so no admission decision sees half of it; the
+data planes get the new configuration in the same turn (in process directly, worker
+processes by one message on the channel their grants use).
+
+`/v1/engines` names the configuration's hash (SHA-256 of the file's bytes as last
+loaded) and when it was loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, load_config, parse_config
+from ..core.reload import plan
+from ..fleet.sources import configured
+from ..upstream.engines import config_engines
+from .control import ControlPlane
+
+__all__ = ["reload", "apply", "loaded", "ReloadError"]
+
+log = logging.getLogger("narwhal")
+
+
+class ReloadError(Exception):
+    """The file could not be read or is invalid (H11); `missing`: no file to read (H05)."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def loaded(control: ControlPlane, raw: bytes | None) -> None:
+    """Record the configuration just loaded (at start, or by a reload)."""
+    control.config_hash = hashlib.sha256(raw).hexdigest() if raw is not None else None
+    control.config_loaded_at = time.time()
+
+
+async def reload(control: ControlPlane) -> dict[str, Any]:
+    """Read control.config_path again and apply it; raises ReloadError."""
+    path = control.config_path
+    if path is None:
+        raise ReloadError("the router was started without --config: there is no file to reload", missing=True)
+    try:
+        raw = await asyncio.to_thread(Path(path).read_bytes)
+        new = load_config(path)
+    except (OSError, ConfigError) as e:
+        msg = str(e) if isinstance(e, ConfigError) else f"{path}: {e.strerror or e}"
+        log.error("configuration reload: %s (nothing changed)", msg)
+        raise ReloadError(msg) from None
+    running = control.config.model_dump(mode="json", by_alias=True)
+    p = plan(running, new.model_dump(mode="json", by_alias=True))
+    try:
+        merged = parse_config(p.merged, source=str(path))
+    except ConfigError as e:  # the running restart-only keys and the new run-time ones disagree
+        log.error("configuration reload: %s (nothing changed)", e)
+        raise ReloadError(str(e)) from None
+    fleet = apply(control, merged, p.changed)
+    loaded(control, raw)
+    if p.restart:
+        log.warning("configuration reload: these keys need a restart and were left as they were: %s", ", ".join(p.restart))
+    log.info("configuration reloaded from %s (sha256 %s): changed %s", path, control.config_hash, ", ".join(p.changed) or "nothing")
+    return {"changed": list(p.changed), "restart_needed": list(p.restart), "fleet": fleet,
+            "config": {"path": str(path), "sha256": control.config_hash, "loaded_at": control.config_loaded_at}}
+
+
+def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str, list[str]] | None:
+    """Make `cfg` the running configuration (no await inside: one turn of the loop)."""
+    c = control
+    c.config = cfg
+    a, m = cfg.admission, cfg.monitoring
+    s = c.scheduler
+    s.mode, s.queue_limit, s.tpot_budget_ms = a.mode, a.queue_limit, a.prediction.tpot_budget_ms
+    for e in c.engines.values():
+        e.prefill_slots = _cap(a.phase_concurrency.prefill, e.max_concurrency)
+        e.decode_slots = _cap(a.phase_concurrency.decode, e.max_concurrency)
+        e.breaker.threshold, e.breaker.cooldown = m.breaker_failures, m.breaker_cooldown_ms / 1000.0
+    c.state.stale_after = m.stale_after_ms / 1000.0
+    u = cfg.upstream
+    c.client.reconfigure(connect_timeout_s=u.connect_timeout_ms / 1000.0, idle_timeout_s=u.idle_timeout_ms / 1000.0, max_body_bytes=u.max_event_bytes)
+    c.membership.drain_timeout_s = cfg.discovery.drain_timeout_ms / 1000.0
+    c.tell_config(cfg)
+    fleet = None
+    if "engines" in changed and cfg.engines is not None:
+        fleet = c.membership.apply("config", config_engines(cfg))
+    if any(k.startswith("discovery.") and k not in ("discovery.drain_timeout_ms",) for k in changed):
+        c.restart_sources(configured(cfg))
+    c.reconcile()
+    return fleet
+
+
+def _cap(slots: int, limit: int | None) -> int:
+    return slots if limit is None else min(slots, limit)
