@@ -32,7 +32,7 @@ import orjson
 
 __all__ = ["MESSAGES", "MAX_FRAME_BYTES", "ProtocolError", "encode", "decode", "Channel",
            "Hello", "Up", "Arrive", "Arrived", "Admit", "Admitted", "Granted", "Refused", "NoRetry",
-           "WantDecode", "Retry", "PrefillDone", "FirstToken", "Close", "End", "Call", "Answer", "Scrape", "Families", "Facts", "Penalise"]
+           "WantDecode", "Retry", "PrefillDone", "FirstToken", "Close", "End", "Call", "Answer", "Scrape", "Families", "Facts", "Penalise", "Reconfigure"]
 
 MAX_FRAME_BYTES = 32 << 20  # the largest answer: /metrics or /v1/engines of a large fleet
 
@@ -121,6 +121,15 @@ class Facts:
     TAG: ClassVar[int] = 9
     engine: str
     facts: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """A configuration reload changed the running configuration (authority/reconfig.py):
+    the worker's data plane takes it whole."""
+
+    TAG: ClassVar[int] = 10
+    config: dict[str, Any]  # the validated configuration, as JSON
 
 
 # -- worker -> authority ------------------------------------------------------------------
@@ -241,7 +250,7 @@ class Penalise:
 
 
 MESSAGES: dict[int, type[Any]] = {c.TAG: c for c in (
-    Hello, Arrived, Admitted, Granted, Refused, NoRetry, Answer, Scrape, Facts,
+    Hello, Arrived, Admitted, Granted, Refused, NoRetry, Answer, Scrape, Facts, Reconfigure,
     Up, Arrive, Admit, WantDecode, Retry, PrefillDone, FirstToken, Close, End, Call, Families, Penalise,
 )}
 _NAMES: dict[type[Any], tuple[str, ...]] = {c: tuple(f.name for f in fields(c)) for c in MESSAGES.values()}

@@ -80,6 +80,14 @@ class Supervisor:
         self._watchers: list[asyncio.Task[None]] = []
         self._hello_config = config.model_dump(mode="json", by_alias=True)
         controls.control.on_facts(self._facts)
+        controls.control.on_config(self._reconfigure)
+
+    def _reconfigure(self, config: NarwhalConfig) -> None:
+        from . import ipc
+
+        self._hello_config = config.model_dump(mode="json", by_alias=True)  # workers started later get it too
+        for s in self.sessions.values():
+            s.send(ipc.Reconfigure(self._hello_config))
 
     def _facts(self, engine: str, facts: list[Any]) -> None:
         from . import ipc
@@ -217,6 +225,7 @@ async def _worker(ipc_fd: int, listen_fd: int) -> None:
     plane = DataPlane(config, engines, RemoteDoor(link), worker=hello.worker, count_tokens=tokenizer_of(config), controls=RemoteControls(link))
     link.scrape = lambda: families(plane.telemetry.registry, hello.worker)
     link.on_facts = plane.learn_facts
+    link.on_reconfigure = lambda cfg: plane.reconfigure(parse_config(cfg, source="the authority's reloaded configuration"))
     app = create_app(plane)
     hc = serving_config(config, config.serving.listen)
     hc.bind = [f"fd://{listen_fd}"]

@@ -59,11 +59,12 @@ class Link:
         self.scrape: Callable[[], list[Any]] = list
         self.on_facts: Callable[[str, list[Any]], None] = lambda engine, facts: None
         self.on_penalise: Callable[[str, float], None] = lambda addr, seconds: None
+        self.on_reconfigure: Callable[[dict[str, Any]], None] = lambda config: None
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
             ipc.Arrived: self._arrived, ipc.Granted: self._answer, ipc.Refused: self._answer, ipc.NoRetry: self._answer,
             ipc.Admitted: self._admitted, ipc.Answer: self._answered, ipc.Scrape: self._scrape,
             ipc.Facts: lambda m: self.on_facts(m.engine, m.facts), ipc.Penalise: lambda m: self.on_penalise(m.addr, m.seconds),
-            ipc.Hello: self._hello,
+            ipc.Hello: self._hello, ipc.Reconfigure: lambda m: self.on_reconfigure(m.config),
         }
 
     # -- sending ---------------------------------------------------------------------------

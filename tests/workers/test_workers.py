@@ -728,3 +728,27 @@ def test_a_worker_count_of_auto_uses_the_cores(tmp_path: Path, fleet: list[Runni
             resp = httpx.post(r.url + "/v1/chat/completions", json=chat("auto", mock={"tokens": 3}), timeout=20)
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["message"]["content"] == expected_content(3), resp.text
+
+
+# -- a fleet that changes (spec/tables/lifecycle.yaml) and a reload, seen by every worker -----
+
+
+def test_engines_added_and_removed_through_any_worker_reach_every_worker(tmp_path: Path, fleet: list[RunningMock]) -> None:
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    u0, u1 = fleet
+    with served(tmp_path, [u0]) as r:
+        # through whichever worker takes the call: the authority owns membership
+        p = httpx.put(f"{r.url}/admin/engines/u1", json={"url": u1.url, "role": "unified"}, headers=auth, timeout=10)
+        assert p.status_code == 200 and p.json()["change"] == "added", p.text
+        def by_name() -> dict[str, Any]:
+            return {e["name"]: e for e in engines(r)["data"]}
+
+        wait_until(lambda: by_name()["u1"]["lifecycle"]["state"] == "active", timeout=15, what="u1 active")
+        assert httpx.delete(f"{r.url}/admin/engines/u0", headers=auth, timeout=10).json()["lifecycle"] in ("draining", "gone")
+        wait_until(lambda: "u0" not in by_name(), timeout=15, what="u0 gone")
+        u1.clear_requests()
+        got = _from_both(r, "POST", "/v1/chat/completions", chat("after", mock={"tokens": 4}))
+        assert {pid: [s for s, _, _ in v] for pid, v in got.items()} == {pid: [200, 200] for pid in got}, got
+        assert len(u1.requests()) == 4  # every worker placed on the engine it was told of
+        books = at_rest(r)["router"]["books"]
+        assert books["terminal"]["completed"] == books["offered"]
