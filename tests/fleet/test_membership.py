@@ -217,3 +217,40 @@ def test_the_discovery_file_is_applied_as_one_diff_and_a_bad_file_changes_nothin
         wait_until(lambda: not engines(rr), timeout=10, what="the file's engines gone")
         b = rr.balanced()
         assert b["terminal"]["completed"] == 2
+
+
+def test_prefill_and_decode_engines_join_and_leave_under_load(mocks: dict[str, Any]) -> None:
+    cfgs = [MockConfig(dialect="vllm", role=role, name=n, timing=SLOW) for n, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"), ("p1", "prefill"))]
+    with running_fleet(cfgs) as ms:
+        pd = {m.name: m for m in ms}
+        fleet = [EngineSpec("p0", pd["p0"].url, "prefill", "vllm", None, None), EngineSpec("d0", pd["d0"].url, "decode", "vllm", None, None)]
+        with running_router(config(), fleet) as rr:
+            out, threads = stream_in_thread(rr, 3, 60)
+            wait_until(lambda: engines(rr)["d0"]["load"]["decode_in_use"] == 3, timeout=10, what="3 streams on d0")
+            assert put(rr, "d1", {"url": pd["d1"].url, "role": "decode"}).json()["change"] == "added"
+            assert put(rr, "p1", {"url": pd["p1"].url, "role": "prefill"}).json()["change"] == "added"
+            wait_until(lambda: lifecycle(rr, "d1") == "active" and lifecycle(rr, "p1") == "active", timeout=10, what="d1 and p1 active")
+            assert delete(rr, "d0").json()["lifecycle"] == "draining"
+            assert delete(rr, "p0").json()["lifecycle"] == "gone"  # its prefills were done: nothing held
+            more = [ask(rr, max_tokens=4) for _ in range(3)]
+            assert [(s.status, s.done) for s in more] == [(200, True)] * 3
+            assert len(pd["d1"].requests()) == 3 and len(pd["p1"].requests()) == 3
+            for t in threads:
+                t.join(30)
+            assert [(s.status, s.done, s.errors) for s in out] == [(200, True, [])] * 3
+            wait_until(lambda: set(engines(rr)) == {"d1", "p1"}, timeout=10, what="d0 gone")
+            b = rr.balanced()
+            assert b["terminal"]["completed"] == 6 and b["offered"] == 6
+
+
+def test_a_joining_engine_takes_traffic_once_profiled_when_admission_is_predictive(mocks: dict[str, Any]) -> None:
+    cfg = config()
+    cfg["admission"] = {"mode": "predictive", "prediction": {"profile_on_start": True, "profile_prompt_tokens": [16, 32, 64], "profile_repeats": 1, "profile_output_tokens": 4}}
+    with running_router(cfg, [spec("e0", mocks["m0"])]) as rr:
+        assert put(rr, "e1", {"url": mocks["m1"].url}).json()["lifecycle"] == "joining"
+        e1 = engines(rr)["e1"]
+        assert not e1["eligible"] and "joining" in e1["ineligible_reasons"]
+        wait_until(lambda: lifecycle(rr, "e1") == "active", timeout=30, what="e1 profiled and active")
+        e1 = engines(rr)["e1"]
+        assert e1["profile"]["status"] == "ok" and e1["eligible"]
+        assert e1["prompt_count"] == engines(rr)["e0"]["prompt_count"]  # counted as the start-up engines are
