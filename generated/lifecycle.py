@@ -19,7 +19,7 @@ class Transition:
     action: str
     quote: str
 
-# M01: ready: a health poll answered 200 and, when admission is predictive and admission.prediction.profile_on_start holds, the engine's profile has an outcome (ok, or failed: then it runs on the default models and /ready lists it under unprofiled_engines, as at start). The profile also settles how the engine's prompts are counted (upstream/usage.py), so its first answers report the engine's own prompt count. Engines configured at start (engines[]) begin active, as before this table: the router was started to serve them.
+# M01: ready: a health poll answered 200 and, when admission.prediction.profile_on_start holds (the default, in either admission mode), the engine's profile has an outcome (ok, or failed: then it runs on the default models and /ready lists it under unprofiled_engines, as at start). The profile also settles how the engine's prompts are counted (upstream/usage.py), so its first answers report the engine's own prompt count. Engines configured at start (engines[]) begin active, as before this table: the router was started to serve them.
 M01 = Transition(
     id='M01',
     state='joining',

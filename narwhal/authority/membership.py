@@ -146,9 +146,11 @@ class Membership:
     def _ready(self, e: EngineState) -> bool:
         if not e.healthy:
             return False
-        p = self.a.config.admission
-        if p.mode == "predictive" and p.prediction.profile_on_start:
-            return e.profile_status in ("ok", "failed")  # failed: default models, as at start
+        if self.a.config.admission.prediction.profile_on_start:
+            # the profile has an outcome (failed: default models, as at start); it also
+            # settles how the engine's prompts are counted (upstream/usage.py), so its
+            # first answers carry the engine's own prompt count, in open mode too
+            return e.profile_status in ("ok", "failed")
         return True
 
     # -- the table ----------------------------------------------------------------------

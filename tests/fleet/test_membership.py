@@ -254,3 +254,22 @@ def test_a_joining_engine_takes_traffic_once_profiled_when_admission_is_predicti
         e1 = engines(rr)["e1"]
         assert e1["profile"]["status"] == "ok" and e1["eligible"]
         assert e1["prompt_count"] == engines(rr)["e0"]["prompt_count"]  # counted as the start-up engines are
+
+
+def test_a_removed_engine_leaves_nothing_behind(mocks: dict[str, Any]) -> None:
+    cfg = config()
+    cfg["admission"]["prediction"]["prefix_cache"] = "auto"
+    kv = EngineSpec("e1", mocks["m1"].url, "unified", "vllm", None, None, kv_events="tcp://127.0.0.1:9")  # nobody publishes there
+    with running_router(cfg, [spec("e0", mocks["m0"]), kv]) as rr:
+        def held() -> dict[str, Any]:
+            a = rr.router
+            return {"scheduler": set(a.scheduler.engines), "prefix": set(a.scheduler.prefix), "feeds": set(a.kv_feeds), "kv_tasks": set(a._kv_tasks),
+                    "specs": set(a.specs)}
+
+        assert rr.call(held) == {"scheduler": {"e0", "e1"}, "prefix": {"e0", "e1"}, "feeds": {"e1"}, "kv_tasks": {"e1"}, "specs": {"e0", "e1"}}
+        task = rr.call(lambda: rr.router._kv_tasks["e1"])
+        assert delete(rr, "e1").json()["lifecycle"] == "gone"
+        assert rr.call(held) == {"scheduler": {"e0"}, "prefix": {"e0"}, "feeds": set(), "kv_tasks": set(), "specs": {"e0"}}
+        wait_until(lambda: rr.call(task.done), timeout=5, what="the KV subscription to end")
+        assert ask(rr).status == 200
+        rr.balanced()
