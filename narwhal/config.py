@@ -130,9 +130,9 @@ def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
 
 
 def has_discovery(cfg: NarwhalConfig) -> bool:
-    """A run-time source of engines is configured (discovery.file, discovery.etcd)."""
+    """A run-time source of engines is configured (discovery.file, .etcd, .dns)."""
     d = cfg.discovery
-    return d.file is not None or d.etcd is not None
+    return d.file is not None or d.etcd is not None or d.dns is not None
 
 
 def check_engines(engines: list[Engine], *, source: str, key: str) -> None:

@@ -373,37 +373,40 @@ class EtcdSource(BaseModel):
     ] = None
 
 
-class Discovery(BaseModel):
+class DnsSource(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    file: Annotated[
-        StrictStr | None,
+    name: Annotated[
+        StrictStr,
         Field(
-            description='A YAML or JSON file: a list of engines[] entries (or a mapping with the key engines). Read at start and whenever it changes (checked every file_interval_ms, by its size, time and content: works for a file replaced by rename, as Kubernetes ConfigMaps are). A file that does not parse or validate leaves the fleet as it was, is logged with file, line and key, and counted on /metrics.'
+            description='The DNS name (e.g. a Kubernetes headless Service: engines.ns.svc.cluster.local).',
+            max_length=253,
+            min_length=1,
+            pattern='^[A-Za-z0-9.-]+$',
         ),
-    ] = None
-    file_interval_ms: Annotated[
-        StrictInt,
-        Field(description='How often discovery.file is checked for a change.', ge=100, le=60000),
-    ] = 1000
-    etcd: EtcdSource | None = None
-    drain_timeout_ms: Annotated[
-        StrictInt,
-        Field(
-            description='An engine that leaves (removed from its source, DELETE /admin/engines/{name}, replaced) takes no new request at once; the requests running on it have this long to finish, then they are cancelled (class failed, streams end with an error event) and the engine is gone.',
-            ge=0,
-            le=3600000,
-        ),
-    ] = 30000
-    max_file_bytes: Annotated[
+    ]
+    port: Annotated[StrictInt, Field(ge=1, le=65535)]
+    role: Literal['prefill', 'decode', 'unified'] = 'unified'
+    dialect: Literal['vllm', 'sglang', 'openai'] = 'vllm'
+    model: StrictStr | None = None
+    wave: StrictStr | None = None
+    interval_ms: Annotated[
         StrictInt,
         Field(
-            description='A discovery file larger than this is refused (the fleet stays as it was).',
-            ge=1024,
-            le=67108864,
+            description='How often the name is resolved again (each resolution bounded by this too).',
+            ge=500,
+            le=600000,
         ),
-    ] = 4194304
+    ] = 5000
+    max_engines: Annotated[
+        StrictInt,
+        Field(
+            description='More addresses than this is an error that leaves the fleet as it was.',
+            ge=1,
+            le=1024,
+        ),
+    ] = 64
 
 
 class Serving(BaseModel):
@@ -520,6 +523,40 @@ class Admission(BaseModel):
     max_ttft_target_ms: Annotated[StrictInt, Field(ge=1)] = 30000
     phase_concurrency: Annotated[PhaseConcurrency, Field(validate_default=True)] = {}
     prediction: Annotated[Prediction, Field(validate_default=True)] = {}
+
+
+class Discovery(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    file: Annotated[
+        StrictStr | None,
+        Field(
+            description='A YAML or JSON file: a list of engines[] entries (or a mapping with the key engines). Read at start and whenever it changes (checked every file_interval_ms, by its size, time and content: works for a file replaced by rename, as Kubernetes ConfigMaps are). A file that does not parse or validate leaves the fleet as it was, is logged with file, line and key, and counted on /metrics.'
+        ),
+    ] = None
+    file_interval_ms: Annotated[
+        StrictInt,
+        Field(description='How often discovery.file is checked for a change.', ge=100, le=60000),
+    ] = 1000
+    etcd: EtcdSource | None = None
+    dns: DnsSource | None = None
+    drain_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description='An engine that leaves (removed from its source, DELETE /admin/engines/{name}, replaced) takes no new request at once; the requests running on it have this long to finish, then they are cancelled (class failed, streams end with an error event) and the engine is gone.',
+            ge=0,
+            le=3600000,
+        ),
+    ] = 30000
+    max_file_bytes: Annotated[
+        StrictInt,
+        Field(
+            description='A discovery file larger than this is refused (the fleet stays as it was).',
+            ge=1024,
+            le=67108864,
+        ),
+    ] = 4194304
 
 
 class NarwhalConfig(BaseModel):

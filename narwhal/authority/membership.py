@@ -41,12 +41,10 @@ from ..core.lifecycle import identity
 from ..upstream.engines import EngineSpec
 from .authority import Authority
 
-__all__ = ["Membership", "CHANGES"]
+__all__ = ["Membership"]
 
 log = logging.getLogger("narwhal")
 
-# what /metrics counts (narwhal_fleet_changes_total{change})
-CHANGES = ("join", "ready", "update", "replace", "leave", "cut", "gone", "drain_on", "drain_off")
 
 
 class Membership:
@@ -159,6 +157,8 @@ class Membership:
         now = self.a.clock.now()
         row = e.lifecycle.on(event, now)
         e.draining = not e.lifecycle.placeable
+        if event in ("drain_on", "drain_off") and row.next != row.state:
+            self.changes[event] += 1  # the operator's drain (M02, M10, M19)
         getattr(self, "_" + row.action)(e, spec)
 
     def _none(self, e: EngineState, spec: EngineSpec | None) -> None:
@@ -170,7 +170,6 @@ class Membership:
         self.a.reconcile()
 
     def _check(self, e: EngineState, spec: EngineSpec | None) -> None:
-        self.changes["drain_off"] += 1
         self.observed(e)
 
     def _apply(self, e: EngineState, spec: EngineSpec | None) -> None:

@@ -23,6 +23,8 @@ from narwhal_generated import accounting as A
 from narwhal_generated import lifecycle as M
 from narwhal_generated import router_states as S
 
+from ..core.lifecycle import CHANGES
+
 __all__ = ["render", "PROFILE_STATUSES", "Family"]
 
 PROFILE_STATUSES = ("pending", "running", "ok", "failed")
@@ -74,8 +76,8 @@ class _StateCollector(Collector):
         pblocks = GaugeMetricFamily("narwhal_prefix_index_blocks", "Prompt blocks the router believes the engine holds in its prefix cache (core/prefix.py).", labels=["engine"])
         pcap = GaugeMetricFamily("narwhal_prefix_index_capacity_blocks", "The prefix index's size limit for the engine, in blocks (follows the engine's reports).", labels=["engine"])
         fleet = s["fleet"]
-        ch = CounterMetricFamily("narwhal_fleet_changes", "Fleet membership changes by kind (spec/tables/lifecycle.yaml): join, ready (joined), update, replace, leave, cut (drain timeout), gone.", labels=["change"])
-        for k in ("join", "ready", "update", "leave", "cut", "gone"):
+        ch = CounterMetricFamily("narwhal_fleet_changes", "Fleet membership changes by kind (spec/tables/lifecycle.yaml): join, ready (joined: takes traffic), update (settings in place), leave (draining to go; a replace leaves too), cut (drain timeout), gone, drain_on/drain_off (the operator's drain).", labels=["change"])
+        for k in CHANGES:
             ch.add_metric([k], fleet["changes"].get(k, 0))
         yield ch
         se = CounterMetricFamily("narwhal_fleet_source_errors", "Reads of a fleet source (discovery file, etcd) that changed nothing because they could not be read or validated.", labels=["source"])

@@ -19,12 +19,14 @@ from typing import Any
 
 from narwhal_generated import lifecycle as M
 
-__all__ = ["Lifecycle", "STATES", "EVENTS", "ACTIONS", "identity", "HISTORY"]
+__all__ = ["Lifecycle", "STATES", "EVENTS", "ACTIONS", "CHANGES", "identity", "HISTORY"]
 
 STATES = M.STATES
 EVENTS = M.EVENTS
 ACTIONS = M.ACTIONS
 HISTORY = 16  # state changes remembered per engine, for /v1/engines
+# what the fleet counts (/metrics narwhal_fleet_changes_total{change}; authority/membership.py)
+CHANGES = ("join", "ready", "update", "leave", "cut", "gone", "drain_on", "drain_off")
 
 
 def identity(spec: Any) -> tuple[Any, ...]:

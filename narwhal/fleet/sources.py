@@ -1,4 +1,4 @@
-"""The fleet sources a configuration names (discovery.file, discovery.etcd)."""
+"""The fleet sources a configuration names (discovery.file, .etcd, .dns)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ def configured(cfg: NarwhalConfig) -> dict[str, Source]:
         from .file import file_source
 
         out["file"] = file_source(cfg)
+    if d.dns is not None:
+        from .dns import dns_source
+
+        out["dns"] = dns_source(cfg)
     if d.etcd is not None:
         from .etcd import etcd_source  # type: ignore[import-not-found,unused-ignore]
 
