@@ -47,13 +47,13 @@ M03 = Transition(
     quote='joining (health polled, profiled when admission is predictive; it takes traffic once eligible)',
 )
 
-# M04: release: the engine leaves every structure that names it, in one turn of the authority's loop: the scheduler (its queue is moved to other engines or refused R09, as when an engine turns ineligible), the prefix index, the breaker and profile (its learned models are dropped: a name that comes back is profiled again, since a new process behind the name may be another build on other hardware), its KV-events subscription, its health polls, the pooled connections of every data plane, and its prompt counter.
+# M04: A joining engine takes no client traffic, but its profile may hold a slot on it (engines[].max_concurrency): it leaves like any other (M12), at once when it holds nothing. release (M29): the engine leaves every structure that names it, in one turn of the authority's loop: the scheduler (its queue is moved to other engines or refused R09, as when an engine turns ineligible), the prefix index, the breaker and profile (its learned models are dropped: a name that comes back is profiled again, since a new process behind the name may be another build on other hardware), its KV-events subscription, its health polls, the pooled connections of every data plane, and its prompt counter.
 M04 = Transition(
     id='M04',
     state='joining',
     event='remove',
-    next='gone',
-    action='release',
+    next='draining',
+    action='leave',
     quote='DELETE /admin/engines/{name} drains it and then removes it',
 )
 
@@ -89,8 +89,8 @@ M08 = Transition(
     id='M08',
     state='joining',
     event='replace',
-    next='gone',
-    action='release',
+    next='draining',
+    action='leave',
     quote='A name that leaves and comes back is a new engine',
 )
 
@@ -121,7 +121,7 @@ M11 = Transition(
     quote='drain an engine',
 )
 
-# M12: leave: no new placement at once; waiters queued on it move to other engines (R09 if none); the drain timer (discovery.drain_timeout_ms) starts; when no request holds a slot on it (idle), it is released. With a timeout of 0 its requests are cut at once.
+# M12: leave: no new placement at once; waiters queued on it move to other engines (R09 if none); a profile running on it is cancelled; the drain timer (discovery.drain_timeout_ms) starts; when no request holds a slot on it (idle), it is released. With a timeout of 0 its requests are cut at once.
 M12 = Transition(
     id='M12',
     state='active',

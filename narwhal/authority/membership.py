@@ -192,6 +192,9 @@ class Membership:
             self._rejoin(e, spec)
         a.leaving.add(e.name)
         e.leave_by = a.clock.now() + self.drain_timeout_s
+        task = a.profiling.get(e.name)
+        if task is not None and not task.done():
+            task.cancel()  # its measurement slot, if any, frees as the task unwinds
         log.info("engine %s: leaving (draining, at most %.1f s)", e.name, self.drain_timeout_s)
         a.reconcile()  # its queued waiters move to other engines, or R09
         if e.holds_nothing():
@@ -220,8 +223,6 @@ class Membership:
     def _release(self, e: EngineState, spec: EngineSpec | None) -> None:
         a = self.a
         name = e.name
-        if spec is not None:  # M08: a joining engine replaced
-            e.pending = spec
         t = self._timers.pop(name, None)
         if t is not None:
             t.cancel()

@@ -207,6 +207,8 @@ class _Slot:
             r = self.a
             r.wake(r.scheduler.finish(self.ticket, r.clock.now()))
             self.ticket = None
+            if r.leaving:  # lifecycle M29: a profile's slot was the last thing held
+                r.released()
 
 
 def _outcome(a: Authority, e: EngineState, ok: bool, reason: str | None, detail: str | None = None) -> None:

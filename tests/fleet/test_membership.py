@@ -273,3 +273,16 @@ def test_a_removed_engine_leaves_nothing_behind(mocks: dict[str, Any]) -> None:
         wait_until(lambda: rr.call(task.done), timeout=5, what="the KV subscription to end")
         assert ask(rr).status == 200
         rr.balanced()
+
+
+def test_a_joining_engine_removed_while_its_profile_holds_a_slot_leaves(mocks: dict[str, Any]) -> None:
+    cfg = config()
+    cfg["admission"] = {"mode": "predictive", "prediction": {"profile_on_start": True, "profile_prompt_tokens": [16, 32, 64], "profile_repeats": 2, "profile_output_tokens": 8}}
+    with running_router(cfg, [spec("e0", mocks["m0"])]) as rr:
+        assert put(rr, "e1", {"url": mocks["m1"].url, "max_concurrency": 1}).status_code == 200
+        wait_until(lambda: engines(rr)["e1"]["load"]["prefill_in_use"] == 1, timeout=10, what="e1's profile on its one slot")
+        r = delete(rr, "e1")  # lifecycle M04: leaves like any engine; the profile is cancelled
+        assert r.status_code == 200 and r.json()["lifecycle"] in ("draining", "gone"), r.text
+        wait_until(lambda: lifecycle(rr, "e1") is None, timeout=10, what="e1 gone")
+        assert ask(rr).status == 200
+        rr.balanced()
