@@ -64,7 +64,11 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
     except ConfigError as e:  # the running restart-only keys and the new run-time ones disagree
         log.error("configuration reload: %s (nothing changed)", e)
         raise ReloadError(str(e)) from None
-    fleet = apply(control, merged, p.changed)
+    try:
+        fleet = apply(control, merged, p.changed)
+    except ConfigError as e:  # raised before anything changed (apply's first lines)
+        log.error("configuration reload: %s (nothing changed)", e)
+        raise ReloadError(str(e)) from None
     loaded(control, raw)
     if p.restart:
         log.warning("configuration reload: these keys need a restart and were left as they were: %s", ", ".join(p.restart))
@@ -76,6 +80,10 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
 def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str, list[str]] | None:
     """Make `cfg` the running configuration (no await inside: one turn of the loop)."""
     c = control
+    # whatever can still fail is done before the first change (a discovery.etcd naming a
+    # password variable that is not set): the swap below is all or nothing
+    restart = any(k.startswith("discovery.") and k != "discovery.drain_timeout_ms" for k in changed)
+    sources = configured(cfg) if restart else None
     c.config = cfg
     a, m = cfg.admission, cfg.monitoring
     s = c.scheduler
@@ -92,8 +100,8 @@ def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str
     fleet = None
     if "engines" in changed and cfg.engines is not None:
         fleet = c.membership.apply("config", config_engines(cfg))
-    if any(k.startswith("discovery.") and k not in ("discovery.drain_timeout_ms",) for k in changed):
-        c.restart_sources(configured(cfg))
+    if sources is not None:
+        c.restart_sources(sources)
     c.reconcile()
     return fleet
 
