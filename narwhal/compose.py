@@ -5,7 +5,8 @@
   * `serve` — `narwhal serve`: with serving.workers 1 the router above under hypercorn;
     with N > 1 (or auto) the supervisor (narwhal/workers.py) runs the
     authority here and N worker processes on one shared
-    listening socket, the door carried over the IPC channel (narwhal/ipc.py).
+    listening socket, the door carried over the IPC channel (narwhal/ipc.py). Either
+    stops gracefully on SIGTERM (draining, then the grace; `serve`).
   * `embedded_fleet` — the embedded default's simulated engines, when no engines are
     configured.
 """
@@ -14,23 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
-import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
-
-from hypercorn.asyncio import serve as hypercorn_serve
 
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
 from .config import EMBEDDED_FLEET, NarwhalConfig, has_discovery
 from .core.clock import Clock
 from .http.app import create_app
-from .http.server import free_port, raise_nofile, serving_config, settle_heap
+from .http.server import (
+    Stopping,
+    free_port,
+    raise_nofile,
+    serve_until_stopped,
+    serving_config,
+    settle_heap,
+)
 from .upstream.engines import EngineSpec, config_engines
 from .worker.plane import DataPlane, tokenizer_of
 from .worker.telemetry import families
+from .workers import begin_draining, supervise
 
 __all__ = ["Router", "build_router", "embedded_fleet", "serve", "worker_count", "config_engines"]
 
@@ -113,16 +120,20 @@ async def embedded_fleet(config: NarwhalConfig, host: str = "127.0.0.1") -> Asyn
         await asyncio.wait(tasks, timeout=10)
 
 
-async def serve(config: NarwhalConfig, *, listen: str | None = None, shutdown_trigger: Callable[[], Awaitable[Any]] | None = None, ready: Callable[[str], None] | None = None) -> None:
-    """Run the router until shutdown_trigger resolves (default: SIGINT/SIGTERM)."""
+async def serve(config: NarwhalConfig, *, listen: str | None = None, stopping: Stopping | None = None, ready: Callable[[str], None] | None = None,
+                built: Callable[[Router], None] | None = None) -> None:
+    """Run the router until it stops (narwhal/http/server.py `Stopping`; router state
+    S06): the first SIGTERM or SIGINT (or `stopping.signal()`) makes it drain — the
+    authority stops admitting (/ready 503 draining, new completion requests R01 with
+    Retry-After, waiting ones refused R01) and an ha leader resigns at once — while the
+    listener stays open serving.shutdown_delay_ms; then it stops accepting, the requests
+    running have what is left of serving.shutdown_grace_ms (counted from the signal) and
+    are then cancelled (class cancelled); a second signal stops at once. Either way it
+    returns normally (`narwhal serve` exits 0). `built` is given the Router (workers 1)."""
     listen = listen or config.serving.listen
-    stop = asyncio.Event()
-    if shutdown_trigger is None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        shutdown_trigger = stop.wait
+    if stopping is None:
+        stopping = Stopping.of(config)
+        stopping.install()
     n = worker_count(config)
     async with contextlib.AsyncExitStack() as stack:
         if config.engines is None and not has_discovery(config):
@@ -132,16 +143,18 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, shutdown_tr
         raise_nofile()
         scheme = "https" if config.serving.tls.certfile else "http"
         if n > 1:
-            from .workers import supervise
-
             log.info("narwhal serving %s://%s with %d workers (engines: %s)", scheme, listen, n, ", ".join(f"{e.name}={e.url}" for e in engines))
-            await supervise(config, engines, listen, n, shutdown_trigger=shutdown_trigger, ready=ready)
+            await supervise(config, engines, listen, n, stopping=stopping, ready=ready)
             return
         router = build_router(config, engines)
+        stopping.hooks.append(lambda: begin_draining(router.control))
+        if built is not None:
+            built(router)
         app = router.app()
         hc = serving_config(config, listen)
         log.info("narwhal serving %s://%s (engines: %s)", scheme, listen, ", ".join(f"{e.name}={e.url}" for e in engines))
         settle_heap()
         if ready is not None:
             ready(f"{scheme}://{listen}")
-        await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)
+        await serve_until_stopped(app, hc, stopping)
+        log.info("narwhal stopped; the books: %s", json.dumps(router.control.books.snapshot()))

@@ -12,43 +12,72 @@ Failures
   * A worker that dies: the authority ends its requests in flight as `failed` (their
     slots freed) and starts a new one in its place after RESTART_BACKOFF_S (doubling per
     death within a minute, at most RESTART_MAX_S). Its clients' connections were cut.
-  * The authority dying (or stopping): each worker's channel ends; the worker stops
-    accepting at once and exits after hypercorn's graceful shutdown (graceful_timeout,
-    5 s: narwhal/http/server.py). Clients see their connections closed: streams in
-    flight end without `data: [DONE]`, new connections are refused while nothing listens.
-    The process supervisor (systemd, Kubernetes) restarts the whole router.
-  * SIGINT at a terminal reaches the whole process group: workers ignore it and stop
-    when the authority stops them (SIGTERM) or their channel ends.
+  * The authority dying: each worker's channel ends; the worker stops accepting at once
+    and exits after hypercorn's graceful shutdown, at most LOST_GRACE_S (5 s; never more
+    than serving.shutdown_grace_ms). Clients see their connections closed: streams still
+    running then end without `data: [DONE]`, new connections are refused while nothing
+    listens. The process supervisor (systemd, Kubernetes) restarts the whole router.
+
+Stopping (router state S06; narwhal/http/server.py `Stopping`)
+  * The authority takes the signals: the first SIGTERM or SIGINT makes it drain at once
+    (`begin_draining`: /ready 503 draining and R01 for new completion requests, which is
+    what every worker answers, since both are the authority's; an ha leader resigns).
+    The listener stays open serving.shutdown_delay_ms; then the authority closes its copy
+    of the listening socket and sends every worker SIGUSR1: stop accepting, let the
+    requests running finish. Workers still running when serving.shutdown_grace_ms
+    (counted from the signal) runs out get SIGUSR2: cancel what still runs (class
+    cancelled) and exit; STOP_TIMEOUT_S after that, SIGKILL. A second SIGTERM or SIGINT
+    sends SIGUSR2 at once.
+  * Workers ignore SIGTERM and SIGINT: a terminal's Ctrl-C reaches the whole process
+    group, and systemd (KillMode=control-group) signals every process of the service at
+    once; a worker acting on that itself would close its listener before the delay and
+    cut its streams before the grace. They act only on the authority's SIGUSR1 and
+    SIGUSR2 (or their channel ending). A single worker is stopped with SIGUSR1 or SIGKILL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from .authority.channel import WorkerSession
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
 from .config import NarwhalConfig
-from .http.server import settle_heap, split_listen
+from .http.server import Stopping, settle_heap, split_listen
 from .upstream.engines import EngineSpec
 
-__all__ = ["supervise", "worker_main", "Supervisor"]
+__all__ = ["supervise", "worker_main", "Supervisor", "begin_draining"]
 
 log = logging.getLogger("narwhal")
 
 RESTART_BACKOFF_S = 0.5
 RESTART_MAX_S = 30.0
 START_TIMEOUT_S = 60.0  # every worker must say Up within this at start
-STOP_TIMEOUT_S = 10.0  # then SIGKILL
+STOP_TIMEOUT_S = 10.0  # after the grace (and SIGUSR2: cut at once), then SIGKILL
+DRAIN_SIGNAL = signal.SIGUSR1  # authority -> worker: stop accepting, finish what runs
+CUT_SIGNAL = signal.SIGUSR2  # authority -> worker: cancel what still runs, exit
+LOST_GRACE_S = 5.0  # the authority gone: what runs has this long (at most the grace), then is cut
+
+
+async def begin_draining(control: ControlPlane) -> None:
+    """S06, at the first SIGTERM: this router stops admitting at once (/ready 503
+    draining; new completion requests R01 with Retry-After; the waiting ones refused R01),
+    and an ha leader resigns (L19: its lease revoked, the key deleted), so a standby
+    leads within a watch round trip instead of a lease TTL. Requests already admitted run on."""
+    control.state.draining = True
+    control.refuse_waiting()
+    if control.elector is not None:
+        await control.elector.resign()
 
 
 def listening_socket(listen: str, backlog: int = 4096) -> socket.socket:
@@ -77,6 +106,7 @@ class Supervisor:
         self.deaths: dict[int, list[float]] = {}
         self.ups: dict[int, asyncio.Event] = {}
         self.stopping = False
+        self.stopped = False
         self._watchers: list[asyncio.Task[None]] = []
         self._hello_config = config.model_dump(mode="json", by_alias=True)
         controls.control.on_facts(self._facts)
@@ -161,32 +191,63 @@ class Supervisor:
             for i in range(self.n):
                 await self.ups[i].wait()
 
-    async def stop(self) -> None:
-        self.stopping = True
+    def _signal(self, sig: int) -> None:
         for p in self.procs.values():
             if p.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                await asyncio.wait_for(p.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    p.kill()
-                await p.wait()
+                    p.send_signal(sig)
+
+    async def _exited(self, timeout_s: float, cut: asyncio.Event | None = None) -> bool:
+        """Until every worker has exited (True), timeout_s passed or `cut` is set (False)."""
+        pending = {asyncio.ensure_future(p.wait()) for p in self.procs.values() if p.returncode is None}
+        watch = asyncio.ensure_future(cut.wait()) if cut is not None else None
+        deadline = time.monotonic() + timeout_s
+        try:
+            while pending and (left := deadline - time.monotonic()) > 0:
+                done, _ = await asyncio.wait(pending | ({watch} if watch is not None else set()), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+                if watch is not None and watch in done:
+                    break
+        finally:
+            for t in pending:
+                t.cancel()
+            if watch is not None:
+                watch.cancel()
+        return not pending
+
+    async def stop(self, stopping: Stopping | None = None) -> None:
+        """Without `stopping` (or after a second signal): every worker cuts what runs and
+        exits at once (SIGUSR2). With it: the workers stop accepting (SIGUSR1) and have
+        what is left of the grace; those still running then are cut (SIGUSR2); any left
+        STOP_TIMEOUT_S after that are killed."""
+        self.stopping = True
+        if stopping is not None and not stopping.at_once.is_set():
+            self._signal(DRAIN_SIGNAL)
+            await self._exited(stopping.grace_left(), stopping.at_once)
+        self._signal(CUT_SIGNAL)
+        if not await self._exited(STOP_TIMEOUT_S):
+            for i, p in self.procs.items():
+                if p.returncode is None:
+                    log.warning("worker %d (pid %d) still running %.0f s after the grace; killed", i, p.pid, STOP_TIMEOUT_S)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            await self._exited(STOP_TIMEOUT_S)
         for s in self.sessions.values():
             s.close()
         for t in self._watchers:
             t.cancel()
+        self.stopped = True
 
 
 async def supervise(config: NarwhalConfig, engines: list[EngineSpec], listen: str, n: int, *,
-                    shutdown_trigger: Callable[[], Awaitable[Any]], ready: Callable[[str], None] | None = None) -> None:
-    """The authority process: the control plane and N workers, until shutdown_trigger."""
+                    stopping: Stopping, ready: Callable[[str], None] | None = None) -> None:
+    """The authority process: the control plane and N workers, until `stopping` says the
+    listener closes; then the workers' grace (module docstring, "Stopping")."""
     sock = listening_socket(listen)
     control = ControlPlane(config, engines)
     controls = LocalControls(control)
     sup = Supervisor(config, engines, sock, n, controls)
+    stopping.hooks.append(lambda: begin_draining(control))
     await control.start()
     try:
         await sup.start()
@@ -194,24 +255,27 @@ async def supervise(config: NarwhalConfig, engines: list[EngineSpec], listen: st
         scheme = "https" if config.serving.tls.certfile else "http"
         if ready is not None:
             ready(f"{scheme}://{listen}")
-        await shutdown_trigger()
+        await stopping.accepting()
+        sock.close()  # the workers' copies close as they stop accepting: then nothing listens
+        log.info("listener closing; requests running have %.1f s", stopping.grace_left())
+        await sup.stop(stopping)
     finally:
-        await sup.stop()
+        if not sup.stopped:  # start-up failed, or cancelled: cut at once
+            await sup.stop()
         await control.stop()
         sock.close()
+        log.info("narwhal stopped; the books: %s", json.dumps(control.books.snapshot()))
 
 
 # -- the worker process ------------------------------------------------------------------------
 
 
 async def _worker(ipc_fd: int, listen_fd: int) -> None:
-    from hypercorn.asyncio import serve as hypercorn_serve
-
     from . import ipc
     from .config import parse_config
     from .http import hyper
     from .http.app import create_app
-    from .http.server import serving_config
+    from .http.server import serve_until_stopped, serving_config
     from .worker.plane import DataPlane, tokenizer_of
     from .worker.remote import Link, RemoteControls, RemoteDoor
     from .worker.telemetry import families
@@ -232,27 +296,59 @@ async def _worker(ipc_fd: int, listen_fd: int) -> None:
     # a penalty one worker decides (hyper.py defect 8) holds in every worker
     hyper.PENALTIES.listener = lambda addr, seconds: link.send(ipc.Penalise(addr, seconds))
     link.on_penalise = lambda addr, seconds: hyper.PENALTIES.penalise(addr, seconds, time.monotonic(), shared=False)
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, lambda: None)  # the authority decides (module docstring)
+    # the authority decides when this worker stops (module docstring, "Stopping"): its
+    # SIGUSR1 closes the listener and lets what runs finish (the grace is the authority's
+    # to count: SIGUSR2 cuts), or the authority is gone (its channel ended)
+    stopping = Stopping(0.0, config.serving.shutdown_grace_ms / 1000.0, announce=False)
 
-    async def until_stop() -> None:
-        done = asyncio.ensure_future(stop.wait())
-        lost = asyncio.ensure_future(link.lost.wait())
-        await asyncio.wait((done, lost), return_when=asyncio.FIRST_COMPLETED)
-        if link.lost.is_set() and not stop.is_set():
+    def drain() -> None:
+        if not stopping.begun.is_set():
+            log.info("worker %d: stopping: no new connections, requests running finish", hello.worker)
+            stopping.signal(DRAIN_SIGNAL)
+
+    def cut() -> None:
+        drain()
+        if not stopping.at_once.is_set():
+            log.info("worker %d: cutting the requests still running", hello.worker)
+            stopping.signal(CUT_SIGNAL)
+
+    async def authority_lost() -> None:
+        await link.lost.wait()
+        if not stopping.begun.is_set():
             log.warning("worker %d: the authority is gone; stopping", hello.worker)
+            stopping.grace_s = min(stopping.grace_s, LOST_GRACE_S)
+            drain()
+
+    loop.add_signal_handler(DRAIN_SIGNAL, drain)
+    loop.add_signal_handler(CUT_SIGNAL, cut)
+    for sig in _EARLY:  # arrived during start-up
+        (cut if sig == CUT_SIGNAL else drain)()
+    lost = asyncio.ensure_future(authority_lost())
 
     settle_heap()
     link.send(ipc.Up(hello.worker, os.getpid()))
     try:
-        await hypercorn_serve(app, hc, shutdown_trigger=until_stop)  # type: ignore[arg-type]
+        await serve_until_stopped(app, hc, stopping)
     finally:
+        lost.cancel()
         await plane.aclose()
         link.channel.close()
 
 
+_EARLY: list[int] = []  # SIGUSR1/SIGUSR2 received before the event loop took them over
+
+
+def _early(sig: int, frame: Any) -> None:
+    _EARLY.append(sig)
+
+
 def worker_main(argv: list[str]) -> int:
+    # before anything else: a terminal's Ctrl-C or systemd's SIGTERM to the whole group is
+    # the authority's to act on; its SIGUSR1/SIGUSR2 during start-up are kept for the loop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(DRAIN_SIGNAL, _early)
+    signal.signal(CUT_SIGNAL, _early)
     ipc_fd, listen_fd = int(argv[0]), int(argv[1])
     level = argv[2] if len(argv) > 2 else "INFO"
     logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")

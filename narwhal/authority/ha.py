@@ -13,8 +13,8 @@ module talks to etcd and carries out each row's action:
   * fence (L12, L14-L16) — no admission from the fence deadline on (core/leadership.py:
     every decision checks it); requests waiting in the queues are refused with R01
     (fenced); streams already running finish (the engine slots they hold are real).
-  * resign (L19) — the operator made this router not ready: stop admitting, revoke the
-    lease so another candidate leads at once.
+  * resign (L19) — the operator made this router not ready, or it is stopping (SIGTERM,
+    `resign`): stop admitting, revoke the lease so another candidate leads at once.
   * recover (L28) — a fenced router that reaches etcd again revokes its old lease and
     campaigns as a new candidate.
 Every state change is logged at WARNING with the fencing token and shown on
@@ -67,17 +67,23 @@ class Elector:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="narwhal-ha")
 
-    async def stop(self) -> None:
+    async def resign(self) -> None:
+        """This router is stopping (SIGTERM: router state S06): it campaigns no more, and
+        a leader hands the key on at once (L19: waiting requests refused, its lease
+        revoked, so the key is deleted and a standby's watch sees it within one round
+        trip), not after the TTL. Idempotent; `stop` ends with it."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
         lease = self.leadership.lease
         if self.leadership.state == "leader" and lease is not None:
-            # a clean stop hands the key on at once (as L19 does), not after the TTL
             self._event("operator_off", why="stopping")
             with contextlib.suppress(EtcdError):
                 await self.etcd.revoke(lease, timeout_s=1.0)
+
+    async def stop(self) -> None:
+        await self.resign()
         await self.etcd.aclose()
 
     def operator_changed(self) -> None:
