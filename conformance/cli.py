@@ -196,7 +196,13 @@ def _served(cmd: str | None, profile: Profile, target: str, port_base: int, etcd
     try:
         yield
     finally:
+        # a router that stops gracefully (Narwhal: serving.shutdown_delay_ms) is told twice:
+        # the suite is done with it, so the second signal stops it at once
         proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(0.3)
+        if proc.poll() is None:
+            proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:

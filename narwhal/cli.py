@@ -43,9 +43,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(serve(cfg, listen=listen))
+        asyncio.run(serve(cfg, listen=listen, config_path=args.config))
     except KeyboardInterrupt:
         pass
+    except ConfigError as e:  # found while starting (a password variable not set, a file unreadable)
+        print(f"narwhal: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -21,6 +21,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from .authority import reconfig
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
 from .config import EMBEDDED_FLEET, NarwhalConfig, has_discovery
@@ -121,7 +122,7 @@ async def embedded_fleet(config: NarwhalConfig, host: str = "127.0.0.1") -> Asyn
 
 
 async def serve(config: NarwhalConfig, *, listen: str | None = None, stopping: Stopping | None = None, ready: Callable[[str], None] | None = None,
-                built: Callable[[Router], None] | None = None) -> None:
+                built: Callable[[Router], None] | None = None, config_path: str | None = None) -> None:
     """Run the router until it stops (narwhal/http/server.py `Stopping`; router state
     S06): the first SIGTERM or SIGINT (or `stopping.signal()`) makes it drain — the
     authority stops admitting (/ready 503 draining, new completion requests R01 with
@@ -129,7 +130,8 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, stopping: S
     listener stays open serving.shutdown_delay_ms; then it stops accepting, the requests
     running have what is left of serving.shutdown_grace_ms (counted from the signal) and
     are then cancelled (class cancelled); a second signal stops at once. Either way it
-    returns normally (`narwhal serve` exits 0). `built` is given the Router (workers 1)."""
+    returns normally (`narwhal serve` exits 0). `built` is given the Router (workers 1). `config_path`: the file
+    POST /admin/config/reload and SIGHUP read again (narwhal/authority/reconfig.py)."""
     listen = listen or config.serving.listen
     if stopping is None:
         stopping = Stopping.of(config)
@@ -144,10 +146,11 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, stopping: S
         scheme = "https" if config.serving.tls.certfile else "http"
         if n > 1:
             log.info("narwhal serving %s://%s with %d workers (engines: %s)", scheme, listen, n, ", ".join(f"{e.name}={e.url}" for e in engines))
-            await supervise(config, engines, listen, n, stopping=stopping, ready=ready)
+            await supervise(config, engines, listen, n, stopping=stopping, ready=ready, config_path=config_path)
             return
         router = build_router(config, engines)
         stopping.hooks.append(lambda: begin_draining(router.control))
+        reconfig.attach(router.control, config_path)  # POST /admin/config/reload and SIGHUP read it again
         if built is not None:
             built(router)
         app = router.app()

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .authority.channel import WorkerSession
+from .authority import reconfig
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
 from .config import NarwhalConfig
@@ -240,7 +241,7 @@ class Supervisor:
 
 
 async def supervise(config: NarwhalConfig, engines: list[EngineSpec], listen: str, n: int, *,
-                    stopping: Stopping, ready: Callable[[str], None] | None = None) -> None:
+                    stopping: Stopping, ready: Callable[[str], None] | None = None, config_path: str | None = None) -> None:
     """The authority process: the control plane and N workers, until `stopping` says the
     listener closes; then the workers' grace (module docstring, "Stopping")."""
     sock = listening_socket(listen)
@@ -248,6 +249,7 @@ async def supervise(config: NarwhalConfig, engines: list[EngineSpec], listen: st
     controls = LocalControls(control)
     sup = Supervisor(config, engines, sock, n, controls)
     stopping.hooks.append(lambda: begin_draining(control))
+    reconfig.attach(control, config_path)  # POST /admin/config/reload and SIGHUP read it again
     await control.start()
     try:
         await sup.start()

@@ -27,6 +27,10 @@ EXAMPLES: list[Any] = [
     ipc.Answer(2, None, "RuntimeError: x"),
     ipc.Scrape(3),
     ipc.Facts("u0", ["tokenize+template", "/extras/tokenize/count", [3, 5, 4, 2, 1]]),
+    ipc.Facts("u9", ["spec", {"name": "u9", "url": "http://127.0.0.1:9", "role": "unified", "dialect": "vllm", "wave": None, "model": None,
+                              "max_concurrency": None, "kv_events": None, "kv_block_size": 16}]),
+    ipc.Facts("u9", ["cut"]),
+    ipc.Reconfigure({"admission": {"queue_limit": 20}}),
     ipc.Up(1, 4242),
     ipc.Arrive(7, 1234.5),
     ipc.Admit(7, "chat", 2048, None, 64, 1000.0, 1234.5, None, [-3, 99, 1 << 62], [5, -6]),
@@ -39,6 +43,8 @@ EXAMPLES: list[Any] = [
     ipc.Close(8, 1236.0, None, "d0", "E06", None, None, None, None, None, None),
     ipc.End(7, "completed"),
     ipc.Call(4, "drain", ["u0", True]),
+    ipc.Call(5, "put_engine", [{"name": "u9", "url": "http://127.0.0.1:9"}]),
+    ipc.Call(6, "reload", []),
     ipc.Families(3, [["narwhal_ttft_seconds", "TTFT", "histogram", "", [["narwhal_ttft_seconds_count", {"route": "chat", "worker": "1"}, 3.0]]]]),
     ipc.Penalise("127.0.0.2", 10.0),
 ]
@@ -51,7 +57,7 @@ def test_every_message_type_has_an_example() -> None:
 def test_tags_are_unique_and_stable() -> None:
     assert len(ipc.MESSAGES) == len({c.TAG for c in ipc.MESSAGES.values()})
     # authority -> worker below 20, worker -> authority from 20: a reader sees the direction
-    assert all(c.TAG < 20 for c in (ipc.Hello, ipc.Arrived, ipc.Admitted, ipc.Granted, ipc.Refused, ipc.NoRetry, ipc.Answer, ipc.Scrape, ipc.Facts))
+    assert all(c.TAG < 20 for c in (ipc.Hello, ipc.Arrived, ipc.Admitted, ipc.Granted, ipc.Refused, ipc.NoRetry, ipc.Answer, ipc.Scrape, ipc.Facts, ipc.Reconfigure))
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: f"{type(m).__name__}-{getattr(m, 'rid', getattr(m, 'qid', ''))}")

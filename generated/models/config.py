@@ -504,7 +504,7 @@ class Serving(BaseModel):
     shutdown_grace_ms: Annotated[
         StrictInt,
         Field(
-            description='On SIGTERM, requests already admitted have this long (counted from the signal) to finish; the rest are then cancelled (class cancelled, streams end with an error event) and the process exits 0.',
+            description='On SIGTERM, requests already admitted have this long (counted from the signal) to finish; the rest are then cancelled (class cancelled: their connections close, a stream ends without data: [DONE]) and the process exits 0. A second SIGTERM or SIGINT stops at once.',
             ge=0,
             le=3600000,
         ),

@@ -43,6 +43,7 @@ class ControlPlane(Authority):
         # (reconfig.py: POST /admin/config/reload, SIGHUP)
         self.config_path: str | None = None
         self.config_hash: str | None = None
+        self.config_overrides: frozenset[str] = frozenset()  # keys the command line set (--workers)
         self.config_loaded_at: float | None = None
         self._config_listeners: list[Any] = []
         if self.config.ha is not None:  # leader election: standby until elected

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, load_config, parse_config
-from ..core.reload import plan
+from ..core.reload import changed_keys, plan
 from ..fleet.sources import configured
 from ..upstream.engines import config_engines
 from .control import ControlPlane
 
-__all__ = ["reload", "apply", "loaded", "ReloadError"]
+__all__ = ["reload", "apply", "loaded", "attach", "ReloadError"]
 
 log = logging.getLogger("narwhal")
 
@@ -45,6 +45,40 @@ def loaded(control: ControlPlane, raw: bytes | None) -> None:
     control.config_loaded_at = time.time()
 
 
+def attach(control: ControlPlane, path: str | None) -> None:
+    """`narwhal serve --config PATH`: remember the file and what was loaded from it, and
+    reload on SIGHUP (the same as POST /admin/config/reload; the outcome is logged)."""
+    control.config_path = path
+    raw = None
+    if path is not None:
+        try:
+            raw = Path(path).read_bytes()
+            as_file = load_config(path).model_dump(mode="json", by_alias=True)
+            control.config_overrides = frozenset(changed_keys(as_file, control.config.model_dump(mode="json", by_alias=True)))
+        except (OSError, ConfigError):
+            raw = None  # read a moment ago by the command
+    loaded(control, raw)
+    if path is None:
+        return
+    import signal
+
+    async def on_sighup() -> None:
+        try:
+            got = await reload(control)
+        except ReloadError:
+            return  # logged by reload
+        except Exception:  # a bug must not stop the router; it is logged
+            log.exception("configuration reload on SIGHUP failed")
+            return
+        log.info("SIGHUP: %s", {k: got[k] for k in ("changed", "restart_needed")})
+
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(on_sighup()))
+    except (NotImplementedError, RuntimeError):  # pragma: no cover - not on Linux's main thread
+        log.warning("SIGHUP reload is not available here; use POST /admin/config/reload")
+
+
 async def reload(control: ControlPlane) -> dict[str, Any]:
     """Read control.config_path again and apply it; raises ReloadError."""
     path = control.config_path
@@ -59,6 +93,8 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
         raise ReloadError(msg) from None
     running = control.config.model_dump(mode="json", by_alias=True)
     p = plan(running, new.model_dump(mode="json", by_alias=True))
+    # keys the command line set (--workers) are the operator's, not the file's to change
+    restart = tuple(k for k in p.restart if k not in control.config_overrides)
     try:
         merged = parse_config(p.merged, source=str(path))
     except ConfigError as e:  # the running restart-only keys and the new run-time ones disagree
@@ -70,10 +106,10 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
         log.error("configuration reload: %s (nothing changed)", e)
         raise ReloadError(str(e)) from None
     loaded(control, raw)
-    if p.restart:
-        log.warning("configuration reload: these keys need a restart and were left as they were: %s", ", ".join(p.restart))
+    if restart:
+        log.warning("configuration reload: these keys need a restart and were left as they were: %s", ", ".join(restart))
     log.info("configuration reloaded from %s (sha256 %s): changed %s", path, control.config_hash, ", ".join(p.changed) or "nothing")
-    return {"changed": list(p.changed), "restart_needed": list(p.restart), "fleet": fleet,
+    return {"changed": list(p.changed), "restart_needed": list(restart), "fleet": fleet,
             "config": {"path": str(path), "sha256": control.config_hash, "loaded_at": control.config_loaded_at}}
 
 

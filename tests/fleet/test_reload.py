@@ -103,3 +103,49 @@ def test_reload_changes_run_time_keys_names_the_rest_and_refuses_an_invalid_file
         wait_until(lambda: [e["name"] for e in rr.get("/v1/engines").json()["data"]] == ["e1"], timeout=10, what="e0 gone")
         assert httpx.post(rr.url + "/admin/config/reload", timeout=10).status_code == 401
         rr.balanced()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sighup_reloads_narwhal_serve_and_a_command_line_override_is_not_a_change(mocks: dict[str, Any], tmp_path: Path, workers: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from narwhal.http.server import free_port
+
+    f = tmp_path / "narwhal.yaml"
+    c = cfg(mocks)
+    c["serving"]["shutdown_delay_ms"] = 0
+    f.write_text(yaml.safe_dump(c))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "narwhal.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(f), "--listen", f"127.0.0.1:{port}", "--workers", workers],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        def view() -> dict[str, Any] | None:
+            try:
+                r = httpx.get(url + "/v1/engines", timeout=2)
+            except httpx.HTTPError:
+                return None
+            return r.json()["router"] if r.status_code == 200 else None
+
+        wait_until(view, timeout=45, what="narwhal serve up")
+        assert view()["config"]["sha256"]  # type: ignore[index]
+        c["admission"]["queue_limit"] = 33
+        f.write_text(yaml.safe_dump(c))
+        os.kill(proc.pid, signal.SIGHUP)
+        wait_until(lambda: (v := view()) is not None and v["scheduler"]["queue_limit"] == 33, timeout=10, what="the reload on SIGHUP")
+        r = httpx.post(url + "/admin/config/reload", headers=AUTH, timeout=10)
+        assert r.status_code == 200 and r.json()["restart_needed"] == [], r.text  # --workers is the command line's
+        assert proc.poll() is None
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    assert "configuration reloaded" in log.read_text(), log.read_text()[-2000:]

@@ -84,7 +84,7 @@ def routers(etcd_urls: list[list[str]], engine_url: str, *, workers: int = 1) ->
         for i, urls in enumerate(etcd_urls):
             port = free_port()
             cfg = {
-                "serving": {"model": MODEL, "listen": f"127.0.0.1:{port}", "workers": workers},
+                "serving": {"model": MODEL, "listen": f"127.0.0.1:{port}", "workers": workers, "shutdown_delay_ms": 0},
                 "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
                 "monitoring": {"poll_interval_ms": 200},
                 "engines": [{"name": "u0", "url": engine_url, "role": "unified", "dialect": "vllm"}],

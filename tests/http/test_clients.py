@@ -5,6 +5,7 @@ The router runs as `narwhal serve` in a subprocess on its embedded default fleet
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +47,9 @@ def _serve(args: list[str], url: str, *, verify: bool | str = True) -> Iterator[
         yield Served(url, proc)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.2)  # a second signal stops at once (serving.shutdown_delay_ms is not under test here)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:

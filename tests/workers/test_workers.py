@@ -247,6 +247,7 @@ def _write_config(path: Path, engines: list[RunningMock], **extra: Any) -> None:
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
         "monitoring": {"poll_interval_ms": 200},
         "admin": {"token_env": TOKEN_ENV},
+        "serving": {"shutdown_delay_ms": 0},  # stopping is tests/ops' subject, not these tests'
         **extra,
     }
     path.write_text(json.dumps(cfg))  # JSON is YAML
