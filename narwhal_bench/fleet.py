@@ -75,7 +75,6 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 
 from .ha import (
-    Attempt,
     Etcd,
     FollowingClient,
     Poll,
@@ -169,26 +168,7 @@ class FleetClient(FollowingClient):
     """FollowingClient with GapRec as the recorder (the same rules: R01 or connect refused
     -> the next router, each at most once)."""
 
-    async def send(self, req: Request, a: Arrival) -> None:
-        body = self.shape.body(a)
-        i = self.active
-        for _ in range(len(self.pools)):
-            r = Result(scheduled=req.scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
-            att = Attempt(i, r)
-            req.attempts.append(att)
-
-            def on_status(status: int, i: int = i) -> None:
-                if status == 200:
-                    self.active = i
-
-            try:
-                await self.pools[i].request("POST", self.shape.path, body, GapRec(r, on_status), headers={"x-request-id": req.rid}, timeout_s=self.timeout_s)
-            except asyncio.CancelledError:
-                r.error = r.error or "cut at end of run"
-                raise
-            if att.kind not in ("refused", "unreached"):
-                return
-            i = (i + 1) % len(self.pools)
+    recorder = GapRec
 
 
 def _row_id(code: str | None) -> str:

@@ -344,7 +344,10 @@ class Request:
 
 class FollowingClient:
     """Sends each request to the router that last answered 200; on R01 or a connection
-    that could not be opened, the next router in order (each at most once)."""
+    that could not be opened, the next router in order (each at most once). `recorder`:
+    what reads each answer (a subclass may keep more of it)."""
+
+    recorder: type[_Rec] = _Rec
 
     def __init__(self, urls: Sequence[str], shape: RequestShape, timeout_s: float, active: int = 0) -> None:
         self.pools = [H1Pool(u, headers={"Connection": "close"}) for u in urls]
@@ -365,7 +368,7 @@ class FollowingClient:
                     self.active = i
 
             try:
-                await self.pools[i].request("POST", self.shape.path, body, _Rec(r, on_status), headers={"x-request-id": req.rid}, timeout_s=self.timeout_s)
+                await self.pools[i].request("POST", self.shape.path, body, self.recorder(r, on_status), headers={"x-request-id": req.rid}, timeout_s=self.timeout_s)
             except asyncio.CancelledError:
                 r.error = r.error or "cut at end of run"
                 raise
