@@ -1,0 +1,114 @@
+"""core/fairness.py: the per-engine queue serves tenants by weight (start-time fair
+queueing), FIFO within a tenant and for a tenant alone, and projects the work ahead of a
+newcomer as that order would serve it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from narwhal.core.fairness import FairQueue
+
+
+@dataclass
+class W:
+    tenant: str | None
+
+
+class T:
+    def __init__(self, i: int, tenant: str | None, ms: float = 10.0) -> None:
+        self.id, self.work, self.pred_prefill_ms = i, W(tenant), ms
+
+    def __repr__(self) -> str:
+        return f"{self.work.tenant}{self.id}"
+
+
+def drain(q: FairQueue) -> list[Any]:
+    out = []
+    while q:
+        out.append(q.popleft())
+    return out
+
+
+def test_one_tenant_is_fifo_like_the_deque_it_replaces() -> None:
+    q = FairQueue()
+    ts = [T(i, None) for i in range(5)]
+    for t in ts:
+        q.append(t)
+    assert len(q) == 5 and q[0] is ts[0] and list(q) == ts
+    assert drain(q) == ts
+    with pytest.raises(IndexError):
+        q.popleft()
+
+
+def test_equal_weights_alternate_whatever_the_backlog() -> None:
+    q = FairQueue()
+    noisy = [T(i, "noisy") for i in range(10)]
+    quiet = [T(i, "quiet") for i in range(2)]
+    for t in noisy + quiet:
+        q.append(t)
+    got = drain(q)
+    assert got[:4] == [noisy[0], quiet[0], noisy[1], quiet[1]]
+    assert got[4:] == noisy[2:]
+
+
+@pytest.mark.parametrize(("wa", "wb", "first8_a"), [(1, 1, 4), (3, 1, 6), (1, 3, 2)])
+def test_weights_share_the_service(wa: float, wb: float, first8_a: int) -> None:
+    q = FairQueue(lambda t: {"a": wa, "b": wb}[t])  # type: ignore[index]
+    for i in range(20):
+        q.append(T(i, "a"))
+        q.append(T(i, "b"))
+    first = [q.popleft().work.tenant for _ in range(8)]
+    assert first.count("a") == first8_a
+
+
+def test_an_idle_tenant_earns_no_credit() -> None:
+    q = FairQueue()
+    for i in range(4):
+        q.append(T(i, "a"))
+    assert [q.popleft().id for _ in range(3)] == [0, 1, 2]
+    q.append(T(9, "b"))  # b arrives after a was served three times: it does not get three in a row
+    q.append(T(10, "b"))
+    q.append(T(11, "b"))
+    got = [(t.work.tenant, t.id) for t in drain(q)]
+    assert got[:2] in ([("a", 3), ("b", 9)], [("b", 9), ("a", 3)])
+
+
+def test_remove_and_work_and_ahead() -> None:
+    q = FairQueue()
+    a = [T(i, "a", 100.0) for i in range(9)]
+    for t in a:
+        q.append(t)
+    q.append(T(50, "b", 10.0))
+    q.remove(a[3])
+    with pytest.raises(ValueError):
+        q.remove(a[3])
+    with pytest.raises(ValueError):
+        q.remove(T(99, "c"))
+    assert len(q) == 9 and q.tenants == 2 and q.queued("a") == 8
+    total = 8 * 100.0 + 10.0
+    # a newcomer of a waits behind all of a's and b's one; of b, behind its own and about one of a's
+    assert q.ahead_ms("a", 1.0, total) == pytest.approx(total)
+    assert q.ahead_ms("b", 1.0, total) == pytest.approx(10.0 + 2 * 100.0)
+    assert q.ahead_ms("c", 1.0, total) == pytest.approx(100.0 + 10.0)
+    assert q.over_share() == ("a", a[8])
+    q.clear()
+    assert not q and q.ahead_ms("a", 1.0, 0.0) == 0.0 and q.over_share() is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=60), st.integers(min_value=0, max_value=60))
+def test_fifo_within_a_tenant_and_nothing_lost(tenants: list[str], pops: int) -> None:
+    q = FairQueue(lambda t: {"a": 1.0, "b": 2.0, "c": 0.5}[t])  # type: ignore[index]
+    ts = [T(i, t) for i, t in enumerate(tenants)]
+    for t in ts:
+        q.append(t)
+    got = [q.popleft() for _ in range(min(pops, len(ts)))] + drain(q)
+    assert sorted(t.id for t in got) == list(range(len(ts)))
+    for name in "abc":
+        ids = [t.id for t in got if t.work.tenant == name]
+        assert ids == sorted(ids)
