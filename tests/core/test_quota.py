@@ -1,0 +1,61 @@
+"""core/quota.py: per-tenant limits as token buckets and counts (rows R17-R19), with the
+wait a refused request is told (Retry-After from the bucket)."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.core.quota import DEFAULT, MAX_TENANTS, Bucket, Limits, Quotas, retry_after
+
+
+def test_a_bucket_fills_at_its_rate_up_to_its_capacity() -> None:
+    b = Bucket(2.0, 4.0, 0.0)
+    assert b.wait_s(4, 0.0) == 0.0
+    b.take(4, 0.0)
+    assert b.wait_s(1, 0.0) == pytest.approx(0.5)
+    assert b.wait_s(1, 0.5) == 0.0
+    assert b.wait_s(100, 10.0) == 0.0  # more than a full bucket: a full one will do
+    b.take(100, 10.0)
+    assert b.level == -4.0  # overdrawn once, bounded
+    assert b.wait_s(1, 10.0) == pytest.approx(2.5)
+    b.refund(100)
+    assert b.level == 4.0
+
+
+@pytest.mark.parametrize(("s", "ra"), [(0.01, 1), (1.0, 1), (1.2, 2), (59.5, 60)])
+def test_retry_after_rounds_up_and_is_at_least_one(s: float, ra: int) -> None:
+    assert retry_after(s) == ra
+
+
+def test_in_flight_and_rate_rows() -> None:
+    q = Quotas({"a": Limits(max_in_flight=2, requests_per_s=10.0), DEFAULT: Limits(requests_per_s=1.0)})
+    assert q.arrive("a", 0.0) is None and q.arrive("a", 0.0) is None
+    assert q.arrive("a", 0.0) == ("R17", 0.0)
+    q.end("a", 0.0)
+    assert q.arrive("a", 0.0) is None
+    # an unconfigured tenant gets default's limits, in its own book
+    assert q.arrive("zed", 0.0) is None
+    row, wait = q.arrive("zed", 0.0)  # type: ignore[misc]
+    assert row == "R18" and wait == pytest.approx(1.0)
+    assert q.arrive("zed", 1.0) is None
+    assert q.arrive("other", 0.0) is None  # another unknown tenant: its own bucket
+    assert q.weight("a") == 1.0 and q.limits_of(None) == q.default
+
+
+def test_tokens_charge_the_prompt_then_the_output_and_refund_what_was_not_used() -> None:
+    q = Quotas({"a": Limits(tokens_per_min=600)})  # 10 tokens/s, 600 in the bucket
+    assert q.arrive("a", 0.0) is None
+    assert q.charge_prompt("a", 500, 0.0) == 0.0
+    assert q.charge_prompt("a", 200, 0.0) == pytest.approx(10.0)  # 100 left: 10 s until 200
+    q.end("a", 0.0, charged_prompt=500, output_tokens=None)  # refused or failed: refunded
+    assert q.charge_prompt("a", 200, 0.0) == 0.0
+    q.end("a", 0.0, charged_prompt=200, output_tokens=450)  # output charged as counted
+    assert q.books["a"].tokens.level == pytest.approx(-50.0)  # type: ignore[union-attr]
+    assert q.charge_prompt("a", 10, 0.0) == pytest.approx(6.0)
+
+
+def test_tenant_books_are_bounded() -> None:
+    q = Quotas({})
+    for i in range(MAX_TENANTS + 10):
+        q.book(f"t{i}", 0.0)
+    assert len(q.books) == MAX_TENANTS and "t0" not in q.books
