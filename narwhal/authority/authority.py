@@ -215,6 +215,15 @@ class Authority:
             if f is not None and not f.done():
                 f.set_result(r)
 
+    def settle_evicted(self) -> None:
+        """Queued tickets that yielded their place (admission.py `_yield_to`): their
+        waiters get the refusal (R11), as a reconcile's refusals do."""
+        ev, self.scheduler.evicted = self.scheduler.evicted, []
+        for t, r in ev:
+            f = self.waiters.pop(t.id, None)
+            if f is not None and not f.done():
+                f.set_result(r)
+
     def reconcile(self) -> None:
         grants, refused = self.scheduler.reconcile(self.clock.now())
         self.wake(grants)

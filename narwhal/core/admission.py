@@ -45,6 +45,7 @@ from typing import Any
 
 from narwhal_generated import errors as E
 
+from .fairness import Weights
 from .fleet import PHASE1_ROLES, EngineState
 from .prediction import DEPTH_BUCKET_OF, Margin, OutputLengthLearner
 from .prefix import PrefixIndex
@@ -68,6 +69,7 @@ class Scheduler:
         output_lengths: OutputLengthLearner | None = None,
         tpot_budget_ms: float | None = None,
         prefix: dict[str, PrefixIndex] | None = None,
+        weights: Weights | None = None,
     ) -> None:
         self.engines: dict[str, EngineState] = {e.name: e for e in engines}
         # phase-1 engines' prefix caches as the router knows them (core/prefix.py); empty:
@@ -79,6 +81,11 @@ class Scheduler:
         self.margin = margin or Margin()
         self.output_lengths = output_lengths or OutputLengthLearner()
         self.tpot_budget_ms = tpot_budget_ms  # R14: the decode-side check, off when None
+        # tenants' weights (core/fairness.py; tenants.NAME.weight): every engine's phase-1
+        # queue serves them so, and the projection counts the work a newcomer of a tenant
+        # waits behind in that order
+        self.weights: Weights = weights or (lambda tenant: 1.0)
+        self.evicted: list[tuple[Ticket, Refuse]] = []  # R11: queued tickets that yielded to a tenant under its share
         self.decode_queue: deque[Ticket] = deque()
         self.queued = 0  # phase-1 waiters over all engines
         self.pd_pending = 0  # P/D tickets past prefill dispatch and not on a decode slot
@@ -91,6 +98,8 @@ class Scheduler:
     # -- membership (spec/tables/lifecycle.yaml) ----------------------------------------
 
     def _roles(self) -> None:
+        for e in self.engines.values():
+            e.queue.weights = self.weights
         self._phase1 = [e for e in self.engines.values() if e.role in PHASE1_ROLES]
         self._decoders = [e for e in self.engines.values() if e.role == "decode"]
         self._prefillers = [e for e in self._phase1 if e.role == "prefill"]
@@ -216,6 +225,8 @@ class Scheduler:
         min_solo = float("inf")
         out_len: float | None = None
         caches = self.prefix if (work.prefix or work.token_prefix) else None
+        tenant = work.tenant
+        wt = self.weights(tenant) if tenant is not None else 1.0
         best_cached = 0.0
         behind = -1.0  # 1 + mean depth: counted once, when a cache first saves something
         for e in self._phase1:
@@ -260,7 +271,10 @@ class Scheduler:
                 saved = full - pf if full > pf else 0.0
             solo = pf + solo_extra  # R08: the prompt alone (no decode-slot wait)
             busy = e.busy_until * 1000.0 - now_ms
-            p_e = (busy if busy > 0.0 else 0.0) + e.queued_work_ms + pf + extra
+            # the work ahead of it here: the whole queue, or (tenants queued) what fair
+            # queueing serves before it (core/fairness.py ahead_ms)
+            qw = e.queue.ahead_ms(tenant, wt, e.queued_work_ms) if e.queue else 0.0
+            p_e = (busy if busy > 0.0 else 0.0) + qw + pf + extra
             if predictive:
                 if solo < min_solo:
                     min_solo = solo
@@ -303,7 +317,7 @@ class Scheduler:
             ra = E.retry_after_seconds(E.R10, over)
             return Refuse(E.R10, overrun_s=over, fields={"projected_ms": round(proj * m), "budget_ms": round(work.budget_ms), "retry_after": ra})
         free = self._phase1_free(engine) and not engine.queue
-        if not free and self.queued >= self.queue_limit:
+        if not free and self.queued >= self.queue_limit and not self._yield_to(tenant, wt):
             return Refuse(E.R11, fields={"limit": self.queue_limit})  # R11
         if predictive and self.tpot_budget_ms is not None:
             r14 = self._decode_check(engine, work)
@@ -318,6 +332,36 @@ class Scheduler:
         if free:
             return self._dispatch1(t, engine, now)
         return self._enqueue(t, engine, now)
+
+    def _yield_to(self, tenant: str | None, weight: float) -> bool:
+        """R11 with tenants (refusals.yaml R11 note): the queue is full; when the arriving
+        tenant would hold less of it per weight than the tenant furthest over its share,
+        that tenant's newest queued request yields (refused R11, `evicted`) and the
+        arrival queues in its place. True when one yielded."""
+        load: dict[str | None, int] = {}
+        newest: dict[str | None, tuple[float, EngineState, Ticket]] = {}
+        for e in self._phase1:
+            q = e.queue
+            if not q:
+                continue
+            for t in q:
+                u = t.work.tenant
+                load[u] = load.get(u, 0) + 1
+                at = t.enqueued_at or 0.0
+                if u not in newest or at >= newest[u][0]:
+                    newest[u] = (at, e, t)
+        if len(load) < 1 or (len(load) == 1 and tenant in load):
+            return False
+        victim = max(load, key=lambda u: load[u] / self.weights(u))
+        if victim == tenant or (load.get(tenant, 0) + 1) / weight >= load[victim] / self.weights(victim):
+            return False
+        _, e, t = newest[victim]
+        e.queue.remove(t)
+        e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
+        self.queued -= 1
+        t.state = "done"
+        self.evicted.append((t, Refuse(E.R11, fields={"limit": self.queue_limit})))
+        return True
 
     def _enqueue(self, t: Ticket, engine: EngineState, now: float) -> Enqueued:
         t.state = "queued"

@@ -12,12 +12,11 @@ poll after that (half-open in between). A success before the threshold resets th
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
+from .fairness import FairQueue
 from .lifecycle import Lifecycle
 from .prediction import DecodeModel, LinearModel, PrefillModel
-from .tickets import Ticket
 
 __all__ = ["EngineState", "Breaker", "PHASE1_ROLES"]
 
@@ -102,7 +101,9 @@ class EngineState:
         # place (after a take-over: the previous leader's; authority/load.py): they hold
         # the engine's slots as surely as our own until the engine reports them gone
         self.external = 0
-        self.queue: deque[Ticket] = deque()  # phase-1 waiters placed on this engine
+        # phase-1 waiters placed on this engine, served by tenant weight (core/fairness.py;
+        # FIFO when one tenant queues)
+        self.queue: FairQueue = FairQueue()
         self.queued_work_ms = 0.0
         self.busy_until = 0.0  # projected end of the dispatched prefill backlog
         self.inflight_prefill: dict[int, float] = {}  # ticket id -> predicted ms

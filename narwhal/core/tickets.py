@@ -31,6 +31,7 @@ class Work:
     prefix: tuple[int, ...] = ()
     block_tokens: float = 0.0
     token_prefix: tuple[int, ...] = ()  # the same over the prompt's token IDs (engines with KV events)
+    tenant: str | None = None  # who it is for (auth; None: no identity): fair queueing, tenant rows
 
 
 @dataclass(frozen=True, slots=True)
