@@ -33,6 +33,7 @@ CAPABILITIES: dict[str, str] = {
     "pd": "runs vLLM's two-phase prefill/decode protocol over the profile's prefill and decode engines",
     "token-ids": "asks vLLM engines for token IDs on its own and accounts the output by them",
     "retry": "retries an engine attempt that fails before response headers once on another eligible engine",
+    "auth": "asks clients for an API key (issue 22): the key given with --header (Authorization: Bearer KEY or x-api-key: KEY) is served, a request without it or with another key is refused 401 with WWW-Authenticate and an error envelope; /health and /ready need none",
     "ha-etcd": "takes part in a leader election on the etcd the runner starts ({etcd} in --serve; lease TTL 2 s): as the only candidate it leads, it fences itself when etcd stops answering and leads again once etcd answers",
 }
 __doc__ = (__doc__ or "") + "".join(f"\n  {k:<21} {v}" for k, v in CAPABILITIES.items()) + "\n"
@@ -230,6 +231,19 @@ def _ha_etcd(t: Target, profile: Any) -> tuple[bool, str]:
     return False, HA_ETCD_NOT_DECLARED
 
 
+_CREDENTIALS = ("authorization", "x-api-key")
+
+
+def _auth(t: Target, profile: Any) -> tuple[bool, str]:
+    given = getattr(t, "headers", {}) or {}
+    if not any(h in given for h in _CREDENTIALS):
+        return False, "no key given (--header 'Authorization: Bearer KEY' or --header 'x-api-key: KEY')"
+    # the run's key left out (None: not sent, runner.py)
+    _, ex = _chat(t, "auth", headers=dict.fromkeys(_CREDENTIALS))  # type: ignore[arg-type]
+    ok = ex.status == 401
+    return ok, "a request without the key given is refused 401" if ok else f"a request without the key given answers {ex.status}"
+
+
 _DETECTORS: dict[str, Callable[[Target, Any], tuple[bool, str]]] = {
     "ready": _ready,
     "engines-api": _engines,
@@ -243,6 +257,7 @@ _DETECTORS: dict[str, Callable[[Target, Any], tuple[bool, str]]] = {
     "token-ids": _token_ids,
     "retry": _retry,
     "ha-etcd": _ha_etcd,
+    "auth": _auth,
 }
 assert set(_DETECTORS) == set(CAPABILITIES)
 

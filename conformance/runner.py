@@ -100,8 +100,10 @@ class Runner:
     # -- the target ----------------------------------------------------------------------
 
     def send(self, req: RequestData) -> Exchange:
-        """A request to the target with the run's headers (the request's own win)."""
-        return self.client.send(RequestData(req.method, req.path, {**self.headers, **req.headers}, req.body, req.timeout_s))
+        """A request to the target with the run's headers (the request's own win; a
+        request's header whose value is None is not sent, the run's included)."""
+        headers = {k: v for k, v in {**self.headers, **req.headers}.items() if v is not None}
+        return self.client.send(RequestData(req.method, req.path, headers, req.body, req.timeout_s))
 
     def _get(self, url: str) -> httpx.Response | None:
         try:

@@ -35,6 +35,7 @@ class ErrorRow:
     retryable: bool
     message: str
     quote: str
+    headers: tuple[tuple[str, str], ...] = ()  # other response headers (name, value), e.g. WWW-Authenticate
 
 
 class _Blank(dict):  # type: ignore[type-arg]
@@ -58,10 +59,46 @@ R01 = ErrorRow(
     quote='Router is standby, fenced, in whole-wave maintenance, or monitoring-degraded\t503\tRetryable refusal, Retry-After: 1; /ready reports the reason',
 )
 
+# R15: Only with auth configured (auth.keys_file and/or auth.jwt; without auth the predicate never holds and nothing is read). The request carries no credential: neither Authorization: Bearer <key> nor x-api-key: <key> (an Authorization header of another scheme, or an empty value, counts as none). Decided from the request head in the data plane (narwhal/tenants/identity.py), before the body is read and before any engine sees the request. Precedence: after R01 (a router that is not ready says so first: its answer is the same for every client and tells nothing about keys) and before R02 (an unauthenticated request never takes HTTP retention, so clients without a key cannot fill the retention limit against the tenants that have one): the data plane passes its verdict to Door.arrive, and the authority decides R01, then this row, then R02 in one step. Class invalid_requests: an offered request (C01) refused by the client's own fault before workload sizing (C02 unsized), like R03-R07; it takes no capacity and is not a load signal. GET /v1/models answers the same row (not counted: not a completion route); /health, /ready, /metrics and /v1/engines never ask for a key.
+R15 = ErrorRow(
+    id='R15',
+    order=2,
+    when='api_key_missing',
+    status=401,
+    type='authentication_error',
+    code='missing_api_key',
+    param=None,
+    retry_after=None,
+    counter='invalid_requests',
+    unsized=True,
+    retryable=False,
+    message='This router needs an API key: send it as Authorization: Bearer <key> (or x-api-key: <key>).',
+    quote='With `auth` configured, a completion request with no key or an unknown/expired one is refused by new spec rows with their own codes (401, `WWW-Authenticate`), before the body is read past the head and before any engine sees it',
+    headers=(('WWW-Authenticate', 'Bearer'),),
+)
+
+# R16: Only with auth configured. The credential names no valid key: its SHA-256 is in no entry of auth.keys_file (unknown, or revoked by removing its entry), its entry's expires_at has passed, or, with auth.jwt, it is not a JWT that verifies against auth.jwt.jwks_file (signature, one of auth.jwt.algorithms, exp present and not passed, nbf, iss equal to auth.jwt.issuer, aud containing auth.jwt.audience, a tenant claim that is a name). Which of these failed is never said to the client (nor the key: the answer, logs and metrics name the key's id at most). Same place, precedence, class and headers as R15 (WWW-Authenticate with error=invalid_token, RFC 6750 section 3.1).
+R16 = ErrorRow(
+    id='R16',
+    order=3,
+    when='api_key_invalid',
+    status=401,
+    type='authentication_error',
+    code='invalid_api_key',
+    param=None,
+    retry_after=None,
+    counter='invalid_requests',
+    unsized=True,
+    retryable=False,
+    message='The API key given is not valid (unknown, revoked or expired).',
+    quote='With `auth` configured, a completion request with no key or an unknown/expired one is refused by new spec rows with their own codes (401, `WWW-Authenticate`), before the body is read past the head and before any engine sees it',
+    headers=(('WWW-Authenticate', 'Bearer error="invalid_token"'),),
+)
+
 # R02: Counts every client request held by the router (reading body, queued, in flight, streaming) until its response ends. Decided before the body is read.
 R02 = ErrorRow(
     id='R02',
-    order=2,
+    order=4,
     when='http_retention_full',
     status=429,
     type='rate_limit_error',
@@ -78,7 +115,7 @@ R02 = ErrorRow(
 # R03: Enforced while the body is read: reading stops at the first byte past the limit; a Content-Length over the limit is refused before reading.
 R03 = ErrorRow(
     id='R03',
-    order=3,
+    order=5,
     when='body_too_large',
     status=413,
     type='invalid_request_error',
@@ -95,7 +132,7 @@ R03 = ErrorRow(
 # R04: Headers x-narwhal-ttft-target-ms and x-narwhal-deadline-ms are router-interpreted fields too: a value that is not a nonnegative integer is refused here with param naming the header.
 R04 = ErrorRow(
     id='R04',
-    order=4,
+    order=6,
     when='body_invalid',
     status=400,
     type='invalid_request_error',
@@ -111,7 +148,7 @@ R04 = ErrorRow(
 
 R05 = ErrorRow(
     id='R05',
-    order=5,
+    order=7,
     when='model_unknown',
     status=404,
     type='invalid_request_error',
@@ -128,7 +165,7 @@ R05 = ErrorRow(
 # R06: param is 'n' when n > 1, else 'best_of'.
 R06 = ErrorRow(
     id='R06',
-    order=6,
+    order=8,
     when='sampling_width_over_one',
     status=400,
     type='invalid_request_error',
@@ -145,7 +182,7 @@ R06 = ErrorRow(
 # R07: Non-streaming only: modalities other than 'text' (param modalities), a non-null audio request (param audio), a tool whose type is not 'function' (param tools[i].type). Streaming requests pass these through.
 R07 = ErrorRow(
     id='R07',
-    order=7,
+    order=9,
     when='unsupported_non_streaming_option',
     status=400,
     type='invalid_request_error',
@@ -162,7 +199,7 @@ R07 = ErrorRow(
 # R08: Predictive mode only. Solo projection on the best eligible engine: prefill time times the depth-0 margin, plus KV transfer and the decode engine's first token when disaggregated. With no eligible engine the predicate is false and R09 decides.
 R08 = ErrorRow(
     id='R08',
-    order=8,
+    order=10,
     when='prompt_alone_exceeds_budget',
     status=429,
     type='rate_limit_error',
@@ -179,7 +216,7 @@ R08 = ErrorRow(
 # R09: Eligible: healthy, not draining, its wave not in maintenance, circuit breaker closed, role fits the phase. Also decided when every engine a queued request could use becomes ineligible before it is dispatched.
 R09 = ErrorRow(
     id='R09',
-    order=9,
+    order=11,
     when='no_eligible_engine',
     status=503,
     type='unavailable_error',
@@ -196,7 +233,7 @@ R09 = ErrorRow(
 # R10: Predictive mode only. Retry-After = max(1, floor(overrun_s + 0.5)), overrun = best projection times margin minus budget. Placement and the prefix cache (admission.prediction.prefix_cache): each candidate engine's prefill is projected on the prompt tokens it is expected not to hold (the leading prompt blocks its prefix index holds, times the tokens a block stands for; at least one token is computed), its backlog included; the request goes to the engine of the lowest placement cost, its projected TTFT minus the prefill time its cached prefix saves there times (1 + the mean number of requests prefilling or queued per placement-eligible engine): the requests expected to queue behind it get that time back, and placed elsewhere the prefix would be stored a second time, evicting about as much that a later request would find; all times its margin. So cache affinity and load balance are one number, and an engine holding nothing of the prompt is ranked on the projected TTFT alone; R10 is decided on the chosen engine's projected TTFT times its margin; R08 and R10 use the same cached projection. The prefill sample is learned on the uncached tokens the engine reports (usage.prompt_tokens_details.cached_tokens), else on the expected ones.
 R10 = ErrorRow(
     id='R10',
-    order=10,
+    order=12,
     when='projected_ttft_over_budget',
     status=429,
     type='rate_limit_error',
@@ -213,7 +250,7 @@ R10 = ErrorRow(
 # R11: A request that cannot take a phase slot at once waits in the admission queue; when admission.queue_limit requests already wait there, it is refused.
 R11 = ErrorRow(
     id='R11',
-    order=11,
+    order=13,
     when='admission_queue_full',
     status=429,
     type='rate_limit_error',
@@ -230,7 +267,7 @@ R11 = ErrorRow(
 # R12: Admission wait is the time a request spends in the admission queue (waiting for placement or for a phase slot). It is always before response headers.
 R12 = ErrorRow(
     id='R12',
-    order=12,
+    order=14,
     when='admission_wait_expired',
     status=504,
     type='timeout_error',
@@ -247,7 +284,7 @@ R12 = ErrorRow(
 # R13: Relative to arrival. Before response headers: this row. After response headers: the stream ends with an error event carrying this code.
 R13 = ErrorRow(
     id='R13',
-    order=13,
+    order=15,
     when='deadline_expired',
     status=504,
     type='timeout_error',
@@ -261,10 +298,10 @@ R13 = ErrorRow(
     quote='Original request deadline expires before response headers\t504\tTerminal expiry',
 )
 
-# R14: Narwhal's decode-side check (predictive mode, only when admission.prediction.tpot_budget_ms is set; PREDICTION.md section 6). The batch the request will join on the best decode engine: sequences decoding there + its share of those waiting for decode, in prefill or queued for prefill + 1; projected TPOT = the engine's load-conditioned decode profile with decode correction at that batch. Retry-After = max(1, round-half-up(the time for the excess sequences to finish)). Appended after R13 so the contract's order 1-13 is unchanged; it is evaluated at arrival, after R11.
+# R14: Narwhal's decode-side check (predictive mode, only when admission.prediction.tpot_budget_ms is set; PREDICTION.md section 6). The batch the request will join on the best decode engine: sequences decoding there + its share of those waiting for decode, in prefill or queued for prefill + 1; projected TPOT = the engine's load-conditioned decode profile with decode correction at that batch. Retry-After = max(1, round-half-up(the time for the excess sequences to finish)). Appended after R13 so the contract's rows keep their relative order; it is evaluated at arrival, after R11.
 R14 = ErrorRow(
     id='R14',
-    order=14,
+    order=16,
     when='projected_tpot_over_budget',
     status=429,
     type='rate_limit_error',
@@ -580,7 +617,7 @@ H11 = ErrorRow(
     quote='the whole file is validated first (an invalid one changes nothing and answers with the errors)',
 )
 
-REFUSALS: tuple[ErrorRow, ...] = (R01, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13, R14,)
+REFUSALS: tuple[ErrorRow, ...] = (R01, R15, R16, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13, R14,)
 FAILURES: tuple[ErrorRow, ...] = (E01, E02, E03, E04, E05, E06, E07,)
 HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06, H07, H08, H09, H10, H11,)
 ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}
@@ -628,4 +665,6 @@ def render(
     headers = [(b"content-type", b"application/json")]
     if ra is not None:
         headers.append((b"retry-after", str(ra).encode()))
+    for name, value in row.headers:
+        headers.append((name.lower().encode(), value.encode()))
     return row.status, headers, body

@@ -104,6 +104,8 @@ def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: the router cannot forward a request without {f!r}")
         if f in deny[:i]:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: {f!r} is listed twice")
+    if cfg.auth is not None and cfg.auth.keys_file is None and cfg.auth.jwt is None:
+        raise ConfigError(f"{source}: auth: needs keys_file or jwt (or both)")
     ha = cfg.ha
     if ha is not None:
         # renew_interval_ms and fence_margin_ms follow the TTL unless given (an operator

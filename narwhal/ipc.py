@@ -149,6 +149,7 @@ class Arrive:
     TAG: ClassVar[int] = 21
     rid: int
     at: float
+    denied: str | None = None  # the data plane's R15/R16 on the request head (core/lease.py Door.arrive)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +165,8 @@ class Admit:
     deadline_s: float | None
     prefix: list[int]
     token_prefix: list[int]
+    tenant: str | None = None  # auth: core/lease.py Order.tenant
+    key_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -409,6 +409,48 @@ class DnsSource(BaseModel):
     ] = 64
 
 
+class Jwt(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    jwks_file: Annotated[
+        StrictStr,
+        Field(
+            description='A JSON Web Key Set file ({"keys": [...]}): public keys only.', min_length=1
+        ),
+    ]
+    issuer: Annotated[
+        StrictStr,
+        Field(description='The iss every token must carry.', max_length=1024, min_length=1),
+    ]
+    audience: Annotated[
+        StrictStr,
+        Field(
+            description="A value the token's aud must be or contain (a token minted for another service is refused).",
+            max_length=1024,
+            min_length=1,
+        ),
+    ]
+    tenant_claim: Annotated[
+        StrictStr,
+        Field(
+            description="The claim naming the token's tenant (1-128 of A-Z a-z 0-9 . _ : @ -); a token without it is refused R16.",
+            max_length=128,
+            min_length=1,
+        ),
+    ] = 'tenant'
+    algorithms: Annotated[
+        list[Literal['RS256', 'RS384', 'RS512', 'PS256', 'PS384', 'PS512', 'ES256', 'ES384', 'ES512', 'EdDSA']],
+        Field(
+            description='The signature algorithms accepted (asymmetric only: the JWKS holds public keys; none and HS* are never accepted).',
+            min_length=1,
+        ),
+    ] = ['RS256', 'ES256']
+    leeway_ms: Annotated[
+        StrictInt, Field(description='Clock skew allowed on exp and nbf.', ge=0, le=300000)
+    ] = 0
+
+
 class Serving(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -559,6 +601,44 @@ class Discovery(BaseModel):
     ] = 4194304
 
 
+class Auth(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    keys_file: Annotated[
+        StrictStr | None,
+        Field(
+            description="A YAML or JSON file of API keys: a list of {id, tenant, sha256, expires_at} (or a mapping with the key `keys`). id names the key in logs and metrics (1-128 of A-Z a-z 0-9 . _ : @ -, unique), tenant the tenant it acts for (the same characters), sha256 the lowercase hex SHA-256 of the key's bytes (the key itself is stored nowhere; unique), expires_at (optional) when it stops being valid: ISO-8601 with a time zone, or unix seconds. Removing an entry revokes the key. Read at start (a file that cannot be read or validated then stops the router, naming file, line and key) and whenever it changes (checked every keys_interval_ms, by its size, time, inode and content; each worker process reads it itself: the file is the source of truth). A changed file that cannot be read or validated leaves the keys as they were, is logged with file, line and key (never a key), and counted (narwhal_auth_source_errors_total).",
+            min_length=1,
+        ),
+    ] = None
+    keys_interval_ms: Annotated[
+        StrictInt,
+        Field(
+            description='How often auth.keys_file (and auth.jwt.jwks_file) is checked for a change: a revoked key is refused at most this long (plus the read) after the file changes.',
+            ge=100,
+            le=60000,
+        ),
+    ] = 1000
+    max_keys: Annotated[
+        StrictInt,
+        Field(
+            description='A keys file with more entries is refused (the keys stay as they were).',
+            ge=1,
+            le=1000000,
+        ),
+    ] = 100000
+    max_file_bytes: Annotated[
+        StrictInt,
+        Field(
+            description='A keys file or JWKS file larger than this is refused (the keys stay as they were).',
+            ge=1024,
+            le=268435456,
+        ),
+    ] = 33554432
+    jwt: Jwt | None = None
+
+
 class NarwhalConfig(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -574,6 +654,12 @@ class NarwhalConfig(BaseModel):
     discovery: Annotated[Discovery, Field(validate_default=True)] = {}
     monitoring: Annotated[Monitoring, Field(validate_default=True)] = {}
     admin: Annotated[Admin, Field(validate_default=True)] = {}
+    auth: Annotated[
+        Auth | None,
+        Field(
+            description="Client identity (issue 22; absent: off, every client is served as before). With auth, a request to a completion route or GET /v1/models needs a valid credential (Authorization: Bearer <key> or x-api-key: <key>): none is refused R15 missing_api_key, one that names no valid key R16 invalid_api_key (401, WWW-Authenticate), before the body is read and before any engine sees it. /health, /ready, /metrics and /v1/engines need none (keep /metrics and /v1/engines on a private network); the admin API keeps admin.token_env. Keys appear in no log, metric or error: the key's id does."
+        ),
+    ] = None
     ha: Annotated[
         Ha | None,
         Field(

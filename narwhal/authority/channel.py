@@ -19,6 +19,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from narwhal_generated import errors as E
+
 from .. import ipc
 from ..core.lease import Grant, Order, Outcome
 from ..core.tickets import Refuse
@@ -73,7 +75,7 @@ class WorkerSession:
     # -- the seam ------------------------------------------------------------------------
 
     def _arrive(self, m: ipc.Arrive) -> None:
-        got = self.door.arrive_now(m.at)
+        got = self.door.arrive_now(m.at, None if m.denied is None else Refuse(E.ROWS[m.denied]))
         if isinstance(got, Refuse):
             self.send(ipc.Arrived(m.rid, got.row.id, got.fields))
             return
@@ -84,7 +86,7 @@ class WorkerSession:
         entry = self.entries.get(m.rid)
         if entry is None:
             return  # ended meanwhile
-        got = entry.admit_now(Order(m.route, m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix), tuple(m.token_prefix)))
+        got = entry.admit_now(Order(m.route, m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix), tuple(m.token_prefix), m.tenant, m.key_id))
         if isinstance(got, Refuse):
             self.send(ipc.Refused(m.rid, got.row.id, got.overrun_s, got.fields))
             return

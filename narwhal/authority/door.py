@@ -174,8 +174,11 @@ class LocalEntry:
             prefix=order.prefix if a.scheduler.prefix else (),
             token_prefix=order.token_prefix if a.scheduler.prefix else (),
             block_tokens=APPROX_BLOCK_BYTES / a.sizer.bytes_per_token,
+            tenant=order.tenant,
         )
         d = a.scheduler.admit(work, now)
+        if a.scheduler.evicted:  # R11 with tenants: a queued request yielded its place
+            a.settle_evicted()
         if isinstance(d, Refuse):
             return d
         self.lease = LocalLease(a, d, order)
@@ -200,17 +203,21 @@ class LocalDoor:
     def __init__(self, a: Authority) -> None:
         self.a = a
 
-    async def arrive(self, at: float) -> LocalEntry | Refuse:
-        """C01 (offered), then R01 and R02, before the body is read."""
-        return self.arrive_now(at)
+    async def arrive(self, at: float, denied: Refuse | None = None) -> LocalEntry | Refuse:
+        """C01 (offered), then R01, the data plane's `denied` (R15/R16) and R02, before
+        the body is read."""
+        return self.arrive_now(at, denied)
 
-    def arrive_now(self, at: float) -> LocalEntry | Refuse:
+    def arrive_now(self, at: float, denied: Refuse | None = None) -> LocalEntry | Refuse:
         a = self.a
         books = a.books.offer()
         reason = a.state.reason(at)
         if reason is not None:  # R01
             a.books.end(books, E.R01.counter)
             return Refuse(E.R01, fields={"reason": reason})
+        if denied is not None:  # R15, R16: after R01, before R02 (no retention taken)
+            a.books.end(books, denied.row.counter)
+            return denied
         limit = a.config.admission.http_retention_limit
         if a.held >= limit:  # R02
             a.books.end(books, E.R02.counter)

@@ -3,12 +3,15 @@
 The data plane (narwhal/worker: one request's bytes) sees admission only through two
 objects per request, and these are their whole vocabulary:
 
-  * `Door.arrive(at)` -> `Entry | Refuse`: the request is offered (C01, the books) and
-    decided against the rows that need the router's state before its body is read: R01
-    (router not ready) and R02 (retention full).
+  * `Door.arrive(at, denied)` -> `Entry | Refuse`: the request is offered (C01, the
+    books) and decided against the rows that need the router's state before its body is
+    read: R01 (router not ready) and R02 (retention full). `denied` is the data plane's
+    own verdict on the request head that ranks between them (R15/R16, auth: identity is
+    checked in the data plane, narwhal/tenants): R01, else `denied` (the books closed in
+    its class, no retention taken), else R02.
   * `Entry.arrived()` -> `Refuse | None`: the arrival's decision when `arrive` returned
     before it was known (over IPC the worker sends Arrive and reads the body meanwhile):
-    R01 or R02 with the books already closed, or None (offered and held). The data plane
+    R01, `denied` or R02 with the books already closed, or None (offered and held). The data plane
     awaits it before it answers anything else, so the rows keep their precedence.
   * `Entry.admit(order)` -> `Lease | Refuse`: the sized request against R08-R11 and R14,
     placed on a phase-1 engine (granted or queued); an arrival refused meanwhile comes
@@ -64,6 +67,8 @@ class Order:
     deadline_s: float | None  # x-narwhal-deadline-ms, relative to arrival
     prefix: tuple[int, ...] = ()  # the prompt's prefix-cache blocks (core/prefix.py), () when not modelled
     token_prefix: tuple[int, ...] = ()  # the same over its token IDs, for engines with KV events
+    tenant: str | None = None  # auth: the tenant the request acts for (narwhal/tenants); None without auth
+    key_id: str | None = None  # auth: the id of its key (never the key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +114,7 @@ class Entry(Protocol):
 
 
 class Door(Protocol):
-    async def arrive(self, at: float) -> Entry | Refuse: ...
+    async def arrive(self, at: float, denied: Refuse | None = None) -> Entry | Refuse: ...
 
 
 class Controls(Protocol):

@@ -6,10 +6,13 @@ API ask the authority (`plane.controls`), so they answer the same from every wor
 Routes (NARWHAL.md "HTTP surface"): the two completion routes (raw ASGI, see
 completions.py), /v1/models, /health, /ready, /v1/engines, /metrics, the admin API, and
 /openapi.json (the generated document). Unknown paths and methods answer rows H01/H02.
+With auth, the completion routes and /v1/models need a valid key (R15/R16); /health,
+/ready, /v1/engines, /metrics and /openapi.json do not, the admin API has its own token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -27,6 +30,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
+from ..tenants import Identity
 from ..worker.plane import DataPlane
 from . import hyper
 from .admin import admin_routes, admin_token
@@ -45,8 +49,15 @@ def create_app(plane: DataPlane, *, lifespan_hooks: tuple[Any, Any] | None = Non
     plane.telemetry.registry.register(hyper.ConnectionCollector())  # type: ignore[arg-type]
     created = int(time.time())
     controls = plane.controls
+    auth = plane.auth
+    if auth is not None:  # the keys loaded and the keys files' errors (never a key)
+        plane.telemetry.registry.register(auth)  # type: ignore[arg-type]
 
-    async def models(_: Request) -> Response:
+    async def models(request: Request) -> Response:
+        if auth is not None:  # R15, R16 as on the completion routes (not offered: no books)
+            who = auth.check(request.scope["headers"])
+            if not isinstance(who, Identity):
+                return row_response(who)
         return JSONResponse({"object": "list", "data": [{"id": plane.config.serving.model, "object": "model", "created": created, "owned_by": "narwhal"}]})
 
     async def health(_: Request) -> Response:
@@ -78,11 +89,15 @@ def create_app(plane: DataPlane, *, lifespan_hooks: tuple[Any, Any] | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[dict[str, Any]]:
+        # auth.keys_file / jwks_file are watched by every process that serves (keys.py)
+        watch = asyncio.ensure_future(auth.run()) if auth is not None else None
         if lifespan_hooks is not None:
             await lifespan_hooks[0]()
         try:
             yield {}
         finally:
+            if watch is not None:
+                watch.cancel()
             if lifespan_hooks is not None:
                 await lifespan_hooks[1]()
 

@@ -1,7 +1,9 @@
 """The completion routes, as raw ASGI (the hot path: no middleware, no Request objects).
 
 Order of decisions, as the refusal table orders them:
-  R01 router not ready and R02 retention full are decided before the body is read;
+  R01 router not ready, R15/R16 (auth: no valid key; the verdict is the data plane's,
+  from the head, and the door ranks it after R01) and R02 retention full are decided
+  before the body is read;
   R03 while it is read (a Content-Length over the limit is refused before reading, and
   reading stops at the first byte past the limit, so nothing past it is buffered);
   R04-R07 on the parsed body (narwhal/core/requests.py); then workload sizing, and
@@ -28,6 +30,7 @@ from ..core.lease import Order
 from ..core.prefix import rendered, text_keys
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
 from ..core.tickets import Refuse
+from ..tenants import Identity
 from ..worker.plane import DataPlane
 from ..worker.request import error_event, run_request
 from . import hyper
@@ -236,8 +239,16 @@ class CompletionEndpoint:
             return
         arrival = r.clock.now()
         drain = 8 * r.config.serving.max_request_bytes
-        got = await r.door.arrive(arrival)
-        if isinstance(got, Refuse):  # R01, R02: the authority has closed the books
+        who: Identity | None = None
+        denied: Refuse | None = None
+        if r.auth is not None:  # R15, R16 (issue 22): from the head alone
+            checked = r.auth.check(scope["headers"])
+            if isinstance(checked, Identity):
+                who = checked
+            else:
+                denied = Refuse(checked)
+        got = await r.door.arrive(arrival, denied)
+        if isinstance(got, Refuse):  # R01, R15/R16, R02: the authority has closed the books
             try:
                 await drain_request(scope, receive, limit=drain)
                 await send_row(send, got.row, rid=rid, **got.fields)
@@ -245,6 +256,17 @@ class CompletionEndpoint:
                 r.telemetry.e2e.labels(got.row.counter).observe(r.clock.now() - arrival)
             return
         entry = got
+        if denied is not None:  # over IPC: the authority's answer is R01 or `denied`; no body is read
+            ended = "cancelled"
+            try:
+                refused = await entry.arrived() or denied
+                ended = refused.row.counter
+                await drain_request(scope, receive, limit=drain)
+                await send_row(send, refused.row, rid=rid, **refused.fields)
+            finally:
+                entry.end(ended)  # the authority closed the books at arrival; this End is ignored there
+                r.telemetry.e2e.labels(ended).observe(r.clock.now() - arrival)
+            return
         sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0)
         cls: str | None = None
         try:
@@ -319,6 +341,8 @@ class CompletionEndpoint:
                 # the prompt's prefix blocks: which engine may hold its history cached
                 prefix=text_keys(rendered(self.route, parsed.body)) if r.models_prefix else (),
                 token_prefix=await r.token_prefix(self.route, parsed.body) if r.kv_tokenizer is not None else (),
+                tenant=None if who is None else who.tenant,
+                key_id=None if who is None else who.key_id,
             )
             cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid), receive, sink)
         except asyncio.CancelledError:
@@ -327,7 +351,7 @@ class CompletionEndpoint:
         except OSError:
             cls = "cancelled"  # the client's connection broke while we wrote to it
         except Exception:
-            log.exception("request %s: router bug", rid)
+            log.exception("request %s (key %s): router bug", rid, "-" if who is None else who.key_id)  # the key's id, never the key
             cls = E.H06.counter
             try:
                 if not sink.headers_sent:

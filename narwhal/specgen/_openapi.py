@@ -81,6 +81,12 @@ def _error_responses(rows: list[dict[str, Any]], schemas: dict[str, Any], tag: s
                     "schema": {"type": "string", "pattern": "^[0-9]+$"},
                 }
             }
+        for name in sorted({h for r in rs for h in r.get("headers", {})}):
+            resp.setdefault("headers", {})[name] = {
+                "description": "; ".join(f"{r['id']}: {r['headers'][name]}" for r in rs if name in r.get("headers", {})),
+                "required": all(name in r.get("headers", {}) for r in rs),
+                "schema": {"type": "string"},
+            }
         out[str(status)] = resp
     return out
 
@@ -178,7 +184,13 @@ def render_openapi(spec: Spec) -> str:
         "/v1/completions": completion(
             "CompletionRequest", "Completion", "Text completion (one offered arrival).", "completions", completion_only
         ),
-        "/v1/models": get("list_models", "The configured model.", {"description": "OpenAI list shape.", "content": _json("ModelList")}),
+        "/v1/models": get(
+            "list_models",
+            "The configured model.",
+            {"description": "OpenAI list shape.", "content": _json("ModelList")},
+            # with auth configured, the completion routes' identity rows (R15, R16)
+            _error_responses([r for r in refusals if r["when"] in ("api_key_missing", "api_key_invalid")], schemas, "list_models"),
+        ),
         "/health": get("health", "Liveness.", {"description": "The process serves.", "content": _json("Health")}),
         "/ready": get(
             "ready",

@@ -66,6 +66,7 @@ class ErrorRow:
     retryable: bool
     message: str
     quote: str
+    headers: tuple[tuple[str, str], ...] = ()  # other response headers (name, value), e.g. WWW-Authenticate
 
 
 class _Blank(dict):  # type: ignore[type-arg]
@@ -114,6 +115,8 @@ def render(
     headers = [(b"content-type", b"application/json")]
     if ra is not None:
         headers.append((b"retry-after", str(ra).encode()))
+    for name, value in row.headers:
+        headers.append((name.lower().encode(), value.encode()))
     return row.status, headers, body
 '''
 
@@ -144,7 +147,8 @@ def _errors(spec: Spec) -> str:
                 f"    retryable={_lit(bool(r.get('retryable', False)))},\n"
                 f"    message={_lit(r['message'])},\n"
                 f"    quote={_lit(r['quote'])},\n"
-                ")\n\n"
+                + (f"    headers={_lit(tuple(r['headers'].items()))},\n" if r.get("headers") else "")
+                + ")\n\n"
             )
             key = "REFUSALS" if tname == "refusals" else ("HTTP_ERRORS" if r["id"].startswith("H") else "FAILURES")
             groups[key].append(r["id"])

@@ -25,6 +25,7 @@ from narwhal_generated.models.config import NarwhalConfig
 from ..core.clock import Clock, MonotonicClock
 from ..core.lease import Door
 from ..core.prefix import token_keys
+from ..tenants.keys import Auth
 from ..upstream.engines import EngineSpec, engine_client
 from ..upstream.usage import CountTarget, PromptCounter
 from .telemetry import Telemetry
@@ -62,6 +63,9 @@ class DataPlane:
         self.deny_fields = frozenset(config.upstream.deny_fields)
         self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
         self.prompt_counters: dict[str, PromptCounter] = {}
+        # auth (issue 22): this process's own reading of auth.keys_file / jwks_file (the
+        # file is the source of truth; narwhal/tenants/keys.py); None: no key is asked for
+        self.auth: Auth | None = Auth(config.auth) if config.auth is not None else None
         self._fleet_views()
         self.telemetry = Telemetry()
 

@@ -217,7 +217,7 @@ class RemoteEntry:
 
     async def admit(self, order: Order) -> RemoteLease | Refuse:
         o = order
-        f = self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix), list(o.token_prefix)))
+        f = self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix), list(o.token_prefix), o.tenant, o.key_id))
         try:
             refused = await self.arrived()
         except BaseException:  # the authority lost, or this request cancelled
@@ -256,8 +256,9 @@ class RemoteDoor:
     def __init__(self, link: Link) -> None:
         self.link = link
 
-    async def arrive(self, at: float) -> RemoteEntry | Refuse:
-        """Sends Arrive and returns at once: its decision is `RemoteEntry.arrived()`."""
+    async def arrive(self, at: float, denied: Refuse | None = None) -> RemoteEntry | Refuse:
+        """Sends Arrive and returns at once: its decision is `RemoteEntry.arrived()`
+        (with `denied`, R01 or `denied`: core/lease.py)."""
         link = self.link
         if link.channel.closed:
             raise AuthorityLost("the admission authority is gone")
@@ -266,7 +267,7 @@ class RemoteDoor:
         link.arrivals[rid] = f
         # written at the end of this loop turn: when the body is in already, the Admit
         # sent in the same turn leaves with it (one write, one read, one answer)
-        link.channel.send(ipc.Arrive(rid, at))
+        link.channel.send(ipc.Arrive(rid, at, None if denied is None else denied.row.id))
         return RemoteEntry(link, rid, f)
 
 

@@ -2,7 +2,8 @@
 HTTP/2 (h2c), against `narwhal serve` set up with `narwhal conformance print-config`,
 with zero Fail and zero N/A (Narwhal has every capability its profiles' cases need)
 but for the cases that need ha-etcd, which need an etcd the runner starts before the
-router (test_ha.py runs them); the JUnit report lists every case with its class, and
+router (test_ha.py runs them), and those that need auth (no key is given here:
+tests/tenants/test_auth_conformance.py runs them); the JUnit report lists every case with its class, and
 every books check."""
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ def test_the_suite_passes_against_narwhal(stack: Stack, tmp_path: Path, profile:
     code, out = run(stack.targets[profile], profile, stack.port_base, *extra)
     results = parse_results(out)
     ha = {c.id for c in select_cases(load_cases(), None, profile=profile) if "ha-etcd" in c.needs}  # no etcd here: N/A
-    bad = {k: v for k, v in results.items() if v not in ("PASS", "INFO") and not (k in ha and v == "N/A")}  # no FAIL, no other N/A
+    # no key given here (the reference config has no auth): N/A; tests/tenants/test_auth_conformance.py runs them
+    auth = {c.id for c in select_cases(load_cases(), None, profile=profile) if "auth" in c.needs}
+    bad = {k: v for k, v in results.items() if v not in ("PASS", "INFO") and not (k in ha | auth and v == "N/A")}  # no FAIL, no other N/A
     assert code == 0 and not bad, f"{bad}\n{out}\n--- router log ---\n{stack.log(profile)}"
     want = {c.id for c in select_cases(load_cases(), None, profile=profile)}
     assert set(results) == want
-    assert all(results[k] == "N/A" for k in ha) and out.count("N/A: needs ha-etcd (not detectable") == len(ha), out
-    assert "books 0/0" not in out and f" N/A {len(ha)} " in out
+    assert all(results[k] == "N/A" for k in ha | auth) and out.count("N/A: needs ha-etcd (not detectable") == len(ha), out
+    assert "books 0/0" not in out and f" N/A {len(ha) + len(auth)} " in out
     root = ET.parse(junit).getroot()
     suites = {s.get("name", "").split(" [")[0]: s for s in root.findall("testsuite")}
     cases = [tc for name, s in suites.items() if name != "books" for tc in s.findall("testcase")]
@@ -46,7 +49,7 @@ def test_the_suite_passes_against_narwhal(stack: Stack, tmp_path: Path, profile:
         props = {p.get("name"): p.get("value") for p in tc.iter("property")}
         assert props["class"] in ("interoperability", "narwhal") and props["rows"] and props["level"], props
     books = suites["books"].findall("testcase")
-    with_books = {c.id for c in select_cases(load_cases(), None, profile=profile) if "accounting" in c.data} - ha
+    with_books = {c.id for c in select_cases(load_cases(), None, profile=profile) if "accounting" in c.data} - ha - auth
     assert {tc.get("name", "").split(" books")[0] for tc in books} == with_books  # every accounting checked
     assert all(s.get("failures") == "0" for s in root.findall("testsuite"))
     assert SUITE_VERSION in (root.get("name") or "")

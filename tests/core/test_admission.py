@@ -427,13 +427,14 @@ def test_precedence_evaluates_lazily(facts: dict[str, bool]) -> None:
 
 
 def test_table_order_is_the_contract_order() -> None:
+    # the contract's rows in their order, with the identity rows (issue 22) after R01
     assert [r.code for r in REFUSALS] == [
-        "router_not_ready", "http_retention_full", "request_too_large", "invalid_request", "model_not_found",
-        "invalid_sampling_width", "unsupported_option", "prompt_exceeds_ttft_budget", "backend_unavailable",
-        "ttft_budget_exceeded", "admission_queue_full", "admission_wait_expired", "deadline_expired",
-        "tpot_budget_exceeded",
+        "router_not_ready", "missing_api_key", "invalid_api_key", "http_retention_full", "request_too_large",
+        "invalid_request", "model_not_found", "invalid_sampling_width", "unsupported_option",
+        "prompt_exceeds_ttft_budget", "backend_unavailable", "ttft_budget_exceeded", "admission_queue_full",
+        "admission_wait_expired", "deadline_expired", "tpot_budget_exceeded",
     ]
-    assert [r.status for r in REFUSALS] == [503, 429, 413, 400, 404, 400, 400, 429, 503, 429, 429, 504, 504, 429]
+    assert [r.status for r in REFUSALS] == [503, 401, 401, 429, 413, 400, 404, 400, 400, 429, 503, 429, 429, 504, 504, 429]
 
 
 # -- R14 (decode side) -----------------------------------------------------------------

@@ -35,6 +35,9 @@ LAYERS = {
     "narwhal/http": {"narwhal.authority", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.mock", *ABOVE, *TOOLS},
     # fleet sources: emit what they read; the authority applies it (never the other way)
     "narwhal/fleet": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.mock", *ABOVE, *TOOLS},
+    # who is asking (issue 22): identity over the core and the configuration; no HTTP, no
+    # planes (the data plane holds it, the authority will hold tenant limits)
+    "narwhal/tenants": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.fleet", "narwhal.ipc", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/mock": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", *ABOVE, *TOOLS},
     "narwhal/specgen": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/ipc.py": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
@@ -86,6 +89,12 @@ def _files(layer: str) -> list[Path]:
 @pytest.mark.parametrize("path", sorted((ROOT / "narwhal" / "core").glob("*.py")), ids=lambda p: p.name)
 def test_core_is_sans_io(path: Path) -> None:
     assert not _hits(imports(path), FORBIDDEN_IN_CORE)
+
+
+def test_identity_is_sans_io() -> None:
+    """narwhal/tenants/identity.py decides R15/R16 like the core decides rows: no I/O (the
+    files are keys.py's), no web framework, no event loop."""
+    assert not _hits(imports(ROOT / "narwhal" / "tenants" / "identity.py"), FORBIDDEN_IN_CORE | {"narwhal.config", "os", "yaml"})
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))

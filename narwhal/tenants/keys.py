@@ -1,0 +1,267 @@
+"""auth.keys_file and auth.jwt.jwks_file, watched: the data plane's credentials.
+
+The keys file is a YAML or JSON list of `{id, tenant, sha256, expires_at}` (or a mapping
+with the key `keys`); the JWKS file a JSON Web Key Set. Both are read at start (an error
+then stops the router, naming file, line and key) and checked every
+auth.keys_interval_ms like discovery.file (narwhal/fleet/file.py: a stat, and on a
+change of size, time or inode a whole, bounded read): a changed file that reads and
+validates replaces the table whole; one that does not leaves the table as it was, is
+logged once per distinct error with file, line and key, and counted
+(narwhal_auth_source_errors_total).
+
+Where: every data-plane process (each worker with serving.workers > 1, the one process
+otherwise) reads the files itself: the file is the source of truth, the check needs no
+round trip to the authority, and a worker restarted reads what is there now. Workers may
+see a change up to one interval apart.
+
+WARNING: an error message names the entry (index, line, id) and the key of the mapping
+that is wrong, never a value of `sha256` (a digest is no key, but still not for logs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import jwt
+import yaml
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from narwhal_generated import errors as E
+from narwhal_generated.models.config import Auth as AuthConfig
+
+from ..config import ConfigError
+from .identity import EMPTY, NAME, Identity, JwtSettings, KeyEntry, KeyTable, identify
+
+__all__ = ["Auth", "parse_keys", "parse_jwks"]
+
+log = logging.getLogger("narwhal")
+
+_HEX64 = frozenset("0123456789abcdef")
+_FIELDS = frozenset(("id", "tenant", "sha256", "expires_at"))
+
+
+class _Bad(Exception):
+    """One source's error, already worded (file, line, key)."""
+
+
+def _read(path: str, max_bytes: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise _Bad(f"{path}: {e.strerror or e}") from None
+    if len(raw) > max_bytes:
+        raise _Bad(f"{path}: larger than auth.max_file_bytes ({max_bytes})")
+    return raw
+
+
+def _lines(raw: bytes) -> list[int]:
+    """The line of each entry of the file's list (YAML or JSON), for error messages."""
+    try:
+        node = yaml.compose(raw)
+    except yaml.YAMLError:
+        return []
+    if isinstance(node, yaml.MappingNode):
+        node = next((v for k, v in node.value if getattr(k, "value", None) == "keys"), node)
+    return [n.start_mark.line + 1 for n in node.value] if isinstance(node, yaml.SequenceNode) else []
+
+
+def _expiry(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("a time: unix seconds or ISO-8601 with a time zone")
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, dt.datetime):  # YAML reads an unquoted timestamp itself
+        t = v
+    elif isinstance(v, str):
+        t = dt.datetime.fromisoformat(v)
+    else:
+        raise ValueError("a time: unix seconds or ISO-8601 with a time zone")
+    if t.tzinfo is None:
+        raise ValueError("an ISO-8601 time needs a time zone (e.g. Z or +00:00)")
+    return t.timestamp()
+
+
+def _entry(x: Any) -> KeyEntry:
+    if not isinstance(x, dict):
+        raise ValueError("an entry is a mapping {id, tenant, sha256, expires_at}")
+    extra = sorted(str(k) for k in x if k not in _FIELDS)
+    if extra:
+        raise ValueError(f"{extra[0]}: unknown key")
+    for k in ("id", "tenant", "sha256"):
+        if k not in x:
+            raise ValueError(f"{k}: missing")
+    for k in ("id", "tenant"):
+        if not isinstance(x[k], str) or not NAME.fullmatch(x[k]):
+            raise ValueError(f"{k}: 1-128 of A-Z a-z 0-9 . _ : @ -")
+    h = x["sha256"]
+    if not isinstance(h, str) or len(h) != 64 or not set(h.lower()) <= _HEX64:
+        raise ValueError("sha256: the hex SHA-256 of the key (64 hex digits; the key itself goes nowhere)")
+    try:
+        exp = None if x.get("expires_at") is None else _expiry(x["expires_at"])
+    except ValueError as e:
+        raise ValueError(f"expires_at: {e}") from None
+    return KeyEntry(x["id"], x["tenant"], h.lower(), exp)
+
+
+def parse_keys(raw: bytes, *, path: str, max_keys: int) -> KeyTable:
+    """A keys file's bytes as a KeyTable; ValueError names file, line and key."""
+    try:
+        data: Any = yaml.safe_load(raw) if raw.strip() else []
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}:" if mark is not None else ""
+        raise ValueError(f"{path}:{line} not valid YAML or JSON: {getattr(e, 'problem', None) or 'syntax'}") from None
+    if isinstance(data, dict) and set(data) == {"keys"}:
+        data = data["keys"]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a list of keys {{id, tenant, sha256, expires_at}} (or a mapping with the key keys)")
+    if len(data) > max_keys:
+        raise ValueError(f"{path}: {len(data)} keys, over auth.max_keys ({max_keys})")
+    entries: list[KeyEntry] = []
+    ids: set[str] = set()
+    digests: set[str] = set()
+    lines: list[int] | None = None
+    for i, x in enumerate(data):
+        try:
+            e = _entry(x)
+            if e.id in ids:
+                raise ValueError(f"id: {e.id!r} names two keys")
+            if e.sha256 in digests:
+                raise ValueError("sha256: the same key is listed twice")
+        except ValueError as err:
+            lines = _lines(raw) if lines is None else lines
+            at = f" line {lines[i]}:" if i < len(lines) else ""
+            raise ValueError(f"{path}:{at} keys[{i}].{err}") from None
+        ids.add(e.id)
+        digests.add(e.sha256)
+        entries.append(e)
+    return KeyTable.of(entries)
+
+
+def parse_jwks(raw: bytes, *, path: str) -> Any:
+    """A JWKS file's bytes as a jwt.PyJWKSet; ValueError names the file."""
+    try:
+        return jwt.PyJWKSet.from_json(raw.decode("utf-8"))
+    except (jwt.PyJWKSetError, jwt.PyJWKError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a usable JSON Web Key Set ({type(e).__name__}: {e})") from None
+
+
+class _Watched:
+    """One file: its last stamp, and the last error said (said once)."""
+
+    __slots__ = ("path", "what", "stamp", "error")
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self.what = what
+        self.stamp: tuple[Any, ...] | None = None
+        self.error: str | None = None
+
+    def changed(self) -> bool:
+        try:
+            st = os.stat(self.path)
+            stamp: tuple[Any, ...] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        except OSError:
+            stamp = ("missing",)
+        if stamp == self.stamp:
+            return False
+        self.stamp = stamp
+        return True
+
+
+class Auth:
+    """The data plane's identity check and the files behind it (module docstring).
+    `check(headers)` is the request path's whole cost: one SHA-256 and one lookup."""
+
+    def __init__(self, cfg: AuthConfig, *, clock: Any = time.time) -> None:
+        if cfg.keys_file is None and cfg.jwt is None:
+            raise ConfigError("auth: needs keys_file or jwt (or both)")
+        self.cfg = cfg
+        self.clock = clock  # wall clock: expires_at and exp are wall-clock times
+        self.keys: KeyTable = EMPTY
+        self.jwt: JwtSettings | None = None
+        self.errors = {"keys_file": 0, "jwks_file": 0}
+        self._files: list[_Watched] = []
+        if cfg.keys_file is not None:
+            self._files.append(_Watched(cfg.keys_file, "keys_file"))
+        if cfg.jwt is not None:
+            self._files.append(_Watched(cfg.jwt.jwks_file, "jwks_file"))
+        for w in self._files:  # at start an error stops the router
+            w.changed()
+            try:
+                self._apply(w, self._load(w))
+            except ValueError as e:
+                raise ConfigError(f"auth.{w.what}: {e}") from None
+
+    def check(self, headers: Iterable[tuple[bytes, bytes]]) -> Identity | E.ErrorRow:
+        return identify(headers, self.keys, self.jwt, self.clock())
+
+    # -- the files -----------------------------------------------------------------------
+
+    def _load(self, w: _Watched) -> Any:
+        try:
+            raw = _read(w.path, self.cfg.max_file_bytes)
+        except _Bad as e:
+            raise ValueError(str(e)) from None
+        if w.what == "keys_file":
+            return parse_keys(raw, path=w.path, max_keys=self.cfg.max_keys)
+        return parse_jwks(raw, path=w.path)
+
+    def _apply(self, w: _Watched, got: Any) -> None:
+        if w.what == "keys_file":
+            self.keys = got
+            log.info("auth: %d keys from %s", len(got.by_digest), w.path)
+            return
+        j = self.cfg.jwt
+        assert j is not None
+        self.jwt = JwtSettings(got, j.issuer, j.audience, j.tenant_claim, tuple(j.algorithms), j.leeway_ms / 1000.0)
+        log.info("auth: %d JWT keys from %s", len(got.keys), w.path)
+
+    async def refresh(self) -> None:
+        """One round: every file that changed is read again (off the event loop)."""
+        for w in self._files:
+            if not w.changed():
+                continue
+            try:
+                got = await asyncio.to_thread(self._load, w)
+            except ValueError as e:
+                self.errors[w.what] += 1
+                if str(e) != w.error:
+                    log.error("auth.%s: %s; the keys stay as they were", w.what, e)
+                w.error = str(e)
+                continue
+            self._apply(w, got)
+            w.error = None
+
+    async def run(self) -> None:
+        """Check the files every auth.keys_interval_ms until cancelled."""
+        interval = self.cfg.keys_interval_ms / 1000.0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the watching
+                log.exception("auth: checking the keys files failed")
+
+    # -- /metrics ------------------------------------------------------------------------
+
+    def collect(self) -> Iterable[Any]:
+        """A prometheus_client collector: how many keys are loaded, and the files'
+        errors. Never a key, a digest or a tenant (unbounded labels)."""
+        g = GaugeMetricFamily("narwhal_auth_keys", "API keys loaded from auth.keys_file (and JWT keys from auth.jwt.jwks_file).", labels=["source"])
+        if self.cfg.keys_file is not None:
+            g.add_metric(["keys_file"], len(self.keys.by_digest))
+        if self.jwt is not None:
+            g.add_metric(["jwks_file"], len(self.jwt.keys.keys))
+        yield g
+        c = CounterMetricFamily("narwhal_auth_source_errors", "Changes of auth.keys_file or auth.jwt.jwks_file that could not be read or validated (the keys stayed as they were).", labels=["source"])
+        for k, n in self.errors.items():
+            c.add_metric([k], n)
+        yield c

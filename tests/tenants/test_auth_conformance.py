@@ -1,0 +1,78 @@
+"""Capability `auth` of the conformance suite against Narwhal: set up with the unified
+profile's configuration plus an `auth` section, the identity cases pass with the key given
+as `Authorization: Bearer` and as `x-api-key`; a run that gives no key gets them N/A; and
+against Narwhal without auth, a run that gives a key gets them N/A too (never a Fail)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from narwhal_conformance.fleet import running_fleet
+from narwhal_conformance.profiles import get_profile, router_config
+from tests.conformance.support import ADMIN_TOKEN, _wait_ready, free_port_base, parse_results, run
+
+KEY = "sk-conformance-auth-test-2b7e9c"
+AUTH_CASES = {"refusals/R15/1", "refusals/R15/2", "refusals/R16/1"}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[int, dict[str, str]]]:
+    """One fleet (profile unified) and two routers on it: with auth, and without."""
+    profile = get_profile("unified")
+    base = free_port_base([profile])
+    tmp = Path(tempfile.mkdtemp(prefix="narwhal-auth-conformance-"))
+    keys = tmp / "keys.yaml"
+    keys.write_text(yaml.safe_dump([{"id": "conformance", "tenant": "vendor", "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]))
+    procs: list[subprocess.Popen[bytes]] = []
+    targets: dict[str, str] = {}
+    with running_fleet([profile], base):
+        try:
+            for name, listen in (("auth", profile.listen(base)), ("open", profile.listen(base + 7))):
+                cfg = router_config(profile, base, listen=listen)
+                if name == "auth":
+                    cfg["auth"] = {"keys_file": str(keys)}
+                (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+                with (tmp / f"{name}.log").open("wb") as fh:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / f"{name}.yaml"), "--log-level", "warning"],
+                                                  stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN}))
+                targets[name] = f"http://{listen}"
+            for name, t in targets.items():
+                problems = _wait_ready(t, profile, base, 60)
+                assert not problems, f"{name}: {problems}\n{(tmp / f'{name}.log').read_text()[-3000:]}"
+            yield base, targets
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+
+@pytest.mark.parametrize("header", [f"Authorization: Bearer {KEY}", f"x-api-key: {KEY}"], ids=["bearer", "x-api-key"])
+def test_identity_cases_pass_with_the_key(stack: tuple[int, dict[str, str]], header: str) -> None:
+    base, targets = stack
+    code, out = run(targets["auth"], "unified", base, "--case", "refusals/R15", "refusals/R16", "--header", header, "--strict")
+    results = parse_results(out)
+    assert code == 0 and set(results) == AUTH_CASES and set(results.values()) == {"PASS"}, out
+    assert "auth" in out.split("capabilities: ", 1)[1].split(";")[0].split(", ")  # detected
+
+
+def test_identity_cases_na_without_a_key(stack: tuple[int, dict[str, str]]) -> None:
+    base, targets = stack
+    code, out = run(targets["open"], "unified", base, "--case", "refusals/R15", "refusals/R16", "--header", f"Authorization: Bearer {KEY}")
+    assert code == 0 and set(parse_results(out).values()) == {"N/A"}, out
+    code, out = run(targets["open"], "unified", base, "--case", "refusals/R15", "refusals/R16")
+    assert code == 0 and set(parse_results(out).values()) == {"N/A"}, out
+    assert "no key given" in out
