@@ -95,10 +95,44 @@ R16 = ErrorRow(
     headers=(('WWW-Authenticate', 'Bearer error="invalid_token"'),),
 )
 
+# R17: Only for a tenant with tenants.NAME.max_in_flight (or tenants.default's): its requests offered and not yet ended. Decided at arrival with R01, R15/R16 and R02, before the body is read: after R16 (a tenant is known only once its key is) and before R02 (a tenant at its own limit does not take the router's retention from the others). Class rejected, unsized. Without auth every request is the tenant default.
+R17 = ErrorRow(
+    id='R17',
+    order=4,
+    when='tenant_in_flight_full',
+    status=429,
+    type='rate_limit_error',
+    code='tenant_in_flight_full',
+    param=None,
+    retry_after=1,
+    counter='rejected',
+    unsized=True,
+    retryable=False,
+    message='Tenant {tenant} has its limit of {limit} requests in flight (tenants.{tenant}.max_in_flight); retry later.',
+    quote="each limit is a new refusal row (429 with `Retry-After` computed from the bucket, like R10's), applied in the rows' precedence",
+)
+
+# R18: tenants.NAME.requests_per_s: a token bucket of one second's requests (at least one), one taken per arrival that passes R17 (core/quota.py). Retry-After: max(1, ceil(seconds until the bucket holds one)). Decided at arrival, after R17 and before R02.
+R18 = ErrorRow(
+    id='R18',
+    order=5,
+    when='tenant_request_rate_exceeded',
+    status=429,
+    type='rate_limit_error',
+    code='tenant_request_rate_exceeded',
+    param=None,
+    retry_after='overrun',
+    counter='rejected',
+    unsized=True,
+    retryable=False,
+    message='Tenant {tenant} is over its request rate of {limit} per second (tenants.{tenant}.requests_per_s); retry after {retry_after} s.',
+    quote="each limit is a new refusal row (429 with `Retry-After` computed from the bucket, like R10's), applied in the rows' precedence",
+)
+
 # R02: Counts every client request held by the router (reading body, queued, in flight, streaming) until its response ends. Decided before the body is read.
 R02 = ErrorRow(
     id='R02',
-    order=4,
+    order=6,
     when='http_retention_full',
     status=429,
     type='rate_limit_error',
@@ -115,7 +149,7 @@ R02 = ErrorRow(
 # R03: Enforced while the body is read: reading stops at the first byte past the limit; a Content-Length over the limit is refused before reading.
 R03 = ErrorRow(
     id='R03',
-    order=5,
+    order=7,
     when='body_too_large',
     status=413,
     type='invalid_request_error',
@@ -132,7 +166,7 @@ R03 = ErrorRow(
 # R04: Headers x-narwhal-ttft-target-ms and x-narwhal-deadline-ms are router-interpreted fields too: a value that is not a nonnegative integer is refused here with param naming the header.
 R04 = ErrorRow(
     id='R04',
-    order=6,
+    order=8,
     when='body_invalid',
     status=400,
     type='invalid_request_error',
@@ -148,7 +182,7 @@ R04 = ErrorRow(
 
 R05 = ErrorRow(
     id='R05',
-    order=7,
+    order=9,
     when='model_unknown',
     status=404,
     type='invalid_request_error',
@@ -165,7 +199,7 @@ R05 = ErrorRow(
 # R06: param is 'n' when n > 1, else 'best_of'.
 R06 = ErrorRow(
     id='R06',
-    order=8,
+    order=10,
     when='sampling_width_over_one',
     status=400,
     type='invalid_request_error',
@@ -182,7 +216,7 @@ R06 = ErrorRow(
 # R07: Non-streaming only: modalities other than 'text' (param modalities), a non-null audio request (param audio), a tool whose type is not 'function' (param tools[i].type). Streaming requests pass these through.
 R07 = ErrorRow(
     id='R07',
-    order=9,
+    order=11,
     when='unsupported_non_streaming_option',
     status=400,
     type='invalid_request_error',
@@ -196,10 +230,27 @@ R07 = ErrorRow(
     quote='Unsupported non-streaming audio, modality, or tool request\t400\tinvalid_request_error naming the option in param',
 )
 
+# R19: tenants.NAME.tokens_per_min: a token bucket of a minute's tokens. The sized prompt is charged at admission, right after sizing (so after R03-R07, which need the body, and before R08: a tenant out of budget is told so before any projection); the output is charged as the engine's token IDs count it, at the request's end; a request that produced no output (refused after the charge, failed) is refunded its prompt. Retry-After: max(1, ceil(seconds until the bucket can pay the prompt, at most a full bucket)). Class rejected (sized).
+R19 = ErrorRow(
+    id='R19',
+    order=12,
+    when='tenant_token_rate_exceeded',
+    status=429,
+    type='rate_limit_error',
+    code='tenant_token_rate_exceeded',
+    param=None,
+    retry_after='overrun',
+    counter='rejected',
+    unsized=False,
+    retryable=False,
+    message='Tenant {tenant} is over its budget of {limit} tokens per minute (tenants.{tenant}.tokens_per_min); retry after {retry_after} s.',
+    quote="each limit is a new refusal row (429 with `Retry-After` computed from the bucket, like R10's), applied in the rows' precedence",
+)
+
 # R08: Predictive mode only. Solo projection on the best eligible engine: prefill time times the depth-0 margin, plus KV transfer and the decode engine's first token when disaggregated. With no eligible engine the predicate is false and R09 decides.
 R08 = ErrorRow(
     id='R08',
-    order=10,
+    order=13,
     when='prompt_alone_exceeds_budget',
     status=429,
     type='rate_limit_error',
@@ -216,7 +267,7 @@ R08 = ErrorRow(
 # R09: Eligible: healthy, not draining, its wave not in maintenance, circuit breaker closed, role fits the phase. Also decided when every engine a queued request could use becomes ineligible before it is dispatched.
 R09 = ErrorRow(
     id='R09',
-    order=11,
+    order=14,
     when='no_eligible_engine',
     status=503,
     type='unavailable_error',
@@ -233,7 +284,7 @@ R09 = ErrorRow(
 # R10: Predictive mode only. Retry-After = max(1, floor(overrun_s + 0.5)), overrun = best projection times margin minus budget. Placement and the prefix cache (admission.prediction.prefix_cache): each candidate engine's prefill is projected on the prompt tokens it is expected not to hold (the leading prompt blocks its prefix index holds, times the tokens a block stands for; at least one token is computed), its backlog included; the request goes to the engine of the lowest placement cost, its projected TTFT minus the prefill time its cached prefix saves there times (1 + the mean number of requests prefilling or queued per placement-eligible engine): the requests expected to queue behind it get that time back, and placed elsewhere the prefix would be stored a second time, evicting about as much that a later request would find; all times its margin. So cache affinity and load balance are one number, and an engine holding nothing of the prompt is ranked on the projected TTFT alone; R10 is decided on the chosen engine's projected TTFT times its margin; R08 and R10 use the same cached projection. The prefill sample is learned on the uncached tokens the engine reports (usage.prompt_tokens_details.cached_tokens), else on the expected ones.
 R10 = ErrorRow(
     id='R10',
-    order=12,
+    order=15,
     when='projected_ttft_over_budget',
     status=429,
     type='rate_limit_error',
@@ -247,10 +298,27 @@ R10 = ErrorRow(
     quote='Predictive admission projects total TTFT above the budget although the prompt alone fits\t429\tRetry-After contains the rounded budget overrun, at least 1 s',
 )
 
-# R11: A request that cannot take a phase slot at once waits in the admission queue; when admission.queue_limit requests already wait there, it is refused.
+# R20: tenants.NAME.queue_limit: the tenant's requests waiting in the admission queue (phase 1, every engine). Applies only to a request that would queue (no free slot on its engine). Before R11: the tenant's own limit names the tenant. Class rejected (sized).
+R20 = ErrorRow(
+    id='R20',
+    order=16,
+    when='tenant_queue_full',
+    status=429,
+    type='rate_limit_error',
+    code='tenant_queue_full',
+    param=None,
+    retry_after=1,
+    counter='rejected',
+    unsized=False,
+    retryable=False,
+    message='Tenant {tenant} has its limit of {limit} requests waiting in the admission queue (tenants.{tenant}.queue_limit); retry later.',
+    quote="each limit is a new refusal row (429 with `Retry-After` computed from the bucket, like R10's), applied in the rows' precedence",
+)
+
+# R11: A request that cannot take a phase slot at once waits in the admission queue; when admission.queue_limit requests already wait there, it is refused. With several tenants queued (issue 22): an arrival whose tenant would hold less of the queue per unit of weight than the tenant furthest over its share takes the place of that tenant's newest queued request, which is refused R11 instead (core/admission.py _yield_to): one tenant's burst cannot keep another out of the queue.
 R11 = ErrorRow(
     id='R11',
-    order=13,
+    order=17,
     when='admission_queue_full',
     status=429,
     type='rate_limit_error',
@@ -267,7 +335,7 @@ R11 = ErrorRow(
 # R12: Admission wait is the time a request spends in the admission queue (waiting for placement or for a phase slot). It is always before response headers.
 R12 = ErrorRow(
     id='R12',
-    order=14,
+    order=18,
     when='admission_wait_expired',
     status=504,
     type='timeout_error',
@@ -284,7 +352,7 @@ R12 = ErrorRow(
 # R13: Relative to arrival. Before response headers: this row. After response headers: the stream ends with an error event carrying this code.
 R13 = ErrorRow(
     id='R13',
-    order=15,
+    order=19,
     when='deadline_expired',
     status=504,
     type='timeout_error',
@@ -301,7 +369,7 @@ R13 = ErrorRow(
 # R14: Narwhal's decode-side check (predictive mode, only when admission.prediction.tpot_budget_ms is set; PREDICTION.md section 6). The batch the request will join on the best decode engine: sequences decoding there + its share of those waiting for decode, in prefill or queued for prefill + 1; projected TPOT = the engine's load-conditioned decode profile with decode correction at that batch. Retry-After = max(1, round-half-up(the time for the excess sequences to finish)). Appended after R13 so the contract's rows keep their relative order; it is evaluated at arrival, after R11.
 R14 = ErrorRow(
     id='R14',
-    order=16,
+    order=20,
     when='projected_tpot_over_budget',
     status=429,
     type='rate_limit_error',
@@ -617,7 +685,7 @@ H11 = ErrorRow(
     quote='the whole file is validated first (an invalid one changes nothing and answers with the errors)',
 )
 
-REFUSALS: tuple[ErrorRow, ...] = (R01, R15, R16, R02, R03, R04, R05, R06, R07, R08, R09, R10, R11, R12, R13, R14,)
+REFUSALS: tuple[ErrorRow, ...] = (R01, R15, R16, R17, R18, R02, R03, R04, R05, R06, R07, R19, R08, R09, R10, R20, R11, R12, R13, R14,)
 FAILURES: tuple[ErrorRow, ...] = (E01, E02, E03, E04, E05, E06, E07,)
 HTTP_ERRORS: tuple[ErrorRow, ...] = (H01, H02, H03, H04, H05, H06, H07, H08, H09, H10, H11,)
 ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}

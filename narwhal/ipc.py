@@ -150,6 +150,7 @@ class Arrive:
     rid: int
     at: float
     denied: str | None = None  # the data plane's R15/R16 on the request head (core/lease.py Door.arrive)
+    tenant: str | None = None  # who the request acts for (auth), for R17/R18
 
 
 @dataclass(frozen=True, slots=True)

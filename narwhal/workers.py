@@ -49,8 +49,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .authority.channel import WorkerSession
 from .authority import reconfig
+from .authority.channel import WorkerSession
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
 from .config import NarwhalConfig

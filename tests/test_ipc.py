@@ -34,6 +34,7 @@ EXAMPLES: list[Any] = [
     ipc.Up(1, 4242),
     ipc.Arrive(7, 1234.5),
     ipc.Arrive(9, 1234.5, "R16"),
+    ipc.Arrive(10, 1234.5, None, "acme"),
     ipc.Admit(7, "chat", 2048, None, 64, 1000.0, 1234.5, None, [-3, 99, 1 << 62], [5, -6]),
     ipc.Admit(8, "completion", 10, 3, None, 250.0, 1234.5, 2.5, [], []),
     ipc.Admit(9, "chat", 10, None, None, 250.0, 1234.5, None, [], [], "acme", "k-1"),
@@ -75,8 +76,8 @@ def test_a_message_round_trips(msg: Any) -> None:
     (b"[]", "not [tag"),
     (b'["2", 1]', "not [tag"),
     (b"[99, 1]", "unknown message tag 99"),
-    (b"[21, 7]", "Arrive with 1 fields, not 3"),
-    (b"[21, 7, 1.0, null, 3]", "Arrive with 4 fields, not 3"),
+    (b"[21, 7]", "Arrive with 1 fields, not 4"),
+    (b"[21, 7, 1.0, null, null, 3]", "Arrive with 5 fields, not 4"),
 ])
 def test_a_malformed_frame_is_a_protocol_error(body: bytes, why: str) -> None:
     with pytest.raises(ipc.ProtocolError, match=why.replace("[", r"\[")):

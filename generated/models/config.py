@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+)
 
 
 class Workers(RootModel[StrictInt]):
@@ -451,6 +460,60 @@ class Jwt(BaseModel):
     ] = 0
 
 
+class Tenant(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    weight: Annotated[
+        float,
+        Field(
+            description='Its share of the fleet under contention: the admission queue serves tenants in proportion to their weights (core/fairness.py); alone, a tenant may use the whole fleet.',
+            gt=0.0,
+            le=1000.0,
+        ),
+    ] = 1
+    max_in_flight: Annotated[
+        StrictInt | None,
+        Field(
+            description='Requests offered and not yet ended at once; more: R17 (429, Retry-After 1).',
+            ge=1,
+            le=1000000,
+        ),
+    ] = None
+    queue_limit: Annotated[
+        StrictInt | None,
+        Field(
+            description='Its requests waiting in the admission queue at once; more: R20 (429, Retry-After 1).',
+            ge=0,
+            le=1000000,
+        ),
+    ] = None
+    requests_per_s: Annotated[
+        float | None,
+        Field(
+            description="Requests per second (a bucket of one second's requests, at least one); more: R18 (429, Retry-After: until the bucket holds one).",
+            gt=0.0,
+            le=1000000.0,
+        ),
+    ] = None
+    tokens_per_min: Annotated[
+        StrictInt | None,
+        Field(
+            description="Tokens per minute, prompt and output (a bucket of one minute's tokens: the prompt is charged at admission, the output as the engine's token IDs count it, a request that produced nothing is refunded); a prompt the bucket cannot pay: R19 (429, Retry-After: until it can).",
+            ge=1,
+            le=1000000000,
+        ),
+    ] = None
+    ttft_budget_ms: Annotated[
+        StrictInt | None,
+        Field(
+            description='Its TTFT budget when the request names none (x-narwhal-ttft-target-ms still raises or lowers it up to admission.max_ttft_target_ms); null: admission.ttft_budget_ms.',
+            ge=1,
+            le=600000,
+        ),
+    ] = None
+
+
 class Serving(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -645,6 +708,14 @@ class NarwhalConfig(BaseModel):
     )
     serving: Annotated[Serving, Field(validate_default=True)] = {}
     admission: Annotated[Admission, Field(validate_default=True)] = {}
+    tenants: Annotated[
+        dict[Annotated[str, StringConstraints(pattern=r'^[A-Za-z0-9_.-]{1,64}$', strict=True)], Tenant],
+        Field(
+            description='Per-tenant weights and limits, by tenant name (rows R17-R20; docs/operations.md). The entry `default` applies to every tenant without its own (absent: weight 1, no limits). Only the tenants named here are labels on /metrics; any other counts as `other`.',
+            max_length=1024,
+            validate_default=True,
+        ),
+    ] = {}
     engines: Annotated[
         list[Engine] | None,
         Field(

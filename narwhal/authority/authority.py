@@ -27,6 +27,7 @@ from ..core.clock import Clock, MonotonicClock
 from ..core.fleet import PHASE1_ROLES, Breaker, EngineState
 from ..core.prediction import Margin, OutputLengthLearner
 from ..core.prefix import APPROX_BLOCK_TOKENS, MAX_BLOCKS, PrefixIndex
+from ..core.quota import Limits, Quotas
 from ..core.sizing import PromptSizer
 from ..core.state import RouterState
 from ..core.tickets import Dispatch, Refuse, Ticket
@@ -55,6 +56,15 @@ def _prefix_indexes(mode: str, tokens: int, engines: list[EngineSpec], *, share:
 
 
 
+def quotas_of(config: NarwhalConfig) -> Quotas | None:
+    """tenants: in the configuration, as core/quota.py's limits."""
+    if not config.tenants:
+        return None
+    return Quotas({name: Limits(weight=float(t.weight), max_in_flight=t.max_in_flight, queue_limit=t.queue_limit,
+                                requests_per_s=t.requests_per_s, tokens_per_min=t.tokens_per_min,
+                                ttft_budget_ms=t.ttft_budget_ms) for name, t in config.tenants.items()})
+
+
 def _cap(slots: int, limit: int | None) -> int:
     return slots if limit is None else min(slots, limit)
 
@@ -66,6 +76,9 @@ class Authority:
         self.books = Books()
         a, m = config.admission, config.monitoring
         self.state = RouterState(wave=config.serving.wave, stale_after_s=m.stale_after_ms / 1000.0)
+        # tenants: (core/quota.py; rows R17-R20, weights for fair queueing); None when
+        # the configuration names no tenants: then nothing per tenant is counted
+        self.quotas: Quotas | None = quotas_of(config)
         self.specs = {s.name: s for s in engines}
         self.engines: dict[str, EngineState] = {}
         for s in engines:  # engines[] at start begin active (lifecycle.yaml M01 note)
@@ -81,6 +94,8 @@ class Authority:
             output_lengths=OutputLengthLearner(),
             tpot_budget_ms=p.tpot_budget_ms,
             prefix=_prefix_indexes(p.prefix_cache, p.prefix_cache_tokens, engines),
+            weights=self.weight_of,
+            tenant_queue_limit=self.tenant_queue_limit,
         )
         self._prefix_covered = len(self.scheduler.prefix)
         # the learned bytes-per-token estimate (an exact count, when the data plane has
@@ -99,6 +114,12 @@ class Authority:
         self.started_at = self.clock.now()
         self.took_over_at: float | None = None  # the last take-over as elected leader (load.py)
         self.health_observed()
+
+    def weight_of(self, tenant: str | None) -> float:
+        return self.quotas.weight(tenant) if self.quotas is not None else 1.0
+
+    def tenant_queue_limit(self, tenant: str | None) -> int | None:
+        return self.quotas.limits_of(tenant).queue_limit if self.quotas is not None else None
 
     def engine_state(self, s: EngineSpec, *, lifecycle: str, source: str) -> EngineState:
         """The router's state of one engine as it registers (at start, or joining)."""

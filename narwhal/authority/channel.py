@@ -75,9 +75,11 @@ class WorkerSession:
     # -- the seam ------------------------------------------------------------------------
 
     def _arrive(self, m: ipc.Arrive) -> None:
-        got = self.door.arrive_now(m.at, None if m.denied is None else Refuse(E.ROWS[m.denied]))
+        got = self.door.arrive_now(m.at, None if m.denied is None else Refuse(E.ROWS[m.denied]), m.tenant)
         if isinstance(got, Refuse):
-            self.send(ipc.Arrived(m.rid, got.row.id, got.fields))
+            # an overrun row's wait (R18) travels in the fields: Retry-After comes from it
+            fields = got.fields if got.overrun_s is None else {**got.fields, "overrun_s": got.overrun_s}
+            self.send(ipc.Arrived(m.rid, got.row.id, fields))
             return
         self.entries[m.rid] = got
         self.send(ipc.Arrived(m.rid, None, {}))

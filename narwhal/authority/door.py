@@ -18,6 +18,7 @@ from narwhal_generated import errors as E
 from ..core.accounting import Entry as BooksEntry
 from ..core.lease import Grant, Order, Outcome
 from ..core.prefix import APPROX_BLOCK_BYTES
+from ..core.quota import DEFAULT
 from ..core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 from .authority import Authority
 
@@ -27,7 +28,7 @@ QUEUED = object()  # a *_now call's answer: queued; await `wait()` for the grant
 
 
 class LocalLease:
-    __slots__ = ("a", "t", "order", "first", "prompt_tokens", "projected_ttft_ms", "expected_cached", "closed")
+    __slots__ = ("a", "t", "order", "first", "prompt_tokens", "projected_ttft_ms", "expected_cached", "closed", "output_tokens")
 
     def __init__(self, a: Authority, first: Dispatch | Enqueued, order: Order) -> None:
         self.a = a
@@ -38,6 +39,7 @@ class LocalLease:
         self.projected_ttft_ms = first.ticket.projected_ttft_ms
         self.expected_cached = first.ticket.expected_cached
         self.closed = False
+        self.output_tokens: int | None = None  # counted (token IDs) when it closed
 
     # -- grants ------------------------------------------------------------------------
 
@@ -121,6 +123,7 @@ class LocalLease:
             return
         self.closed = True
         a, o = self.a, outcome
+        self.output_tokens = o.output_tokens
         if o.tpot_s is not None and o.tpot_engine is not None:
             e = a.engines[o.tpot_engine]
             e.decode.observe(max(1, e.decode_in_use), o.tpot_s * 1000.0)
@@ -140,13 +143,15 @@ class LocalLease:
 
 
 class LocalEntry:
-    __slots__ = ("a", "books", "lease", "ended")
+    __slots__ = ("a", "books", "lease", "ended", "tenant", "charged")
 
-    def __init__(self, a: Authority, books: BooksEntry) -> None:
+    def __init__(self, a: Authority, books: BooksEntry, tenant: str | None = None) -> None:
         self.a = a
         self.books = books
         self.lease: LocalLease | None = None
         self.ended = False
+        self.tenant = tenant  # its quota book's name (tenants configured), else None
+        self.charged = 0  # prompt tokens charged to the tenant's tokens_per_min (R19)
 
     async def arrived(self) -> Refuse | None:
         return None  # decided in LocalDoor.arrive: a refused arrival never has an entry
@@ -176,6 +181,12 @@ class LocalEntry:
             block_tokens=APPROX_BLOCK_BYTES / a.sizer.bytes_per_token,
             tenant=order.tenant,
         )
+        if self.tenant is not None:  # R19: the tenant's tokens per minute pay for the prompt
+            wait = a.quotas.charge_prompt(self.tenant, work.prompt_tokens, now)  # type: ignore[union-attr]
+            if wait > 0:
+                return Refuse(E.R19, overrun_s=wait, fields={"tenant": self.tenant, "limit": a.quotas.limits_of(self.tenant).tokens_per_min,  # type: ignore[union-attr]
+                                                             "retry_after": E.retry_after_seconds(E.R19, wait)})
+            self.charged = work.prompt_tokens
         d = a.scheduler.admit(work, now)
         if a.scheduler.evicted:  # R11 with tenants: a queued request yielded its place
             a.settle_evicted()
@@ -193,6 +204,9 @@ class LocalEntry:
             self.lease.close(Outcome(at=a.clock.now()))
         a.held -= 1
         a.books.end(self.books, cls)
+        if self.tenant is not None:  # its output charged as counted; nothing produced: the prompt refunded
+            out = self.lease.output_tokens if self.lease is not None else None
+            a.quotas.end(self.tenant, a.clock.now(), charged_prompt=self.charged, output_tokens=out)  # type: ignore[union-attr]
 
 
 class LocalDoor:
@@ -203,14 +217,14 @@ class LocalDoor:
     def __init__(self, a: Authority) -> None:
         self.a = a
 
-    async def arrive(self, at: float, denied: Refuse | None = None) -> LocalEntry | Refuse:
-        """C01 (offered), then R01, the data plane's `denied` (R15/R16) and R02, before
-        the body is read."""
-        return self.arrive_now(at, denied)
+    async def arrive(self, at: float, denied: Refuse | None = None, tenant: str | None = None) -> LocalEntry | Refuse:
+        """C01 (offered), then R01, the data plane's `denied` (R15/R16), the tenant's
+        R17/R18 and R02, before the body is read."""
+        return self.arrive_now(at, denied, tenant)
 
-    def arrive_now(self, at: float, denied: Refuse | None = None) -> LocalEntry | Refuse:
+    def arrive_now(self, at: float, denied: Refuse | None = None, tenant: str | None = None) -> LocalEntry | Refuse:
         a = self.a
-        books = a.books.offer()
+        books = a.books.offer(a.quotas.label(tenant) if a.quotas is not None else None)
         reason = a.state.reason(at)
         if reason is not None:  # R01
             a.books.end(books, E.R01.counter)
@@ -218,9 +232,22 @@ class LocalDoor:
         if denied is not None:  # R15, R16: after R01, before R02 (no retention taken)
             a.books.end(books, denied.row.counter)
             return denied
+        name: str | None = None
+        if a.quotas is not None:  # tenants configured: R17, R18 (core/quota.py)
+            name = tenant or DEFAULT
+            over = a.quotas.arrive(name, at)
+            if over is not None:
+                row, wait = E.ROWS[over[0]], over[1]
+                a.books.end(books, row.counter)
+                lim = a.quotas.limits_of(name)
+                limit = lim.max_in_flight if row is E.R17 else lim.requests_per_s
+                return Refuse(row, overrun_s=wait if row.retry_after == "overrun" else None,
+                              fields={"tenant": name, "limit": limit, "retry_after": E.retry_after_seconds(row, wait)})
         limit = a.config.admission.http_retention_limit
         if a.held >= limit:  # R02
             a.books.end(books, E.R02.counter)
+            if name is not None:
+                a.quotas.end(name, at)  # type: ignore[union-attr]
             return Refuse(E.R02, fields={"limit": limit})
         a.held += 1
-        return LocalEntry(a, books)
+        return LocalEntry(a, books, name)

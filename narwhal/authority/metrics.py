@@ -52,6 +52,24 @@ class _StateCollector(Collector):
         for cls in A.TERMINAL_CLASSES:
             term.add_metric([cls], books["terminal"][cls])
         yield term
+        if books.get("by_tenant"):  # tenants configured: each tenant's books (labels bounded: configured, default, other)
+            toff = CounterMetricFamily("narwhal_tenant_requests_offered", "Requests offered, per tenant (the fleet's offered is their sum).", labels=["tenant"])
+            tterm = CounterMetricFamily("narwhal_tenant_requests_terminal", "Offered requests by terminal class, per tenant.", labels=["tenant", "class"])
+            for name, tb in sorted(books["by_tenant"].items()):
+                toff.add_metric([name], tb["offered"])
+                for cls in A.TERMINAL_CLASSES:
+                    tterm.add_metric([name, cls], tb[cls])
+            yield toff
+            yield tterm
+        tv = s.get("tenants")
+        if tv:
+            tin = GaugeMetricFamily("narwhal_tenant_in_flight", "Requests offered and not yet ended, per tenant (tenants.NAME.max_in_flight: R17).", labels=["tenant"])
+            tq = GaugeMetricFamily("narwhal_tenant_queued", "Requests waiting in the admission queue, per tenant (tenants.NAME.queue_limit: R20).", labels=["tenant"])
+            for name, v in sorted(tv.items()):
+                tin.add_metric([name], v["in_flight"])
+                tq.add_metric([name], v["queued"])
+            yield tin
+            yield tq
         g = GaugeMetricFamily("narwhal_requests_open", "Offered requests not yet ended (0 at rest).")
         g.add_metric([], books["open"])
         yield g

@@ -76,6 +76,7 @@ def engines(a: ControlPlane, *, sizing: dict[str, Any]) -> dict[str, Any]:
             "held": a.held,
             "ha": _ha(a),
             "fleet": a.membership.snapshot(),
+            "tenants": tenants(a),
             "config": {"path": a.config_path, "sha256": a.config_hash, "loaded_at": a.config_loaded_at},
         },
     }
@@ -102,9 +103,31 @@ def ready(a: Authority) -> tuple[int, dict[str, Any]]:
     return 503, {"ready": False, "state": reason, "reason": reason, **extra}
 
 
+def tenants(a: Authority) -> dict[str, dict[str, Any]] | None:
+    """Per tenant label (configured tenants, default, other): requests in flight, queued
+    (every engine's phase-1 queue), weight; None when no tenants are configured."""
+    q = a.quotas
+    if q is None:
+        return None
+    out: dict[str, dict[str, Any]] = {}
+
+    def row(label: str) -> dict[str, Any]:
+        return out.setdefault(label, {"in_flight": 0, "queued": 0, "weight": q.limits_of(None if label == "default" else label).weight})
+
+    for name in sorted(q.configured):
+        row(name)
+    for name, b in q.books.items():
+        row(q.label(None if name == "default" else name))["in_flight"] += b.in_flight
+    for e in a.engines.values():
+        for t in e.queue:
+            row(q.label(t.work.tenant))["queued"] += 1
+    return out
+
+
 def state_snapshot(a: ControlPlane) -> dict[str, Any]:
     """What the authority's metrics collector exports."""
     return {
+        "tenants": tenants(a),
         "fleet": a.membership.snapshot(),
         "books": a.books.snapshot(),
         "held": a.held,

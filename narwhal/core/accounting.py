@@ -3,6 +3,11 @@
 Invariant: at rest, offered == sum(terminal.values()). Each request gets one `Entry`;
 `Books.end` closes it once, in exactly one class; a second close is a bug and is counted
 in `double_ends` (tests assert it stays 0) rather than counted twice.
+
+Per tenant (issue 22, tenants configured): an entry offered with a tenant label is also
+counted in that tenant's books (`by_tenant`: offered and each class), so the fleet's
+books are the sum of the tenants'. Labels are bounded by the caller (the configured
+tenants, `default`, `other`): an unknown key is never a label.
 """
 
 from __future__ import annotations
@@ -15,15 +20,16 @@ TERMINAL_CLASSES: tuple[str, ...] = _a.TERMINAL_CLASSES
 
 
 class Entry:
-    __slots__ = ("sized", "ended")
+    __slots__ = ("sized", "ended", "tenant")
 
-    def __init__(self) -> None:
+    def __init__(self, tenant: str | None = None) -> None:
         self.sized = False
         self.ended: str | None = None
+        self.tenant = tenant  # its label in the per-tenant books, None: not counted per tenant
 
 
 class Books:
-    __slots__ = ("offered", "unsized_offered", "terminal", "double_ends", "open")
+    __slots__ = ("offered", "unsized_offered", "terminal", "double_ends", "open", "by_tenant")
 
     def __init__(self) -> None:
         self.offered = 0
@@ -31,12 +37,18 @@ class Books:
         self.terminal: dict[str, int] = dict.fromkeys(TERMINAL_CLASSES, 0)
         self.double_ends = 0
         self.open = 0
+        self.by_tenant: dict[str, dict[str, int]] = {}  # label -> {"offered": n, class: n, ...}
 
-    def offer(self) -> Entry:
+    def offer(self, tenant: str | None = None) -> Entry:
         """C01: one offered arrival per request to a completion route."""
         self.offered += 1
         self.open += 1
-        return Entry()
+        if tenant is not None:
+            b = self.by_tenant.get(tenant)
+            if b is None:
+                b = self.by_tenant[tenant] = {"offered": 0, **dict.fromkeys(TERMINAL_CLASSES, 0)}
+            b["offered"] += 1
+        return Entry(tenant)
 
     def sized(self, e: Entry) -> None:
         """The request reached workload sizing (after rows R01-R07)."""
@@ -52,6 +64,8 @@ class Books:
         e.ended = cls
         self.open -= 1
         self.terminal[cls] += 1
+        if e.tenant is not None:
+            self.by_tenant[e.tenant][cls] += 1
         if not e.sized:
             self.unsized_offered += 1
 
@@ -65,4 +79,5 @@ class Books:
             "terminal": dict(self.terminal),
             "open": self.open,
             "double_ends": self.double_ends,
+            "by_tenant": {k: dict(v) for k, v in self.by_tenant.items()},
         }

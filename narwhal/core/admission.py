@@ -40,7 +40,7 @@ of the batch the request will join on its decode engine exceeds that budget.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from narwhal_generated import errors as E
@@ -70,6 +70,7 @@ class Scheduler:
         tpot_budget_ms: float | None = None,
         prefix: dict[str, PrefixIndex] | None = None,
         weights: Weights | None = None,
+        tenant_queue_limit: Callable[[str | None], int | None] | None = None,
     ) -> None:
         self.engines: dict[str, EngineState] = {e.name: e for e in engines}
         # phase-1 engines' prefix caches as the router knows them (core/prefix.py); empty:
@@ -85,6 +86,7 @@ class Scheduler:
         # queue serves them so, and the projection counts the work a newcomer of a tenant
         # waits behind in that order
         self.weights: Weights = weights or (lambda tenant: 1.0)
+        self.tenant_queue_limit = tenant_queue_limit  # R20: tenants.NAME.queue_limit, None: no such limits
         self.evicted: list[tuple[Ticket, Refuse]] = []  # R11: queued tickets that yielded to a tenant under its share
         self.decode_queue: deque[Ticket] = deque()
         self.queued = 0  # phase-1 waiters over all engines
@@ -317,6 +319,10 @@ class Scheduler:
             ra = E.retry_after_seconds(E.R10, over)
             return Refuse(E.R10, overrun_s=over, fields={"projected_ms": round(proj * m), "budget_ms": round(work.budget_ms), "retry_after": ra})
         free = self._phase1_free(engine) and not engine.queue
+        if not free and self.tenant_queue_limit is not None:  # R20: the tenant's own queue limit
+            tl = self.tenant_queue_limit(tenant)
+            if tl is not None and sum(e.queue.queued(tenant) for e in self._phase1) >= tl:
+                return Refuse(E.R20, fields={"tenant": tenant or "default", "limit": tl})
         if not free and self.queued >= self.queue_limit and not self._yield_to(tenant, wt):
             return Refuse(E.R11, fields={"limit": self.queue_limit})  # R11
         if predictive and self.tpot_budget_ms is not None:

@@ -8,7 +8,8 @@ objects per request, and these are their whole vocabulary:
     read: R01 (router not ready) and R02 (retention full). `denied` is the data plane's
     own verdict on the request head that ranks between them (R15/R16, auth: identity is
     checked in the data plane, narwhal/tenants): R01, else `denied` (the books closed in
-    its class, no retention taken), else R02.
+    its class, no retention taken), else the tenant's own rows (R17 in flight, R18 request
+    rate: `tenant`, when tenants are configured), else R02.
   * `Entry.arrived()` -> `Refuse | None`: the arrival's decision when `arrive` returned
     before it was known (over IPC the worker sends Arrive and reads the body meanwhile):
     R01, `denied` or R02 with the books already closed, or None (offered and held). The data plane
@@ -114,7 +115,7 @@ class Entry(Protocol):
 
 
 class Door(Protocol):
-    async def arrive(self, at: float, denied: Refuse | None = None) -> Entry | Refuse: ...
+    async def arrive(self, at: float, denied: Refuse | None = None, tenant: str | None = None) -> Entry | Refuse: ...
 
 
 class Controls(Protocol):

@@ -100,6 +100,13 @@ class Quotas:
             return self.default
         return self.limits.get(tenant, self.default)
 
+    def label(self, tenant: str | None) -> str:
+        """The tenant's label on /metrics and in the books: a configured tenant's name,
+        else `default` (no identity) or `other` (a tenant of a key not configured)."""
+        if tenant is None:
+            return DEFAULT
+        return tenant if tenant in self.configured else "other"
+
     def weight(self, tenant: str | None) -> float:
         return self.limits_of(tenant).weight
 

@@ -247,11 +247,11 @@ class CompletionEndpoint:
                 who = checked
             else:
                 denied = Refuse(checked)
-        got = await r.door.arrive(arrival, denied)
+        got = await r.door.arrive(arrival, denied, who.tenant if who is not None else None)
         if isinstance(got, Refuse):  # R01, R15/R16, R02: the authority has closed the books
             try:
                 await drain_request(scope, receive, limit=drain)
-                await send_row(send, got.row, rid=rid, **got.fields)
+                await send_row(send, got.row, rid=rid, overrun_s=got.overrun_s, **got.fields)
             finally:
                 r.telemetry.e2e.labels(got.row.counter).observe(r.clock.now() - arrival)
             return
@@ -262,7 +262,7 @@ class CompletionEndpoint:
                 refused = await entry.arrived() or denied
                 ended = refused.row.counter
                 await drain_request(scope, receive, limit=drain)
-                await send_row(send, refused.row, rid=rid, **refused.fields)
+                await send_row(send, refused.row, rid=rid, overrun_s=refused.overrun_s, **refused.fields)
             finally:
                 entry.end(ended)  # the authority closed the books at arrival; this End is ignored there
                 r.telemetry.e2e.labels(ended).observe(r.clock.now() - arrival)
@@ -286,7 +286,7 @@ class CompletionEndpoint:
             if refused is not None:
                 if failed is not None and not (isinstance(failed, _TooLarge) and failed.ended):
                     await drain_request(scope, receive, limit=drain, timeout_s=1.0)
-                await send_row(send, refused.row, rid=rid, **refused.fields)
+                await send_row(send, refused.row, rid=rid, overrun_s=refused.overrun_s, **refused.fields)
                 cls = refused.row.counter
                 return
             if isinstance(failed, _TooLarge):  # R03
@@ -335,7 +335,7 @@ class CompletionEndpoint:
                 prompt_bytes=parsed.prompt_bytes,
                 exact_prompt_tokens=exact,
                 max_tokens=parsed.max_tokens,
-                budget_ms=float(hv.ttft_target_ms if hv.ttft_target_ms is not None else adm.ttft_budget_ms),
+                budget_ms=float(hv.ttft_target_ms if hv.ttft_target_ms is not None else r.tenant_budget_ms(who.tenant if who is not None else None)),
                 arrival=arrival,
                 deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
                 # the prompt's prefix blocks: which engine may hold its history cached

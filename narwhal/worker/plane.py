@@ -99,6 +99,17 @@ class DataPlane:
         self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
         self._fleet_views()
 
+    def tenant_budget_ms(self, tenant: str | None) -> float:
+        """The TTFT budget of a request that names none: its tenant's
+        (tenants.NAME.ttft_budget_ms, else tenants.default's), else admission.ttft_budget_ms."""
+        ts = self.config.tenants
+        if ts:
+            t = ts.get(tenant) if tenant is not None else None
+            t = t if t is not None else ts.get("default")
+            if t is not None and t.ttft_budget_ms is not None:
+                return float(t.ttft_budget_ms)
+        return float(self.config.admission.ttft_budget_ms)
+
     def model_of(self, name: str) -> str:
         return self.engines[name].model or self.config.serving.model
 

@@ -213,7 +213,10 @@ class RemoteEntry:
 
     async def arrived(self) -> Refuse | None:
         got = await self._arrival  # at once when it is in
-        return None if got.row is None else Refuse(E.ROWS[got.row], fields=got.fields)
+        if got.row is None:
+            return None
+        fields = dict(got.fields)
+        return Refuse(E.ROWS[got.row], overrun_s=fields.pop("overrun_s", None), fields=fields)
 
     async def admit(self, order: Order) -> RemoteLease | Refuse:
         o = order
@@ -256,7 +259,7 @@ class RemoteDoor:
     def __init__(self, link: Link) -> None:
         self.link = link
 
-    async def arrive(self, at: float, denied: Refuse | None = None) -> RemoteEntry | Refuse:
+    async def arrive(self, at: float, denied: Refuse | None = None, tenant: str | None = None) -> RemoteEntry | Refuse:
         """Sends Arrive and returns at once: its decision is `RemoteEntry.arrived()`
         (with `denied`, R01 or `denied`: core/lease.py)."""
         link = self.link
@@ -267,7 +270,7 @@ class RemoteDoor:
         link.arrivals[rid] = f
         # written at the end of this loop turn: when the body is in already, the Admit
         # sent in the same turn leaves with it (one write, one read, one answer)
-        link.channel.send(ipc.Arrive(rid, at, None if denied is None else denied.row.id))
+        link.channel.send(ipc.Arrive(rid, at, None if denied is None else denied.row.id, tenant))
         return RemoteEntry(link, rid, f)
 
 

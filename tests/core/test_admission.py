@@ -427,14 +427,15 @@ def test_precedence_evaluates_lazily(facts: dict[str, bool]) -> None:
 
 
 def test_table_order_is_the_contract_order() -> None:
-    # the contract's rows in their order, with the identity rows (issue 22) after R01
+    # the contract's rows in their order, with the identity and tenant rows (issue 22):
+    # R15/R16 and R17/R18 after R01, R19 after the body's rows, R20 before R11
     assert [r.code for r in REFUSALS] == [
-        "router_not_ready", "missing_api_key", "invalid_api_key", "http_retention_full", "request_too_large",
-        "invalid_request", "model_not_found", "invalid_sampling_width", "unsupported_option",
-        "prompt_exceeds_ttft_budget", "backend_unavailable", "ttft_budget_exceeded", "admission_queue_full",
-        "admission_wait_expired", "deadline_expired", "tpot_budget_exceeded",
+        "router_not_ready", "missing_api_key", "invalid_api_key", "tenant_in_flight_full", "tenant_request_rate_exceeded",
+        "http_retention_full", "request_too_large", "invalid_request", "model_not_found", "invalid_sampling_width", "unsupported_option",
+        "tenant_token_rate_exceeded", "prompt_exceeds_ttft_budget", "backend_unavailable", "ttft_budget_exceeded", "tenant_queue_full",
+        "admission_queue_full", "admission_wait_expired", "deadline_expired", "tpot_budget_exceeded",
     ]
-    assert [r.status for r in REFUSALS] == [503, 401, 401, 429, 413, 400, 404, 400, 400, 429, 503, 429, 429, 504, 504, 429]
+    assert [r.status for r in REFUSALS] == [503, 401, 401, 429, 429, 429, 413, 400, 404, 400, 400, 429, 429, 503, 429, 429, 429, 504, 504, 429]
 
 
 # -- R14 (decode side) -----------------------------------------------------------------

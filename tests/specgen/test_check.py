@@ -79,7 +79,7 @@ def test_invalid_table_names_the_row(tree: Path) -> None:
     orig = p.read_text()
     try:
         p.write_text(orig.replace("status: 413", "status: 200", 1))
-        with pytest.raises(SpecError, match=r"refusals.yaml: rows/4/status"):
+        with pytest.raises(SpecError, match=r"refusals.yaml: rows/6/status"):
             load_spec(tree)
         p.write_text(orig.replace("code: request_too_large", "code: invalid_request", 1))
         with pytest.raises(SpecError, match="already names"):

@@ -243,12 +243,13 @@ def test_keys_in_no_log_or_metric(served: Served) -> None:
 # -- the door: R01, then the data plane's R15/R16, then R02 ------------------------------------
 
 
-def door(*, ready: bool, full: bool) -> tuple[LocalDoor, Any]:
+def door(*, ready: bool, full: bool, quotas: Any = None) -> tuple[LocalDoor, Any]:
     a = SimpleNamespace(
         books=Books(),
         state=SimpleNamespace(reason=lambda at: None if ready else "standby"),
         config=SimpleNamespace(admission=SimpleNamespace(http_retention_limit=1)),
         held=1 if full else 0,
+        quotas=quotas,
     )
     return LocalDoor(a), a  # type: ignore[arg-type]
 
@@ -277,3 +278,29 @@ def test_door_precedence(ready: bool, denied: E.ErrorRow | None, full: bool, wan
     assert a.held == held  # a refused arrival takes no retention
     snap = a.books.snapshot()
     assert snap["offered"] == 1 and snap["unsized_offered"] == 1 and snap["terminal"][want.counter] == 1
+
+
+@pytest.mark.parametrize(
+    ("ready", "denied", "tenant_full", "full", "want"),
+    [
+        (False, None, True, True, E.R01),
+        (True, E.R16, True, True, E.R16),
+        (True, None, True, True, E.R17),  # the tenant's own limit before the router's (R02)
+        (True, None, False, True, E.R02),
+        (True, None, False, False, None),
+    ],
+)
+def test_door_precedence_with_tenant_rows(ready: bool, denied: E.ErrorRow | None, tenant_full: bool, full: bool, want: E.ErrorRow | None) -> None:
+    from narwhal.core.quota import Limits, Quotas
+
+    q = Quotas({"acme": Limits(max_in_flight=1)})
+    if tenant_full:
+        assert q.arrive("acme", 0.0) is None
+    d, a = door(ready=ready, full=full, quotas=q)
+    a.books = Books()
+    got = d.arrive_now(0.0, None if denied is None else Refuse(denied), "acme")
+    if want is None:
+        assert isinstance(got, LocalEntry) and q.books["acme"].in_flight == 1
+        return
+    assert isinstance(got, Refuse) and got.row is want
+    assert q.books["acme"].in_flight == (1 if tenant_full else 0)  # a refused arrival holds no tenant slot
