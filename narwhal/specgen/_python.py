@@ -267,34 +267,25 @@ def _states(spec: Spec) -> str:
     )
 
 
-def _leadership(spec: Spec) -> str:
-    text, _ = _row_module(
-        spec, "leadership", "Transition",
-        "Leader election (ha): one row per (state, event); TRANSITIONS is the lookup\n"
-        "narwhal/core/leadership.py applies, a missing pair is a bug.",
-        list(_FIELD_TYPES["leadership"]), ["TRANSITIONS", "STATES", "EVENTS", "ACTIONS"],
-    )
+def _machine(spec: Spec, table: str, doc: str) -> str:
+    """A state machine's table (leadership, lifecycle): one row per (state, event)."""
+    text, _ = _row_module(spec, table, "Transition", doc, list(_FIELD_TYPES[table]), ["TRANSITIONS", "STATES", "EVENTS", "ACTIONS"])
     return text + (
         "TRANSITIONS: dict[tuple[str, str], Transition] = {(r.state, r.event): r for r in ROWS}\n"
         "STATES: tuple[str, ...] = tuple(dict.fromkeys(r.state for r in ROWS))\n"
         "EVENTS: tuple[str, ...] = tuple(dict.fromkeys(r.event for r in ROWS))\n"
         "ACTIONS: tuple[str, ...] = tuple(sorted({r.action for r in ROWS}))\n"
     )
+
+
+def _leadership(spec: Spec) -> str:
+    return _machine(spec, "leadership", "Leader election (ha): one row per (state, event); TRANSITIONS is the lookup\n"
+                    "narwhal/core/leadership.py applies, a missing pair is a bug.")
 
 
 def _lifecycle(spec: Spec) -> str:
-    text, _ = _row_module(
-        spec, "lifecycle", "Transition",
-        "Engine lifecycle (fleet membership): one row per (state, event); TRANSITIONS is the\n"
-        "lookup narwhal/core/lifecycle.py applies, a missing pair is a bug.",
-        list(_FIELD_TYPES["lifecycle"]), ["TRANSITIONS", "STATES", "EVENTS", "ACTIONS"],
-    )
-    return text + (
-        "TRANSITIONS: dict[tuple[str, str], Transition] = {(r.state, r.event): r for r in ROWS}\n"
-        "STATES: tuple[str, ...] = tuple(dict.fromkeys(r.state for r in ROWS))\n"
-        "EVENTS: tuple[str, ...] = tuple(dict.fromkeys(r.event for r in ROWS))\n"
-        "ACTIONS: tuple[str, ...] = tuple(sorted({r.action for r in ROWS}))\n"
-    )
+    return _machine(spec, "lifecycle", "Engine lifecycle (fleet membership): one row per (state, event); TRANSITIONS is the\n"
+                    "lookup narwhal/core/lifecycle.py applies, a missing pair is a bug.")
 
 
 def _accounting(spec: Spec) -> str:
