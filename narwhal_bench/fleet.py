@@ -90,7 +90,7 @@ from .ha import (
     threading_main,
 )
 from .load import Arrival, RequestShape
-from .procs import Proc, free_port, layout, log_dir, pin_self, python, wait_http
+from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
 from .stats import REFUSAL_STATUSES, Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "classify", "analyse", "tables", "etcd_source_available", "StepRecord", "SigtermRecord"]
@@ -867,10 +867,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     rcpu, lcpu = layout()
     pin_self(lcpu)
-    if sys.argv and Path(sys.argv[0]).name == "narwhal":
-        command = " ".join(["narwhal", *sys.argv[1:]])
-    else:
-        command = " ".join(["python -m narwhal_bench.fleet", *sys.argv[1:]])
+    command = command_line("narwhal_bench.fleet")
     meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(), "command": command, "cpus": os.cpu_count(),
             "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; etcd, engines and client on CPU {sorted(lcpu or ())}",
             "rate": args.rate, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms, "gap_s": args.gap, "lead_in_s": args.lead_in, "after_s": args.after,

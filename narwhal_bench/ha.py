@@ -81,7 +81,7 @@ import yaml  # type: ignore[import-untyped]
 
 from .client import H1Pool, SSERecorder
 from .load import Arrival, RequestShape, fixed_rate
-from .procs import Proc, free_port, layout, log_dir, pin_self, python, wait_http
+from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
 from .stats import Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "failover_round", "main"]
@@ -876,10 +876,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rcpu, lcpu = layout()
     pin_self(lcpu)
-    if sys.argv and Path(sys.argv[0]).name == "narwhal":
-        command = " ".join(["narwhal", *sys.argv[1:]])
-    else:
-        command = " ".join(["python -m narwhal_bench.ha", *sys.argv[1:]])
+    command = command_line("narwhal_bench.ha")
     meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(), "command": command, "cpus": os.cpu_count(),
             "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; etcd, engine and client on CPU {sorted(lcpu or ())}",
             "rate": args.rate, "kill_after_s": args.kill_after, "jitter_s": args.jitter, "seed": args.seed, "after_s": args.after, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms}

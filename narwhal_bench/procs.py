@@ -56,6 +56,14 @@ def pin_self(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+def command_line(module: str) -> str:
+    """How this experiment was started, as a reader would type it again: `narwhal bench
+    ...` when run through the command, else `python -m MODULE ...`."""
+    if sys.argv and Path(sys.argv[0]).name == "narwhal":
+        return " ".join(["narwhal", *sys.argv[1:]])
+    return " ".join([f"python -m {module}", *sys.argv[1:]])
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
