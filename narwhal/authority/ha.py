@@ -9,7 +9,9 @@ module talks to etcd and carries out each row's action:
   * take_over (L01) — before the first admission: a fresh health poll of every engine and
     the engines' own load (authority.take_over); until it is done the router is standby.
   * extend (L13) — the leader renews every ha.renew_interval_ms, each call bounded by the
-    fence deadline, and checks the key still carries its lease.
+    fence deadline, and checks the key still carries its lease; then it hands on the
+    tenants' bucket levels (core/quota_state.py) at `{ha.key}/tenants`, put only while the
+    key carries its lease, which a new leader restores before its take-over.
   * fence (L12, L14-L16) — no admission from the fence deadline on (core/leadership.py:
     every decision checks it); requests waiting in the queues are refused with R01
     (fenced); streams already running finish (the engine slots they hold are real).
@@ -28,10 +30,12 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 from narwhal_generated.models.config import Ha
 
+from ..core import quota_state
 from ..core.leadership import Leadership
 from ..fleet.etcd import etcd_client
 from ..upstream.etcd import EtcdError
@@ -61,6 +65,9 @@ class Elector:
         self._retry = RETRY_S
         self._task: asyncio.Task[None] | None = None
         self.take_over: Any = None  # async () -> None, set by the control plane
+        self.tenants_key = self.key + b"/tenants"  # the tenants' bucket levels a leader hands on
+        self._carried: bytes | None = None  # the levels last put (a put only when they change)
+        self._carried_levels: dict[str, list[float | None]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -165,6 +172,7 @@ class Elector:
         self._retry = RETRY_S
         if c.won:
             self._event("won", token=c.revision, lease=lease, sent_at=sent, ttl_s=float(ttl))
+            await self._restore_tenants()
             if self.take_over is not None:
                 await self.take_over()
             if self.leadership.state == "leader":
@@ -256,6 +264,46 @@ class Elector:
                 return
             self._event("renewed", sent_at=sent, ttl_s=float(ttl))
             next_renew = sent + renew_s
+            await self._carry_tenants(lease, fence_at)
+
+    # -- the tenants' buckets across a take-over (core/quota_state.py) -----------------------
+
+    async def _carry_tenants(self, lease: int, fence_at: float) -> None:
+        """After a renewal: put the tenants' bucket levels when they changed, bounded by
+        the fence deadline; a failed put is retried at the next renewal (never fences)."""
+        q = self.a.quotas
+        if q is None:
+            return
+        clock = self.a.clock
+        levels = quota_state.levels(q, clock.now())
+        data = quota_state.export(q, clock.now(), time.time())
+        if self._carried is not None and levels == self._carried_levels:
+            return
+        budget = min(self.cfg.request_timeout_ms / 1000.0, fence_at - clock.now())
+        if budget <= 0:
+            return
+        try:
+            if await self.etcd.put_if_held(self.key, lease, self.tenants_key, data, timeout_s=budget):
+                self._carried, self._carried_levels = data, levels
+        except EtcdError as x:
+            log.info("ha %s: tenants' buckets not handed on: %s", self.name, x)
+
+    async def _restore_tenants(self) -> None:
+        """Won (L01), before the take-over: the levels the last leader handed on. etcd
+        failing here costs the buckets (they stay as they are: full on a fresh router),
+        never the take-over."""
+        q = self.a.quotas
+        if q is None:
+            return
+        try:
+            kv, _ = await self.etcd.get(self.tenants_key)
+        except EtcdError as x:
+            log.warning("ha %s: tenants' buckets not restored (they start full): %s", self.name, x)
+            return
+        self._carried = None
+        if kv is not None:
+            n = quota_state.restore(q, kv.value, self.a.clock.now(), time.time())
+            log.info("ha %s: restored %d tenants' buckets from the last leader%s", self.name, max(n, 0), "" if n >= 0 else " (unreadable: none)")
 
     async def _recover(self) -> None:
         """Fenced: once etcd answers again, revoke the old lease and be a candidate."""

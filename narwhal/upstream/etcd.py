@@ -285,6 +285,15 @@ class Etcd:
                 holder = _kv(kvs[0])
         return Campaign(False, rev, holder)
 
+    async def put_if_held(self, guard: bytes, lease: int, key: bytes, value: bytes, *, timeout_s: float | None = None) -> bool:
+        """Put `key` (no lease: it outlives its writer) only while `guard` carries
+        `lease`, in one transaction: a leader that lost its key writes nothing."""
+        obj = await self.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(guard), "result": "EQUAL", "target": "LEASE", "lease": str(lease)}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+        }, timeout_s=timeout_s)
+        return bool(obj.get("succeeded"))
+
     async def get(self, key: bytes, *, timeout_s: float | None = None) -> tuple[KeyValue | None, int]:
         """(the key, the store revision)."""
         obj = await self.call("/v3/kv/range", {"key": _b64(key)}, timeout_s=timeout_s)

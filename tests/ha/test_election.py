@@ -75,9 +75,9 @@ class Router:
 
 
 @contextlib.contextmanager
-def routers(etcd_urls: list[list[str]], engine_url: str, *, workers: int = 1) -> Iterator[list[Router]]:
+def routers(etcd_urls: list[list[str]], engine_url: str, *, workers: int = 1, extra: dict[str, Any] | None = None) -> Iterator[list[Router]]:
     """One router per entry of etcd_urls (each its own list of etcd URLs: a router may
-    reach etcd through a proxy)."""
+    reach etcd through a proxy); `extra`: more top-level sections of their configuration."""
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-ha-"))
     out: list[Router] = []
     try:
@@ -89,6 +89,7 @@ def routers(etcd_urls: list[list[str]], engine_url: str, *, workers: int = 1) ->
                 "monitoring": {"poll_interval_ms": 200},
                 "engines": [{"name": "u0", "url": engine_url, "role": "unified", "dialect": "vllm"}],
                 "ha": {"etcd": urls, "key": "/narwhal-test/leader", "name": f"r{i}", **HA},
+                **(extra or {}),
             }
             path = tmp / f"r{i}.yaml"
             path.write_text(yaml.safe_dump(cfg))
@@ -238,3 +239,34 @@ def test_a_new_leader_counts_the_streams_a_fenced_leader_left_running(etcd: Etcd
         finally:
             for p in proxies:
                 p.close()
+
+
+def test_a_new_leader_keeps_the_tenants_buckets_the_old_one_spent(etcd: EtcdServer, engine: str, tmp_path: Path) -> None:
+    """Issue 22 item 3: the leader hands on the tenants' bucket levels after each renewal
+    (core/quota_state.py); killed, its successor refuses the tenant that spent its bucket
+    (R18, Retry-After from the bucket) rather than granting it a second burst, and serves
+    the tenant that spent nothing."""
+    import hashlib
+
+    keys = {"spent": "sk-spent-0123456789", "fresh": "sk-fresh-0123456789"}
+    kf = tmp_path / "keys.yaml"
+    kf.write_text(yaml.safe_dump([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in keys.items()]))
+    extra = {"auth": {"keys_file": str(kf)}, "tenants": {"default": {"requests_per_s": 0.02}}}  # one request, then one per 50 s
+
+    def ask(r: Router, tenant: str) -> httpx.Response:
+        return httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                          headers={"authorization": f"Bearer {keys[tenant]}"}, timeout=10)
+
+    with routers([[etcd.url]] * 2, engine, extra=extra) as rs:
+        wait_for(lambda: len(leaders(rs)) == 1, 15, "one leader")
+        (lead,) = leaders(rs)
+        assert ask(lead, "spent").status_code == 200
+        assert ask(lead, "spent").json()["error"]["code"] == "tenant_request_rate_exceeded"
+        wait_for(lambda: etcd_get(etcd, "/narwhal-test/leader/tenants") is not None, 5, "the levels handed on")
+        lead.kill()
+        (new,) = wait_for(lambda: leaders([r for r in rs if r is not lead]), TTL_MS / 1000 + 5, "a new leader")
+        refused = ask(new, "spent")
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "tenant_request_rate_exceeded", refused.text
+        assert 30 <= int(refused.headers["retry-after"]) <= 50
+        assert ask(new, "fresh").status_code == 200
+        assert "restored 1 tenants' buckets" in new.log.read_text()
