@@ -62,6 +62,7 @@ from .scenarios import (
     Script,
     build_script,
     parse_behaviour,
+    sequence_script,
     without_reasoning,
 )
 from .timing import EngineLoad, Timing
@@ -105,6 +106,10 @@ class MockConfig:
     kv_events: str | None = None  # vllm: ZMQ PUB endpoint to bind, e.g. tcp://127.0.0.1:5557 (port * = any)
     kv_events_topic: str = ""
     kv_events_format: str = "array"  # array (vLLM's positional events) | map (newer vLLM)
+    # content answers as a function of the whole token sequence (scenarios.sequence_script):
+    # a continuation from prompt + output IDs equals the uninterrupted answer (issue 24)
+    sequence_output: bool = False
+    sequence_eos_every: int = 64  # mean answer length of a sequence answer without max_tokens (0: no EOS)
 
     def __post_init__(self) -> None:
         if self.dialect not in DIALECTS:
@@ -113,6 +118,8 @@ class MockConfig:
             raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
         if self.stream_interval < 1 or self.output_tokens < 0 or self.bytes_per_token <= 0:
             raise ValueError("stream_interval >= 1, output_tokens >= 0, bytes_per_token > 0")
+        if self.sequence_eos_every < 0:
+            raise ValueError("sequence_eos_every >= 0")
         if self.block_size < 1 or self.prefix_cache_tokens < 0:
             raise ValueError("block_size >= 1, prefix_cache_tokens >= 0")
         if self.kv_events is not None:
@@ -548,12 +555,16 @@ class MockEngine:
     async def _serve(self, send: Any, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, hdrs: list[tuple[bytes, bytes]], watch: _Watch, n_prompt: int, exact_ids: list[int] | None, max_tokens: int | None, remote: bool, kv_in: Any, rec: dict[str, Any]) -> None:
         cfg = self.config
         prompt_ids = exact_ids
-        if prompt_ids is None and (self.cache is not None or body.get("return_token_ids") is True):
+        sequence = cfg.sequence_output and (beh.scenario == "content" or (route == "completions" and beh.scenario != "empty"))
+        if prompt_ids is None and (self.cache is not None or sequence or body.get("return_token_ids") is True):
             prompt_ids = prompt_token_ids(route, body, cfg.bytes_per_token)
         stream = body.get("stream") is True
         ignore_eos = cfg.dialect != "openai" and body.get("ignore_eos") is True
         mt = body.get("min_tokens")
-        script = build_script(beh, route=route, max_tokens=max_tokens, default_tokens=cfg.output_tokens, ignore_eos=ignore_eos, min_tokens=mt if type(mt) is int else 0)
+        if sequence and prompt_ids is not None:
+            script = sequence_script(prompt_ids, max_tokens=max_tokens, ignore_eos=ignore_eos, min_tokens=mt if type(mt) is int else 0, eos_every=cfg.sequence_eos_every)
+        else:
+            script = build_script(beh, route=route, max_tokens=max_tokens, default_tokens=cfg.output_tokens, ignore_eos=ignore_eos, min_tokens=mt if type(mt) is int else 0)
         if cfg.dialect == "vllm" and route == "chat" and body.get("include_reasoning") is False:
             script = without_reasoning(script)
         wants_kv = cfg.role == "prefill" and isinstance(kv_in, dict) and kv_in.get("do_remote_decode") is True

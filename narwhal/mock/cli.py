@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--bytes-per-token", type=float, default=4.0, help="text prompt sizing (default 4.0)")
     o.add_argument("--stream-interval", type=int, default=1, help="server stream interval: tokens per event (default 1)")
     o.add_argument("--max-model-len", type=int, default=None, help="context window; longer requests get 400 (default none)")
+    o.add_argument("--sequence-output", action="store_true", help="content answers as a function of the whole token sequence: a continuation from prompt + output token IDs equals the uninterrupted answer (stream migration tests)")
+    o.add_argument("--sequence-eos-every", type=int, default=64, help="with --sequence-output: mean answer length without max_tokens (0: no EOS; default 64)")
     o.add_argument("--quirk", action="append", choices=sorted(QUIRKS), default=[], help="engine quirk for every request (repeatable)")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--prefix-cache-tokens", type=int, default=0, help="prefix cache capacity in tokens (default 0: no cache)")
@@ -97,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> MockConfig:
         kv_events=args.kv_events,
         kv_events_topic=args.kv_events_topic,
         kv_events_format=args.kv_events_format,
+        sequence_output=args.sequence_output,
+        sequence_eos_every=args.sequence_eos_every,
     )
 
 

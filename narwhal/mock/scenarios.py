@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import re
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,8 @@ __all__ = [
     "Piece",
     "Script",
     "build_script",
+    "sequence_script",
+    "SEQUENCE_MAX_TOKENS",
     "without_reasoning",
     "VOCAB",
     "content_piece",
@@ -368,6 +372,36 @@ def build_script(
     if max_tokens is not None and max_tokens < len(pieces):
         return Script(tuple(pieces[:max_tokens]), "length", None)
     return Script(tuple(pieces), finish, EOS_ID if finish == "stop" and pieces else None)
+
+
+SEQUENCE_MAX_TOKENS = 4096  # a sequence script's length when neither EOS nor max_tokens ends it
+
+
+def sequence_script(prompt_ids: list[int], *, max_tokens: int | None, ignore_eos: bool = False, min_tokens: int = 0,
+                    eos_every: int = 64) -> Script:
+    """An answer that is a function of the whole token sequence (MockConfig.sequence_output;
+    issue 24, stream migration): output token k depends only on the prompt's IDs and output
+    tokens 0..k-1, so a request whose prompt is another's prompt IDs followed by its first
+    k output IDs (max_tokens and min_tokens reduced by k) continues with exactly that
+    answer's token k onwards: the joined answer equals the uninterrupted one.
+
+    Rules: h = CRC-32 of the sequence so far (each ID as 4 little-endian bytes); the next
+    token is EOS when eos_every > 0, h % eos_every == 0, at least min_tokens were generated
+    and not ignore_eos; else VOCAB[(h >> 8) % len(VOCAB)] (ID 1000 + that index). The
+    answer ends at max_tokens (finish "length"), at EOS ("stop"), or at SEQUENCE_MAX_TOKENS.
+    The body's `mock.tokens` is not used: a continuation could not keep it."""
+    h = zlib.crc32(struct.pack(f"<{len(prompt_ids)}I", *(i & 0xFFFFFFFF for i in prompt_ids)))
+    limit = SEQUENCE_MAX_TOKENS if max_tokens is None else max(0, max_tokens)
+    n_vocab = len(VOCAB)
+    out: list[Piece] = []
+    while len(out) < limit:
+        if eos_every > 0 and not ignore_eos and len(out) >= min_tokens and h % eos_every == 0:
+            out.append(_eos())
+            return Script(tuple(out), "stop", EOS_ID)
+        k = (h >> 8) % n_vocab
+        out.append(Piece(CONTENT, VOCAB[k], 1000 + k))
+        h = zlib.crc32(struct.pack("<I", 1000 + k), h)
+    return Script(tuple(out), "length", None)
 
 
 def without_reasoning(script: Script) -> Script:
