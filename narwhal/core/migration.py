@@ -1,0 +1,140 @@
+"""A generation carried on by another engine from its validated token IDs (issue 24), sans-IO.
+
+When a decode leg breaks after response headers, what the client has been sent is exactly
+the prompt the engine saw followed by the output token IDs the router validated and
+relayed (rows T01-T12). Another engine given that sequence as a token-ID prompt, with
+`max_tokens` (and `min_tokens`) reduced by what was generated and the same sampling
+parameters, continues the same generation: with greedy decoding token for token the
+uninterrupted answer; with sampling a valid continuation (the sampler's random state, a
+`seed`'s included, is not carried; presence and frequency penalties count the earlier
+output as prompt on the new engine).
+
+This module decides *whether* a break may be carried on (`obstacle`: the first reason it
+may not, or None) and builds the continuation's body (`continuation`). The reasons are
+stable names; the spec rows that map them (and the relay that acts on them) come in the
+next step of issue 24.
+
+Decisions (each a reason below, in the order they are checked):
+  * `not_enabled`: upstream.migration.max_attempts is 0 (the default): every existing row
+    unchanged.
+  * `no_token_ids`: the engine does not account by token IDs: nothing validated to carry.
+  * `attempts_spent`: the request has been carried on max_attempts times already.
+  * `deadline`: less time is left before the request's deadline (R13) than the new
+    engine's projected time to first token: the continuation could not deliver a token.
+  * `echo`: a completions request with `echo` or `suffix`: the continuation's prompt is not
+    the client's, so neither can be kept.
+  * `logprobs`: logprobs were asked: the continuation (a completions request) returns them
+    in another shape, and top_logprobs across the cut would come from two engines; not
+    carried on in this version.
+  * `structured`: tools, a tool choice, a response_format or a guided-decoding field: the
+    engine's grammar or parser state at the cut cannot be given to another engine.
+  * `not_plain`: the answer so far holds anything but plain content (reasoning, tool-call
+    or refusal deltas): the continuation's text would not be parsed alike.
+  * `stop_straddles`: the text sent so far ends with a proper prefix of one of the
+    request's `stop` strings: the new engine, which checks stop strings on its own text
+    only, would miss a stop string that began before the cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["REASONS", "Progress", "obstacle", "continuation", "STRUCTURED_FIELDS", "DROPPED_FIELDS"]
+
+REASONS = ("not_enabled", "no_token_ids", "attempts_spent", "deadline", "echo", "logprobs", "structured", "not_plain", "stop_straddles")
+
+# A request holding any of these is never carried on (`structured`).
+STRUCTURED_FIELDS = frozenset((
+    "tools", "tool_choice", "functions", "function_call", "response_format",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "json_schema", "regex", "ebnf",
+))
+
+# Fields of the client's body the continuation does not carry (the rest passes through as
+# the pass-through policy says, docs/passthrough.md): the prompt's own fields, which the
+# token-ID prompt replaces, chat-only fields a completions request has no use for, and the
+# fields the continuation sets itself.
+DROPPED_FIELDS = frozenset((
+    "messages", "prompt", "max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of",
+    "stream", "stream_options", "echo", "suffix", "logprobs", "top_logprobs", "return_token_ids",
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "documents", "include_reasoning", "reasoning_effort", "parallel_tool_calls", "modalities", "audio",
+    "prompt_logprobs", "kv_transfer_params",
+)) | STRUCTURED_FIELDS
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What the relay knows of a request when its decode leg breaks."""
+
+    output_ids: tuple[int, ...]  # validated and relayed to the client, in order
+    text: str  # the content text relayed so far (for `stop_straddles`)
+    plain: bool  # only plain content deltas so far (no reasoning, tool calls, refusal)
+    attempts: int  # continuations already made for this request
+    deadline_left_ms: float | None  # None: no deadline
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    s = body.get("stop")
+    if isinstance(s, str):
+        return [s] if s else []
+    if isinstance(s, list):
+        return [x for x in s if isinstance(x, str) and x]
+    return []
+
+
+def straddles(text: str, stops: Iterable[str]) -> bool:
+    """Does `text` end with a non-empty proper prefix of one of `stops`?"""
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                return True
+    return False
+
+
+def obstacle(route: str, body: dict[str, Any], p: Progress, *, max_attempts: int, token_ids: bool,
+             projected_ttft_ms: float) -> str | None:
+    """The first reason (module docstring, in order) this break may not be carried on,
+    or None: carry it on."""
+    if max_attempts <= 0:
+        return "not_enabled"
+    if not token_ids:
+        return "no_token_ids"
+    if p.attempts >= max_attempts:
+        return "attempts_spent"
+    if p.deadline_left_ms is not None and p.deadline_left_ms <= projected_ttft_ms:
+        return "deadline"
+    if route == "completion" and (body.get("echo") is True or body.get("suffix") is not None):
+        return "echo"
+    lp = body.get("logprobs")
+    if (lp is not None and lp is not False) or body.get("top_logprobs") is not None:
+        return "logprobs"
+    if any(body.get(f) is not None for f in STRUCTURED_FIELDS):
+        return "structured"
+    if not p.plain:
+        return "not_plain"
+    if straddles(p.text, _stops(body)):
+        return "stop_straddles"
+    return None
+
+
+def continuation(body: dict[str, Any], *, max_tokens: int | None, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> dict[str, Any]:
+    """The body of the continuation: a streaming completions request whose prompt is the
+    token IDs the engine saw followed by those it generated, asking for what is left.
+    `max_tokens` is the client's (max_completion_tokens or max_tokens; None: the engine's
+    default, which then counts from the longer prompt)."""
+    k = len(output_ids)
+    if max_tokens is not None and k >= max_tokens:
+        raise ValueError("nothing left to generate: the answer ends with finish_reason length, no continuation")
+    out = {f: v for f, v in body.items() if f not in DROPPED_FIELDS}
+    out["prompt"] = [*prompt_ids, *output_ids]
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens - k
+    mt = body.get("min_tokens")
+    if type(mt) is int and mt - k > 0:
+        out["min_tokens"] = mt - k
+    out["stream"] = True
+    out["stream_options"] = {"include_usage": True}
+    out["return_token_ids"] = True
+    return out

@@ -1,0 +1,85 @@
+"""core/migration.py: whether a broken decode leg may be carried on, and the continuation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from narwhal.core.migration import (
+    DROPPED_FIELDS,
+    REASONS,
+    Progress,
+    continuation,
+    obstacle,
+    straddles,
+)
+from narwhal.mock.scenarios import sequence_script
+
+PLAIN = Progress(output_ids=(1000, 1001), text="Hello wor", plain=True, attempts=0, deadline_left_ms=None)
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "temperature": 0}
+
+
+def progress(**kw: Any) -> Progress:
+    return Progress(**{**{f: getattr(PLAIN, f) for f in PLAIN.__slots__}, **kw})
+
+
+# (name, route, body changes, progress changes, max_attempts, token_ids, projected ttft ms, reason)
+CASES = [
+    ("carried on", "chat", {}, {}, 1, True, 50.0, None),
+    ("off by default", "chat", {}, {}, 0, True, 50.0, "not_enabled"),
+    ("no token IDs", "chat", {}, {}, 1, False, 50.0, "no_token_ids"),
+    ("attempts spent", "chat", {}, {"attempts": 2}, 2, True, 50.0, "attempts_spent"),
+    ("one attempt left", "chat", {}, {"attempts": 1}, 2, True, 50.0, None),
+    ("deadline too close", "chat", {}, {"deadline_left_ms": 40.0}, 1, True, 50.0, "deadline"),
+    ("deadline far enough", "chat", {}, {"deadline_left_ms": 400.0}, 1, True, 50.0, None),
+    ("echo", "completion", {"echo": True}, {}, 1, True, 50.0, "echo"),
+    ("suffix", "completion", {"suffix": "x"}, {}, 1, True, 50.0, "echo"),
+    ("logprobs (chat)", "chat", {"logprobs": True, "top_logprobs": 3}, {}, 1, True, 50.0, "logprobs"),
+    ("logprobs false", "chat", {"logprobs": False}, {}, 1, True, 50.0, None),
+    ("logprobs (completions)", "completion", {"logprobs": 2}, {}, 1, True, 50.0, "logprobs"),
+    ("tools", "chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 1, True, 50.0, "structured"),
+    ("response_format", "chat", {"response_format": {"type": "json_object"}}, {}, 1, True, 50.0, "structured"),
+    ("guided_json", "completion", {"guided_json": {}}, {}, 1, True, 50.0, "structured"),
+    ("reasoning seen", "chat", {}, {"plain": False}, 1, True, 50.0, "not_plain"),
+    ("stop begun before the cut", "chat", {"stop": ["world!"]}, {}, 1, True, 50.0, "stop_straddles"),
+    ("stop not begun", "chat", {"stop": ["END"]}, {}, 1, True, 50.0, None),
+    ("stop as a string", "chat", {"stop": "or"}, {"text": "Hello wo"}, 1, True, 50.0, "stop_straddles"),
+]
+
+
+@pytest.mark.parametrize(("name", "route", "body", "prog", "attempts", "ids", "ttft", "reason"), CASES, ids=[c[0] for c in CASES])
+def test_obstacle(name: str, route: str, body: dict[str, Any], prog: dict[str, Any], attempts: int, ids: bool, ttft: float, reason: str | None) -> None:
+    assert obstacle(route, {**CHAT, **body}, progress(**prog), max_attempts=attempts, token_ids=ids, projected_ttft_ms=ttft) == reason
+
+
+def test_every_reason_has_a_case() -> None:
+    assert {c[-1] for c in CASES} - {None} == set(REASONS)
+
+
+@pytest.mark.parametrize(("text", "stops", "expected"), [
+    ("abc", ["cd"], True), ("abc", ["abc"], False), ("ab", ["abc"], True), ("", ["x"], False), ("xyz", ["q", "yzw"], True), ("z", [""], False),
+])
+def test_straddles(text: str, stops: list[str], expected: bool) -> None:
+    assert straddles(text, stops) is expected
+
+
+def test_the_continuation_asks_for_what_is_left_with_the_same_sampling() -> None:
+    body = {**CHAT, "max_completion_tokens": 10, "min_tokens": 4, "seed": 7, "top_p": 0.9, "stop": ["END"], "stream_options": {"include_usage": False},
+            "logit_bias": {"5": 1}, "vendor_field": 1, "tool_choice": None}
+    c = continuation(body, max_tokens=10, prompt_ids=[1, 2, 3], output_ids=[1000, 1001, 1002])
+    assert c == {"model": "m", "prompt": [1, 2, 3, 1000, 1001, 1002], "max_tokens": 7, "min_tokens": 1, "temperature": 0, "seed": 7, "top_p": 0.9,
+                 "stop": ["END"], "logit_bias": {"5": 1}, "vendor_field": 1, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    assert not DROPPED_FIELDS & (c.keys() - {"prompt", "max_tokens", "min_tokens", "stream", "stream_options", "return_token_ids"})
+    assert "max_tokens" not in continuation(CHAT, max_tokens=None, prompt_ids=[1], output_ids=[2])
+    with pytest.raises(ValueError):
+        continuation(CHAT, max_tokens=3, prompt_ids=[1], output_ids=[2, 3, 4])
+
+
+@pytest.mark.parametrize("cut", [1, 9, 25])
+def test_on_a_sequence_mock_the_joined_answer_equals_the_uninterrupted_one(cut: int) -> None:
+    prompt = [32256, 32259, 32257, 777, 778]
+    whole = [p.token_id for p in sequence_script(prompt, max_tokens=32, ignore_eos=True).pieces]
+    c = continuation({**CHAT, "ignore_eos": True}, max_tokens=32, prompt_ids=prompt, output_ids=whole[:cut])
+    rest = [p.token_id for p in sequence_script(c["prompt"], max_tokens=c["max_tokens"], ignore_eos=c["ignore_eos"]).pieces]
+    assert whole[:cut] + rest == whole
