@@ -10,7 +10,8 @@ uninterrupted answer; with sampling a valid continuation (the sampler's random s
 output as prompt on the new engine).
 
 This module decides *whether* a break may be carried on (`obstacle`: the first reason it
-may not, or None) and builds the continuation's body (`continuation`). The reasons are
+may not, or None), builds the continuation's body (`continuation`), and turns the
+continuation's stream back into the client's (`Rejoin`). The reasons are
 stable names; the spec rows that map them (and the relay that acts on them) come in the
 next step of issue 24.
 
@@ -41,7 +42,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["REASONS", "Progress", "obstacle", "continuation", "STRUCTURED_FIELDS", "DROPPED_FIELDS"]
+import orjson
+
+from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
+
+__all__ = ["REASONS", "Progress", "obstacle", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS"]
 
 REASONS = ("not_enabled", "no_token_ids", "attempts_spent", "deadline", "echo", "logprobs", "structured", "not_plain", "stop_straddles")
 
@@ -138,3 +143,84 @@ def continuation(body: dict[str, Any], *, max_tokens: int | None, prompt_ids: Se
     out["stream_options"] = {"include_usage": True}
     out["return_token_ids"] = True
     return out
+
+
+class Rejoin:
+    """The continuation's stream (a completions stream on a token-ID prompt) in the shape
+    of the client's original stream, as SSE bytes the request's own StreamRelay reads on
+    (so every check of rows T01-T12, the bounds and the assembly go on as before).
+
+    Per event: `id`, `created` and `model` are the original stream's (one `id` for the
+    whole answer); a chat client gets `chat.completion.chunk` objects whose choice holds
+    `delta.content` (the text) and never a role again; the continuation's
+    `prompt_token_ids` are dropped (its prompt is not the client's); usage counts the
+    whole answer once: prompt_tokens the original prompt's, completion_tokens those
+    generated before the cut plus the continuation's, and prompt_tokens_details.cached_tokens
+    the first leg's (None: left out) — what the continuation's engine had cached of the
+    longer prompt is the router's business, not the client's. Error events, `[DONE]` and
+    events that are not JSON objects pass through unchanged for the relay to judge.
+    Bounded like the relay: an event past max_event_bytes stops the parser (`too_large`)."""
+
+    __slots__ = ("_parser", "route", "id", "created", "model", "prompt_tokens", "before", "cached", "too_large")
+
+    def __init__(self, *, route: str, id: str, created: int, model: str, prompt_tokens: int, before: int,
+                 cached_tokens: int | None = None, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._parser = SSEParser(max_event_bytes)
+        self.route, self.id, self.created, self.model = route, id, created, model
+        self.prompt_tokens, self.before, self.cached = prompt_tokens, before, cached_tokens
+        self.too_large = False
+
+    def feed(self, raw: bytes) -> bytes:
+        out: list[bytes] = []
+        for payload in self._parser.feed(raw):
+            if payload == DONE:
+                out.append(b"data: [DONE]\n\n")
+                continue
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                obj = None
+            if type(obj) is not dict or obj.get("error") is not None:
+                out.append(b"data: " + payload + b"\n\n")
+                continue
+            out.append(b"data: " + orjson.dumps(self.event(obj)) + b"\n\n")
+        self.too_large = self._parser.too_large
+        return b"".join(out)
+
+    def event(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """One continuation event in the client's shape."""
+        ev: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.route == "chat" else "text_completion",
+                              "created": self.created, "model": self.model}
+        choices = obj.get("choices")
+        if type(choices) is list:
+            ev["choices"] = [self._choice(c) if type(c) is dict else c for c in choices]
+        else:
+            ev["choices"] = choices
+        usage = obj.get("usage")
+        if type(usage) is dict:
+            ev["usage"] = self._usage(usage)
+        elif "usage" in obj:
+            ev["usage"] = usage
+        return ev
+
+    def _choice(self, c: dict[str, Any]) -> dict[str, Any]:
+        if self.route != "chat":
+            out = {k: v for k, v in c.items() if k != "prompt_token_ids"}
+            return out
+        text = c.get("text")
+        delta: dict[str, Any] = {"content": text} if type(text) is str and text else {}
+        out = {"index": c.get("index", 0), "delta": delta, "logprobs": None, "finish_reason": c.get("finish_reason")}
+        if "stop_reason" in c:
+            out["stop_reason"] = c["stop_reason"]
+        if "token_ids" in c:
+            out["token_ids"] = c["token_ids"]
+        return out
+
+    def _usage(self, u: dict[str, Any]) -> dict[str, Any]:
+        ct = u.get("completion_tokens")
+        total = self.before + ct if type(ct) is int else None
+        out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": total,
+                               "total_tokens": None if total is None else self.prompt_tokens + total}
+        if self.cached is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return out

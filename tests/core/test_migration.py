@@ -10,6 +10,7 @@ from narwhal.core.migration import (
     DROPPED_FIELDS,
     REASONS,
     Progress,
+    Rejoin,
     continuation,
     obstacle,
     straddles,
@@ -83,3 +84,55 @@ def test_on_a_sequence_mock_the_joined_answer_equals_the_uninterrupted_one(cut: 
     c = continuation({**CHAT, "ignore_eos": True}, max_tokens=32, prompt_ids=prompt, output_ids=whole[:cut])
     rest = [p.token_id for p in sequence_script(c["prompt"], max_tokens=c["max_tokens"], ignore_eos=c["ignore_eos"]).pieces]
     assert whole[:cut] + rest == whole
+
+
+def _events(raw: bytes) -> list[object]:
+    import orjson
+
+    out: list[object] = []
+    for part in raw.split(b"\n\n"):
+        if part.startswith(b"data: "):
+            body = part[6:]
+            out.append(body.decode() if body == b"[DONE]" else orjson.loads(body))
+    return out
+
+
+CONT = [  # a vLLM completions stream on a token-ID prompt (ENGINES.md section 4)
+    b'data: {"id":"cmpl-9","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":" brave","logprobs":null,"finish_reason":null,'
+    b'"stop_reason":null,"prompt_token_ids":[1,2,3,1000],"token_ids":[1007]}]}\n\n',
+    b'data: {"id":"cmpl-9","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length",'
+    b'"stop_reason":null,"prompt_token_ids":null,"token_ids":[1008]}]}\n\n',
+    b'data: {"id":"cmpl-9","object":"text_completion","created":2,"model":"m","choices":[],"usage":{"prompt_tokens":4,"total_tokens":6,"completion_tokens":2}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def test_rejoin_gives_a_chat_client_its_own_stream_one_id_and_usage_counted_once() -> None:
+    rj = Rejoin(route="chat", id="chatcmpl-1", created=1, model="narwhal-demo", prompt_tokens=3, before=1, cached_tokens=0)
+    evs = _events(b"".join(rj.feed(b[:7]) + rj.feed(b[7:]) for b in CONT))  # split mid-event: the parser holds the rest
+    assert evs == [
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "narwhal-demo",
+         "choices": [{"index": 0, "delta": {"content": " brave"}, "logprobs": None, "finish_reason": None, "stop_reason": None, "token_ids": [1007]}]},
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "narwhal-demo",
+         "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": [1008]}]},
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "narwhal-demo", "choices": [],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}},
+        "[DONE]",
+    ]
+
+
+def test_rejoin_for_a_completions_client_keeps_the_shape_and_drops_the_continuations_prompt_ids() -> None:
+    rj = Rejoin(route="completion", id="cmpl-1", created=1, model="narwhal-demo", prompt_tokens=3, before=1)
+    evs = _events(b"".join(rj.feed(b) for b in CONT))
+    first = evs[0]
+    assert isinstance(first, dict) and first["id"] == "cmpl-1" and first["object"] == "text_completion"
+    assert "prompt_token_ids" not in first["choices"][0] and first["choices"][0]["text"] == " brave"
+    assert evs[2] == {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "narwhal-demo", "choices": [],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+
+
+def test_rejoin_passes_errors_and_garbage_on_for_the_relay_to_judge_and_is_bounded() -> None:
+    rj = Rejoin(route="chat", id="x", created=1, model="m", prompt_tokens=1, before=0, max_event_bytes=64)
+    assert rj.feed(b'data: {"error":{"message":"boom"}}\n\ndata: not json\n\n') == b'data: {"error":{"message":"boom"}}\n\ndata: not json\n\n'
+    rj.feed(b"data: " + b"x" * 100)
+    assert rj.too_large
