@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .books import parse_metrics
+from .profiles import TENANT_KEYS
 from .transport import Exchange, RequestData
 
 __all__ = ["CAPABILITIES", "PASSIVE", "Capabilities", "SetupError", "implied_needs", "detect", "Target"]
@@ -34,6 +35,7 @@ CAPABILITIES: dict[str, str] = {
     "token-ids": "asks vLLM engines for token IDs on its own and accounts the output by them",
     "retry": "retries an engine attempt that fails before response headers once on another eligible engine",
     "auth": "asks clients for an API key (issue 22): the key given with --header (Authorization: Bearer KEY or x-api-key: KEY) is served, a request without it or with another key is refused 401 with WWW-Authenticate and an error envelope; /health and /ready need none",
+    "tenants": "limits each tenant (issue 22) by the profile's tenants section: the suite's tenant keys (profiles.TENANT_KEYS) are served, each tenant's limit (in flight, requests per second, tokens per minute, queue places) refuses that tenant's request with 429 while other tenants are served",
     "ha-etcd": "takes part in a leader election on the etcd the runner starts ({etcd} in --serve; lease TTL 2 s): as the only candidate it leads, it fences itself when etcd stops answering and leads again once etcd answers",
 }
 __doc__ = (__doc__ or "") + "".join(f"\n  {k:<21} {v}" for k, v in CAPABILITIES.items()) + "\n"
@@ -227,6 +229,24 @@ def _retry(t: Target, profile: Any) -> tuple[bool, str]:
     return ok, "an engine's HTTP 500 on the first attempt is retried on another engine" if ok else f"an engine's HTTP 500 on the first attempt answers {ex.status}"
 
 
+def _tenants(t: Target, profile: Any) -> tuple[bool, str]:
+    # tenant t-probe has requests_per_s 0.1 (a bucket of one request, refilled in 10 s):
+    # two requests in a row, the second is refused 429; the run's own tenant is then still
+    # served (a per-tenant limit, not the router's). The probe's bucket is its own: no
+    # case's tenant is touched.
+    probe = {"authorization": f"Bearer {TENANT_KEYS['t-probe']}", "x-api-key": None}
+    _, first = _chat(t, "tenants", headers=probe)  # type: ignore[arg-type]
+    if first.status not in (200, 429):
+        return False, f"the suite's tenant key t-probe answers {first.status} (set the router up with `narwhal conformance print-config --capability tenants`)"
+    _, second = _chat(t, "tenants", headers=probe)  # type: ignore[arg-type]
+    if second.status != 429:
+        return False, f"a second request of tenant t-probe (requests_per_s 0.1) at once answers {second.status}"
+    _, own = _chat(t, "tenants")
+    if own.status != 200:
+        return False, f"tenant t-probe over its rate, the run's own request answers {own.status}"
+    return True, f"tenant t-probe over its request rate is refused 429 (code {_code(second)!r}), the run's own tenant is served"
+
+
 def _ha_etcd(t: Target, profile: Any) -> tuple[bool, str]:
     return False, HA_ETCD_NOT_DECLARED
 
@@ -258,6 +278,7 @@ _DETECTORS: dict[str, Callable[[Target, Any], tuple[bool, str]]] = {
     "retry": _retry,
     "ha-etcd": _ha_etcd,
     "auth": _auth,
+    "tenants": _tenants,
 }
 assert set(_DETECTORS) == set(CAPABILITIES)
 

@@ -172,6 +172,9 @@ class CaseRun:
             rids.append(rid)
             if "raw" in s["request"]:
                 raw = s["request"]["raw"].replace("${pad}", "a" * s["request"].get("raw_pad", 0))
+                # the run's headers (--header, the run key), one line each: a router that
+                # asks for a key sees it on a raw request too
+                raw = raw.replace("${run_headers}", "".join(f"{k}: {v}\r\n" for k, v in self.r.headers.items() if v is not None))
                 rep = s["request"].get("raw_repeat")
                 if rep:
                     raw = raw.replace("${repeat}", rep["text"] * rep["times"])
@@ -192,7 +195,10 @@ class CaseRun:
         rid = self.r.new_rid(self.case.id) + "-" + name
         self.rids[name] = rid
         start = self.r.books() if "books" in self.r.caps else None
-        self.background[name] = Background(self.r.target, self.build(s["request"], rid), partial=bool(s.get("partial_body")))
+        req = self.build(s["request"], rid)
+        # a header whose value is None is not sent (the run's included), as Runner.send does
+        req = RequestData(req.method, req.path, {k: v for k, v in req.headers.items() if v is not None}, req.body, req.timeout_s)
+        self.background[name] = Background(self.r.target, req, partial=bool(s.get("partial_body")))
         if "until" in s:
             self._wait(f"{label} ({name})", s["until"], rid, start, self.background[name])
 

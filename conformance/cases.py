@@ -244,7 +244,7 @@ def _step_problems(c: Case) -> list[str]:
                     out.append(f"step {i}: a background request's expect goes on its await step")
             text = json.dumps(s["request"])
             for var in re.findall(r"\$\{([^}]*)\}", text):
-                if var not in ("admin_token", "request_id") and not (var in ("pad", "repeat") and "raw" in s["request"]):
+                if var not in ("admin_token", "request_id") and not (var in ("pad", "repeat", "run_headers") and "raw" in s["request"]):
                     out.append(f"step {i}: unknown variable ${{{var}}}")
                 if var == "admin_token" and "admin" not in c.needs:
                     out.append(f"step {i}: uses ${{admin_token}}; add needs: [admin]")

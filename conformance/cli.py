@@ -6,6 +6,7 @@ configuration, serve the mock fleet alone, or check the case data.
                         [--capability CAP ...] [--no-capability CAP ...]
                         [--strict] [--junit FILE] [--expectations FILE] [--dryrun] [--fuzz N]
     narwhal conformance print-config [--profile NAME] [--port-base N] [--capability ha-etcd [--etcd URL]]
+                                     [--capability tenants [--keys-file PATH]]
     narwhal conformance fleet [--profile NAME ...] [--port-base N]
     narwhal conformance check
 Exit status: 0 no case failed; 1 a case (or its books) failed, a case passed against its
@@ -37,7 +38,7 @@ from .etcd import EtcdError, EtcdServer, running_etcd
 from .etcd import binary as etcd_binary
 from .expectations import ExpectationError, expectation_for, load_expectations
 from .fleet import FleetError, running_fleet, serve_fleet
-from .profiles import DEFAULT_PORT_BASE, PROFILES, Profile, get_profile, router_config
+from .profiles import DEFAULT_PORT_BASE, PROFILES, RUN_KEY, Profile, get_profile, keys_file_entries, router_config
 from .report import apply_expectations, exit_code, print_result, print_summary, write_junit
 from .runner import Result, Runner
 
@@ -65,7 +66,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuzz", type=int, default=0, metavar="N", help="after the cases, fuzz the target's /openapi.json with N examples per operation")
     p.add_argument("--admin-token", default=os.environ.get("NARWHAL_CONFORMANCE_ADMIN_TOKEN"), help="the router's admin token (default $NARWHAL_CONFORMANCE_ADMIN_TOKEN); without it cases that need the admin API are N/A")
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the target to be ready and at rest (default 60)")
-    p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the profile's Narwhal config file, {listen} HOST:PORT of --target, {etcd} the URL of the etcd the runner starts for --capability ha-etcd)")
+    p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the profile's Narwhal config file, with the tenants and their keys, {listen} HOST:PORT of --target, {etcd} the URL of the etcd the runner starts for --capability ha-etcd); a CMD that uses {config} gets the suite's run key on every request unless --header gives a key")
     p.add_argument("--suite-version", default="latest", help="run the cases of this suite version (an integer, or latest)")
     p.add_argument("--verbose", action="store_true", help="print the details of every case, not only failures")
 
@@ -81,8 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         description="Print the router configuration a profile's cases assume: engine URLs, roles and dialects, and the limits.")
     pc.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile (default reference)")
     pc.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
-    pc.add_argument("--capability", action="append", default=[], choices=["ha-etcd"], metavar="CAP",
-                    help="ha-etcd: add the `ha` section (leader election on etcd) the runner writes into {config} under --capability ha-etcd")
+    pc.add_argument("--capability", action="append", default=[], choices=["ha-etcd", "tenants"], metavar="CAP",
+                    help="ha-etcd: add the `ha` section (leader election on etcd) the runner writes into {config} under --capability ha-etcd; "
+                         "tenants: add the `auth` and `tenants` sections the runner writes into {config} under --serve (run with --header 'Authorization: Bearer " + RUN_KEY + "')")
+    pc.add_argument("--keys-file", metavar="PATH", help="with tenants: write auth.keys_file (the tenants' keys and the run key, as SHA-256) to PATH and name it (default: name narwhal-conformance-keys.yaml and print its entries as comments)")
     pc.add_argument("--etcd", metavar="URL", default=_ETCD_DEFAULT, help=f"with ha-etcd: the etcd URL to name (default {_ETCD_DEFAULT}; a run names the etcd it starts)")
     fl = sub.add_parser("fleet", help="serve the mock fleet of one or more profiles in the foreground",
                         description="Serve the scripted mock engines of the given profiles on their documented ports until interrupted.")
@@ -105,7 +108,18 @@ def run(args: argparse.Namespace) -> int:
         etcd = args.etcd if "ha-etcd" in args.capability else None
         if etcd is not None:
             sys.stdout.write(f"# ha-etcd: a run starts its own etcd and names it here instead of {etcd}\n")
-        sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base, etcd=etcd), sort_keys=False))
+        keys = None
+        if "tenants" in args.capability:
+            keys = args.keys_file or "narwhal-conformance-keys.yaml"
+            entries = yaml.safe_dump(keys_file_entries(), sort_keys=False)
+            if args.keys_file:
+                with open(args.keys_file, "w") as f:
+                    f.write(entries)
+                sys.stdout.write(f"# tenants: {args.keys_file} written; run with --header 'Authorization: Bearer {RUN_KEY}'\n")
+            else:
+                sys.stdout.write(f"# tenants: write these entries to {keys} (or give --keys-file PATH); run with --header 'Authorization: Bearer {RUN_KEY}'\n")
+                sys.stdout.write("".join(f"#   {line}\n" for line in entries.splitlines()))
+        sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base, etcd=etcd, keys_file=keys), sort_keys=False))
         return 0
     if action == "fleet":
         return _fleet(profiles, args.port_base)
@@ -183,14 +197,38 @@ def _etcd_for(path: str | None) -> Iterator[EtcdServer | None]:
         yield srv
 
 
+_CREDENTIALS = ("authorization", "x-api-key")
+
+
+def _run_keys(headers: dict[str, str]) -> list[str]:
+    """The keys the run's --header gives (Authorization: Bearer KEY, x-api-key: KEY)."""
+    out = []
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        out.append(token.strip())
+    if headers.get("x-api-key"):
+        out.append(headers["x-api-key"])
+    return out
+
+
+def _serve_headers(cmd: str | None, headers: dict[str, str]) -> dict[str, str]:
+    """The run's headers: a router the runner starts from {config} knows the suite's run
+    key (capability tenants); it is sent on every request unless --header gives a key."""
+    if cmd and "{config}" in cmd and not any(h in headers for h in _CREDENTIALS):
+        return {**headers, "authorization": f"Bearer {RUN_KEY}"}
+    return headers
+
+
 @contextlib.contextmanager
-def _served(cmd: str | None, profile: Profile, target: str, port_base: int, etcd: str | None = None) -> Iterator[None]:
+def _served(cmd: str | None, profile: Profile, target: str, port_base: int, etcd: str | None = None, run_keys: list[str] | None = None) -> Iterator[None]:
     if not cmd:
         yield
         return
     listen = target.split("://", 1)[-1].rstrip("/")
+    with tempfile.NamedTemporaryFile("w", suffix=".keys.yaml", delete=False) as kf:
+        yaml.safe_dump(keys_file_entries(run_keys), kf)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(router_config(profile, port_base, listen=listen, etcd=etcd), f)
+        yaml.safe_dump(router_config(profile, port_base, listen=listen, etcd=etcd, keys_file=kf.name), f)
     argv = [a.replace("{config}", f.name).replace("{listen}", listen).replace("{etcd}", etcd or "") for a in shlex.split(cmd)]
     proc = subprocess.Popen(argv)
     try:
@@ -209,6 +247,7 @@ def _served(cmd: str | None, profile: Profile, target: str, port_base: int, etcd
             proc.kill()
             proc.wait(5)
         os.unlink(f.name)
+        os.unlink(kf.name)
 
 
 def _headers(items: list[str]) -> dict[str, str]:
@@ -260,7 +299,7 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
         return 2
     try:
         cases = select_cases(load_cases(), args.case, profile=profile.name, version=version)
-        headers = _headers(args.header)
+        headers = _serve_headers(args.serve, _headers(args.header))
         expectations = load_expectations(args.expectations) if args.expectations else {}
     except (ValueError, ExpectationError) as e:
         print(f"narwhal conformance: {e}", file=sys.stderr)
@@ -280,7 +319,7 @@ def run_suite(args: argparse.Namespace, profile: Profile, out: Any = None) -> in
         return 2
     fuzz_problems = False
     try:
-        with _fleet_for(profile, args.port_base), _etcd_for(etcd_path) as etcd, _served(args.serve, profile, args.target, args.port_base, etcd.url if etcd else None):
+        with _fleet_for(profile, args.port_base), _etcd_for(etcd_path) as etcd, _served(args.serve, profile, args.target, args.port_base, etcd.url if etcd else None, _run_keys(headers)):
             results, code, caps = _execute(args, profile, cases, out, label, expectations, headers, etcd, unavailable)
             if args.fuzz and not code:
                 # while the fleet (and a --serve router) still run

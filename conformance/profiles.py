@@ -18,12 +18,14 @@ WARNING: changing a number here changes what the cases mean; bump SUITE_VERSION.
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from narwhal.mock import MockConfig, Timing
 
-__all__ = ["DEFAULT_PORT_BASE", "MODEL", "HA", "EngineDef", "Profile", "PROFILES", "get_profile", "router_config", "mock_configs"]
+__all__ = ["DEFAULT_PORT_BASE", "MODEL", "HA", "RUN_KEY", "TENANT_KEYS", "TENANTS", "EngineDef", "Profile", "PROFILES", "get_profile", "router_config",
+           "keys_file_entries", "mock_configs"]
 
 DEFAULT_PORT_BASE = 18200
 MODEL = "narwhal-demo"
@@ -112,6 +114,45 @@ HA = {
     "fence_margin_ms": 400,
     "request_timeout_ms": 500,
 }
+
+
+# capability tenants (issue 22): the tenants the cases act for, each with one public test
+# key, and the limits each case provokes. The run's own requests carry RUN_KEY (or the
+# key given with --header): tenant `conformance`, which has no entry and no limits (no
+# `tenants.default` either), so every other case runs as before. One limit per tenant,
+# so that one case's tenant never meets another case's limit:
+#   t-in-flight  max_in_flight 1   (R17: one request held in decode, the next refused)
+#   t-rate       requests_per_s 0.1 (R18: a bucket of 1 request, refilled in 10 s)
+#   t-tokens     tokens_per_min 1000 (R19: a ~900-token prompt passes, the next waits ~50 s)
+#   t-queue      queue_limit 0     (R20: refused whenever it would wait; served when a slot is free)
+#   t-probe      requests_per_s 0.1 (detection only: two requests in a row, the second refused)
+# The buckets start full when the router starts: R18/R19's cases expect their tenant's
+# first request served, so run them against a router started for the run (--serve), or
+# at least a minute after the last run.
+RUN_KEY = "sk-narwhal-conformance-run"
+TENANT_KEYS = {
+    "t-in-flight": "sk-narwhal-conformance-in-flight",
+    "t-rate": "sk-narwhal-conformance-rate",
+    "t-tokens": "sk-narwhal-conformance-tokens",
+    "t-queue": "sk-narwhal-conformance-queue",
+    "t-probe": "sk-narwhal-conformance-probe",
+}
+RUN_TENANT = "conformance"
+TENANTS: dict[str, dict[str, Any]] = {
+    "t-in-flight": {"max_in_flight": 1},
+    "t-rate": {"requests_per_s": 0.1},
+    "t-tokens": {"tokens_per_min": 1000},
+    "t-queue": {"queue_limit": 0},
+    "t-probe": {"requests_per_s": 0.1},
+}
+
+
+def keys_file_entries(run_keys: list[str] | None = None) -> list[dict[str, str]]:
+    """auth.keys_file's entries ({id, tenant, sha256}) for the tenants' keys and the run's
+    key(s) (default RUN_KEY), all of tenant `conformance`."""
+    out = [{"id": f"conformance-run-{i}", "tenant": RUN_TENANT, "sha256": hashlib.sha256(k.encode()).hexdigest()} for i, k in enumerate(run_keys or [RUN_KEY])]
+    out += [{"id": f"conformance-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in TENANT_KEYS.items()]
+    return out
 
 
 def _router(listen_port: int, admission: dict[str, Any], *, wave: str | None = None) -> dict[str, Any]:
@@ -204,9 +245,12 @@ def get_profile(name: str) -> Profile:
         raise KeyError(f"unknown profile {name!r} (known: {', '.join(PROFILES)})") from None
 
 
-def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: str | None = None, etcd: str | None = None) -> dict[str, Any]:
+def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: str | None = None, etcd: str | None = None,
+                  keys_file: str | None = None) -> dict[str, Any]:
     """The Narwhal configuration a router under test must be set up with; with `etcd` (the
-    URL of the etcd the runner started for capability ha-etcd), an `ha` section on it."""
+    URL of the etcd the runner started for capability ha-etcd), an `ha` section on it;
+    with `keys_file` (a file of keys_file_entries(), capability tenants), an `auth`
+    section naming it and the `tenants` the cases act for."""
     cfg = copy.deepcopy(profile.router)
     cfg["serving"]["listen"] = listen if listen is not None else profile.listen(port_base)
     cfg["engines"] = [
@@ -214,6 +258,9 @@ def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: 
     ]
     if etcd is not None:
         cfg["ha"] = {"etcd": [etcd], **HA}
+    if keys_file is not None:
+        cfg["auth"] = {"keys_file": keys_file}
+        cfg["tenants"] = copy.deepcopy(TENANTS)
     return cfg
 
 
