@@ -10,6 +10,7 @@
     narwhal bench prediction --engine URL --model NAME [--dialect openai] [--max-concurrency 1]
     narwhal bench split [--parts decisions,saturation,relay,ttft] [--rate 2000] [--clients 1] [--layouts pinned,spread]
     narwhal bench fleet [--rate 40] [--output-tokens 100] [--gap 4] [--after 6] [--quick]
+    narwhal bench tenants [--arms narwhal-alone,narwhal,smg-alone,smg,litellm-alone,litellm] [--duration 90] [--quick]
 
 Every subcommand prints Markdown tables; --out DIR also saves them with the raw numbers
 as JSON (default out/bench, git-ignored); sweeps write PNG plots to --img (default
@@ -173,6 +174,7 @@ _DELEGATED = (
     ("ha", "narwhal_bench.ha", "failover of leader election under load: kill -9 the leader of three routers on a real etcd (docs/ha.md)"),
     ("prefix", "narwhal_bench.prefix", "the Mooncake conversation trace against caching mock engines: Narwhal cache-aware and cache-blind, vllm-router cache_aware and round_robin"),
     ("fleet", "narwhal_bench.fleet", "a fleet that changes under steady streaming load: engines replaced through the file, etcd and the admin API, limits reloaded, the ha leader stopped with SIGTERM (docs/operations.md)"),
+    ("tenants", "narwhal_bench.tenants", "one tenant's overload: two tenants of equal weight at 2x the mock fleet's capacity, the noisy one 10x the quiet one, through Narwhal, SMG 1.13 and LiteLLM"),
     ("prefix-model", "narwhal_bench.prefix_model", "a queueing model of the prefix bench: what any placement rule could get on its workload (seconds, no processes)"),
 )
 
