@@ -78,6 +78,36 @@ def test_an_idle_tenant_earns_no_credit() -> None:
     assert got[:2] in ([("a", 3), ("b", 9)], [("b", 9), ("a", 3)])
 
 
+def test_a_tenant_that_becomes_backlogged_goes_before_the_backlogged_ones_next() -> None:
+    # start tags: a quiet tenant's one request waits for no noisy request still queued
+    q = FairQueue()
+    noisy = [T(i, "noisy") for i in range(6)]
+    for t in noisy:
+        q.append(t)
+    assert q.popleft() is noisy[0]  # in service: the quiet one arrives now
+    quiet = T(0, "quiet")
+    assert q.ahead_ms("quiet", 1.0, 50.0) == 0.0
+    q.append(quiet)
+    assert q.popleft() is quiet
+    assert q.popleft() is noisy[1]
+
+
+def test_a_tenant_coming_straight_back_does_not_cut_in_again() -> None:
+    # the finish tag it left with is kept: one request each, turn about, not quiet every time
+    q = FairQueue()
+    for i in range(10):
+        q.append(T(i, "noisy"))
+    got = []
+    for i in range(4):
+        q.append(T(100 + i, "quiet"))
+        got.append(q.popleft().work.tenant)
+        got.append(q.popleft().work.tenant)
+    assert got.count("quiet") == 4 and got.count("noisy") == 4
+    assert all(got[k] != got[k + 1] for k in range(1, len(got) - 1, 2))  # never two quiet in a row
+    drain(q)
+    assert len(q._left) <= 1  # finish tags behind the virtual time are dropped
+
+
 def test_remove_and_work_and_ahead() -> None:
     q = FairQueue()
     a = [T(i, "a", 100.0) for i in range(9)]
@@ -91,7 +121,7 @@ def test_remove_and_work_and_ahead() -> None:
         q.remove(T(99, "c"))
     assert len(q) == 9 and q.tenants == 2 and q.queued("a") == 8
     total = 8 * 100.0 + 10.0
-    # a newcomer of a waits behind all of a's and b's one; of b, behind its own and about one of a's
+    # a newcomer of a waits behind all of a's and b's one; of b, behind its own and the two of a's that start first
     assert q.ahead_ms("a", 1.0, total) == pytest.approx(total)
     assert q.ahead_ms("b", 1.0, total) == pytest.approx(10.0 + 2 * 100.0)
     assert q.ahead_ms("c", 1.0, total) == pytest.approx(100.0 + 10.0)
@@ -112,3 +142,23 @@ def test_fifo_within_a_tenant_and_nothing_lost(tenants: list[str], pops: int) ->
     for name in "abc":
         ids = [t.id for t in got if t.work.tenant == name]
         assert ids == sorted(ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.booleans()), min_size=1, max_size=40), st.sampled_from(["a", "b", "c", "d"]))
+def test_ahead_is_the_work_served_before_a_newcomer(ops: list[tuple[str, bool]], who: str) -> None:
+    # what R10 projects is what the order then serves (ahead_ms counts other tenants' work pro rata)
+    w = {"a": 1.0, "b": 2.0, "c": 0.5, "d": 1.0}
+    q = FairQueue(lambda t: w[t])  # type: ignore[index]
+    for i, (tenant, pop) in enumerate(ops):
+        q.append(T(i, tenant, {"a": 3.0, "b": 5.0, "c": 7.0}[tenant]))  # one size per tenant: the mean is exact
+        if pop and q:
+            q.popleft()
+    total = sum(t.pred_prefill_ms for t in q)
+    ahead = q.ahead_ms(who, w[who], total)
+    newcomer = T(999, who, 0.0)
+    q.append(newcomer)
+    served = 0.0
+    while (t := q.popleft()) is not newcomer:
+        served += t.pred_prefill_ms
+    assert ahead == pytest.approx(served)
