@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import logging
 import sys
 from pathlib import Path
 
@@ -31,8 +30,11 @@ def _serve(args: argparse.Namespace) -> int:
 
         value = "auto" if w == "auto" else Workers(int(w))
         cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"workers": value})})
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.log_format is not None:  # overrides serving.log_format
+        cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"log_format": args.log_format})})
+    from .telemetry.logs import configure
+
+    configure(cfg.serving.log_format, args.log_level)
     scheme = "https" if cfg.serving.tls.certfile else "http"
     fleet = "the embedded simulated fleet" if cfg.engines is None else f"{len(cfg.engines)} configured engines"
     print(f"narwhal: serving model {cfg.serving.model!r} on {scheme}://{listen} (HTTP/1.1 and HTTP/2) in front of {fleet}", flush=True)
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--listen", help="HOST:PORT, overrides serving.listen")
     s.add_argument("--workers", help="N or auto: data-plane worker processes (overrides serving.workers)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-format", choices=["text", "json"], help="text or json (one JSON object per line; docs/observability.md): overrides serving.log_format")
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("spec", help="regenerate generated/ from spec/, or check it is up to date")

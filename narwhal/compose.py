@@ -73,6 +73,7 @@ class Router:
         self.controls.scrapers[0] = scrape
         self.control.on_facts(self.plane.learn_facts)
         self.control.on_config(self.plane.reconfigure)  # a reload reaches the data plane
+        self.plane.telemetry.observe(config)  # observability.* (traces), serving.log_format (request_end lines)
 
     async def start(self) -> None:
         await self.control.start()
@@ -80,6 +81,7 @@ class Router:
     async def stop(self) -> None:
         await self.control.stop()
         await self.plane.aclose()
+        self.plane.telemetry.close()  # the spans still queued, flushed (bounded)
 
     def app(self, *, manage: bool = True) -> Any:
         """The ASGI app; with `manage`, its lifespan starts and stops the router."""

@@ -7,6 +7,8 @@ Every key has a default; unknown keys are an error at start-up. Errors name the 
   * prefill engines need decode engines and the other way round (vLLM two-phase);
   * sglang and openai engines are unified only (spec/tables/dialects.yaml V02, V03);
   * serving.tls has both certfile and keyfile or neither;
+  * observability: traces (sample_ratio > 0) need an otlp_endpoint, a batch fits the
+    queue, and protocol grpc its exporter package;
   * upstream.deny_fields names each field once, and none the router cannot do without
     (model, messages, prompt);
   * engines on one host and port carry the same userinfo, if any (the credentials are
@@ -17,6 +19,7 @@ the engine (the engine client has no TLS).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -104,6 +107,13 @@ def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: the router cannot forward a request without {f!r}")
         if f in deny[:i]:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: {f!r} is listed twice")
+    obs = cfg.observability
+    if obs.sample_ratio > 0 and not obs.otlp_endpoint:
+        raise ConfigError(f"{source}: observability.sample_ratio: traces need observability.otlp_endpoint (where to send them)")
+    if obs.max_export_batch_size > obs.max_queue_size:
+        raise ConfigError(f"{source}: observability.max_export_batch_size: at most observability.max_queue_size ({obs.max_queue_size})")
+    if obs.protocol == "grpc" and obs.sample_ratio > 0 and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
+        raise ConfigError(f"{source}: observability.protocol: grpc needs the opentelemetry-exporter-otlp-proto-grpc package (pip install opentelemetry-exporter-otlp-proto-grpc); http/protobuf needs nothing more")
     if cfg.auth is not None and cfg.auth.keys_file is None and cfg.auth.jwt is None:
         raise ConfigError(f"{source}: auth: needs keys_file or jwt (or both)")
     ha = cfg.ha

@@ -55,6 +55,7 @@ from .authority.control import ControlPlane
 from .authority.service import LocalControls
 from .config import NarwhalConfig
 from .http.server import Stopping, settle_heap, split_listen
+from .telemetry.logs import event as log_event
 from .upstream.engines import EngineSpec
 
 __all__ = ["supervise", "worker_main", "Supervisor", "begin_draining"]
@@ -76,6 +77,7 @@ async def begin_draining(control: ControlPlane) -> None:
     and an ha leader resigns (L19: its lease revoked, the key deleted), so a standby
     leads within a watch round trip instead of a lease TTL. Requests already admitted run on."""
     control.state.draining = True
+    log.info("router state: draining (stopping)", extra=log_event("router_state", state="draining", previous=None, by="signal"))
     control.refuse_waiting()
     if control.elector is not None:
         await control.elector.resign()
@@ -140,7 +142,7 @@ class Supervisor:
             session.send(ipc.Facts(name, facts))
         self.controls.scrapers[session.worker] = session.scrape
         self.ups.setdefault(session.worker, asyncio.Event()).set()
-        log.info("worker %d serving (pid %d)", session.worker, m.pid)
+        log.info("worker %d serving (pid %d)", session.worker, m.pid, extra=log_event("worker_up", worker_index=session.worker, pid=m.pid))
 
     def _on_lost(self, session: WorkerSession) -> None:
         if self.sessions.get(session.worker) is session:
@@ -177,7 +179,8 @@ class Supervisor:
         recent = [t for t in self.deaths.get(i, []) if now - t < 60.0] + [now]
         self.deaths[i] = recent
         wait = min(RESTART_MAX_S, RESTART_BACKOFF_S * 2 ** (len(recent) - 1))
-        log.warning("worker %d (pid %d) exited with %s; restarting it in %.1f s", i, proc.pid, code, wait)
+        log.warning("worker %d (pid %d) exited with %s; restarting it in %.1f s", i, proc.pid, code, wait,
+                    extra=log_event("worker_exit", worker_index=i, pid=proc.pid, code=code, restart_in_s=wait))
         await asyncio.sleep(wait)
         if not self.stopping:
             try:
@@ -278,6 +281,7 @@ async def _worker(ipc_fd: int, listen_fd: int) -> None:
     from .http import hyper
     from .http.app import create_app
     from .http.server import serve_until_stopped, serving_config
+    from .telemetry.logs import configure as configure_logs
     from .worker.plane import DataPlane, tokenizer_of
     from .worker.remote import Link, RemoteControls, RemoteDoor
     from .worker.telemetry import families
@@ -287,8 +291,11 @@ async def _worker(ipc_fd: int, listen_fd: int) -> None:
     await loop.create_unix_connection(lambda: link.channel, sock=socket.socket(fileno=ipc_fd))
     hello = await asyncio.wait_for(link.hello, START_TIMEOUT_S)
     config = parse_config(hello.config, source="the authority's configuration")
+    # serving.log_format comes with the configuration (the command line's --log-format is in it)
+    configure_logs(config.serving.log_format, logging.getLogger().getEffectiveLevel(), worker=hello.worker)
     engines = [EngineSpec.from_dict(d) for d in hello.engines]
     plane = DataPlane(config, engines, RemoteDoor(link), worker=hello.worker, count_tokens=tokenizer_of(config), controls=RemoteControls(link))
+    plane.telemetry.observe(config, worker=hello.worker)  # observability.*: this worker's spans
     link.scrape = lambda: families(plane.telemetry.registry, hello.worker)
     link.on_facts = plane.learn_facts
     link.on_reconfigure = lambda cfg: plane.reconfigure(parse_config(cfg, source="the authority's reloaded configuration"))
@@ -334,6 +341,7 @@ async def _worker(ipc_fd: int, listen_fd: int) -> None:
     finally:
         lost.cancel()
         await plane.aclose()
+        plane.telemetry.close()
         link.channel.close()
 
 

@@ -514,6 +514,77 @@ class Tenant(BaseModel):
     ] = None
 
 
+class Observability(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    otlp_endpoint: Annotated[
+        StrictStr | None,
+        Field(
+            description="The OTLP collector's base URL (http:// or https://). OTLP/HTTP with protobuf goes to {otlp_endpoint}/v1/traces; with protocol grpc, the gRPC endpoint itself (needs the opentelemetry-exporter-otlp-proto-grpc package). null: no traces.",
+            pattern='^https?://[^\\s/]+(/[^\\s]*)?$',
+        ),
+    ] = None
+    protocol: Annotated[
+        Literal['http/protobuf', 'grpc'],
+        Field(
+            description='OTLP transport: http/protobuf (always available) or grpc (only when opentelemetry-exporter-otlp-proto-grpc is installed; a start-up error names the package otherwise).'
+        ),
+    ] = 'http/protobuf'
+    sample_ratio: Annotated[
+        float,
+        Field(
+            description="The share of requests traced, decided once at arrival (0: none, tracing off; 1: all). A request not sampled creates no span objects. It applies to requests that carry a client's traceparent too (the trace then continues the client's), except those the client marked sampled, which are traced up to client_sampled_per_s.",
+            ge=0.0,
+            le=1.0,
+        ),
+    ] = 0
+    client_sampled_per_s: Annotated[
+        float,
+        Field(
+            description="A client's W3C traceparent with the sampled flag is honoured (the request traced as a child of the client's span) at most this many times per second per data-plane process (a token bucket, burst the same); past that the router's sample_ratio decides. Bounds what a client of a public router can make it export. 0: the client's flag is never honoured (the ratio alone decides). Only when sample_ratio > 0.",
+            ge=0.0,
+            le=10000.0,
+        ),
+    ] = 10
+    service_name: Annotated[
+        StrictStr,
+        Field(
+            description='The service.name resource attribute of every span.',
+            max_length=128,
+            min_length=1,
+        ),
+    ] = 'narwhal'
+    max_queue_size: Annotated[
+        StrictInt,
+        Field(
+            description='Ended spans waiting for export, per process; spans past it are dropped and counted (narwhal_trace_spans_dropped_total).',
+            ge=1,
+            le=65536,
+        ),
+    ] = 2048
+    max_export_batch_size: Annotated[
+        StrictInt,
+        Field(description='Spans per export request (at most max_queue_size).', ge=1, le=65536),
+    ] = 512
+    schedule_delay_ms: Annotated[
+        StrictInt,
+        Field(
+            description='How long ended spans may wait before an export (a full batch goes at once).',
+            ge=10,
+            le=60000,
+        ),
+    ] = 1000
+    export_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description="One export request (retries included) gives up after this long; its spans are lost (counted as failed exports). The export runs on its own thread, never on the relay's.",
+            ge=100,
+            le=60000,
+        ),
+    ] = 5000
+
+
 class Serving(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -614,6 +685,12 @@ class Serving(BaseModel):
             le=3600000,
         ),
     ] = 30000
+    log_format: Annotated[
+        Literal['text', 'json'],
+        Field(
+            description="The router's log lines on standard error. text: one human line per record. json: one JSON object per line: one line per completion request at its end (event request_end: request id, trace id, tenant, engines, terminal class and row, status, TTFT, TPOT, prompt/output/cached tokens, bytes) and the router's own events (state changes, elections, fleet changes, reloads), with the stable field names of docs/observability.md. No client content (prompts, outputs) and no secret (API keys, the admin token, passwords) is ever logged. `narwhal serve --log-format` overrides it. Needs a restart."
+        ),
+    ] = 'text'
 
 
 class Admission(BaseModel):
@@ -738,3 +815,4 @@ class NarwhalConfig(BaseModel):
         ),
     ] = None
     upstream: Annotated[Upstream, Field(validate_default=True)] = {}
+    observability: Annotated[Observability, Field(validate_default=True)] = {}

@@ -31,6 +31,7 @@ from ..core.quota import Limits, Quotas
 from ..core.sizing import PromptSizer
 from ..core.state import RouterState
 from ..core.tickets import Dispatch, Refuse, Ticket
+from ..telemetry.logs import event as log_event
 from ..upstream.engines import EngineSpec, engine_client
 from ..upstream.usage import PromptCounter
 
@@ -260,7 +261,7 @@ class Authority:
         e = self.engines[name]
         e.failed += 1
         if row in ("E04", "E06", "E07") and e.breaker.failure(self.clock.now()):
-            log.warning("engine %s: circuit breaker opened after %s", e.name, row)
+            log.warning("engine %s: circuit breaker opened after %s", e.name, row, extra=log_event("breaker_open", engine=e.name, row=row))
             self.reconcile()
 
     def engine_ok(self, name: str) -> None:

@@ -38,6 +38,7 @@ from narwhal_generated.models.config import Ha
 from ..core import quota_state
 from ..core.leadership import Leadership
 from ..fleet.etcd import etcd_client
+from ..telemetry.logs import event as log_event
 from ..upstream.etcd import EtcdError
 from .authority import Authority
 
@@ -112,7 +113,8 @@ class Elector:
         row = le.on(event, self.a.clock.now(), **kw)
         if row.next != before:
             log.log(logging.INFO if why == "stopping" else logging.WARNING, "ha %s: %s -> %s on %s (%s)%s; fencing token %s, lease %s",
-                    self.name, before, row.next, event, row.id, f", {why}" if why else "", le.token, le.lease)
+                    self.name, before, row.next, event, row.id, f", {why}" if why else "", le.token, le.lease,
+                    extra=log_event("ha_state", name=self.name, previous=before, state=row.next, on=event, row=row.id, fencing_token=le.token))
         if event in ("won", "lost", "unreachable") and le.state != "leader":
             self._campaigned.set()
         if row.action in ("fence", "resign"):
@@ -177,7 +179,7 @@ class Elector:
                 await self.take_over()
             if self.leadership.state == "leader":
                 self.leadership.took_over()
-                log.warning("ha %s: leader, admitting (fencing token %d)", self.name, c.revision)
+                log.warning("ha %s: leader, admitting (fencing token %d)", self.name, c.revision, extra=log_event("ha_leader", name=self.name, fencing_token=c.revision))
             self._campaigned.set()
             return
         self._event("lost")

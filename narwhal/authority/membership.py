@@ -38,6 +38,7 @@ from typing import Any
 
 from ..core.fleet import EngineState
 from ..core.lifecycle import identity
+from ..telemetry.logs import event as log_event
 from ..upstream.engines import EngineSpec
 from .authority import Authority
 
@@ -114,7 +115,8 @@ class Membership:
                 self.remove(name)
                 out["removed"].append(name)
         if any(out[k] for k in ("added", "updated", "replaced", "rejoining", "removed")):
-            log.info("fleet from %s: %s", source, "; ".join(f"{k} {', '.join(v)}" for k, v in out.items() if v))
+            log.info("fleet from %s: %s", source, "; ".join(f"{k} {', '.join(v)}" for k, v in out.items() if v),
+                     extra=log_event("fleet_change", source=source, **{k: v for k, v in out.items() if v}))
         return out
 
     def error(self, source: str, message: str) -> None:
@@ -166,7 +168,7 @@ class Membership:
 
     def _admit(self, e: EngineState, spec: EngineSpec | None) -> None:
         self.changes["ready"] += 1
-        log.info("engine %s: joined (lifecycle active, %s)", e.name, _why_ready(e))
+        log.info("engine %s: joined (lifecycle active, %s)", e.name, _why_ready(e), extra=log_event("engine_joined", engine=e.name))
         self.a.reconcile()
 
     def _check(self, e: EngineState, spec: EngineSpec | None) -> None:
@@ -195,7 +197,8 @@ class Membership:
         task = a.profiling.get(e.name)
         if task is not None and not task.done():
             task.cancel()  # its measurement slot, if any, frees as the task unwinds
-        log.info("engine %s: leaving (draining, at most %.1f s)", e.name, self.drain_timeout_s)
+        log.info("engine %s: leaving (draining, at most %.1f s)", e.name, self.drain_timeout_s,
+                 extra=log_event("engine_leaving", engine=e.name, drain_timeout_s=self.drain_timeout_s))
         a.reconcile()  # its queued waiters move to other engines, or R09
         if e.holds_nothing():
             self.event(e, "idle")
@@ -214,7 +217,7 @@ class Membership:
 
     def _cut(self, e: EngineState, spec: EngineSpec | None) -> None:
         self.changes["cut"] += 1
-        log.warning("engine %s: drain timeout (discovery.drain_timeout_ms): cutting its requests", e.name)
+        log.warning("engine %s: drain timeout (discovery.drain_timeout_ms): cutting its requests", e.name, extra=log_event("engine_cut", engine=e.name))
         self.a._tell(e.name, ["cut"])
 
     def _rejoin(self, e: EngineState, spec: EngineSpec | None) -> None:
@@ -240,7 +243,7 @@ class Membership:
             a.client.forget(old.url)
         a.health_observed()
         self.changes["gone"] += 1
-        log.info("engine %s: gone", name)
+        log.info("engine %s: gone", name, extra=log_event("engine_gone", engine=name))
         a._tell(name, ["gone"])
         pending = e.pending
         if isinstance(pending, EngineSpec):
@@ -262,7 +265,8 @@ class Membership:
         a.engines[spec.name] = e
         a.scheduler.add(e, a.prefix_index(spec))
         self.changes["join"] += 1
-        log.info("engine %s: joining from %s (%s, %s, %s)", spec.name, source, spec.url, spec.role, spec.dialect)
+        log.info("engine %s: joining from %s (%s, %s, %s)", spec.name, source, spec.url, spec.role, spec.dialect,
+                 extra=log_event("engine_joining", engine=spec.name, source=source, role=spec.role, dialect=spec.dialect))
         self._subscribe(e, spec)
         self._poll(e)
         return e

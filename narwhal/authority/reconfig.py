@@ -23,6 +23,7 @@ from typing import Any
 from ..config import ConfigError, load_config, parse_config
 from ..core.reload import changed_keys, plan
 from ..fleet.sources import configured
+from ..telemetry.logs import event as log_event
 from ..upstream.engines import config_engines
 from .control import ControlPlane
 
@@ -89,7 +90,7 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
         new = load_config(path)
     except (OSError, ConfigError) as e:
         msg = str(e) if isinstance(e, ConfigError) else f"{path}: {e.strerror or e}"
-        log.error("configuration reload: %s (nothing changed)", msg)
+        log.error("configuration reload: %s (nothing changed)", msg, extra=log_event("config_reload_failed", path=str(path), error=msg))
         raise ReloadError(msg) from None
     running = control.config.model_dump(mode="json", by_alias=True)
     p = plan(running, new.model_dump(mode="json", by_alias=True))
@@ -98,17 +99,18 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
     try:
         merged = parse_config(p.merged, source=str(path))
     except ConfigError as e:  # the running restart-only keys and the new run-time ones disagree
-        log.error("configuration reload: %s (nothing changed)", e)
+        log.error("configuration reload: %s (nothing changed)", e, extra=log_event("config_reload_failed", path=str(path), error=str(e)))
         raise ReloadError(str(e)) from None
     try:
         fleet = apply(control, merged, p.changed)
     except ConfigError as e:  # raised before anything changed (apply's first lines)
-        log.error("configuration reload: %s (nothing changed)", e)
+        log.error("configuration reload: %s (nothing changed)", e, extra=log_event("config_reload_failed", path=str(path), error=str(e)))
         raise ReloadError(str(e)) from None
     loaded(control, raw)
     if restart:
         log.warning("configuration reload: these keys need a restart and were left as they were: %s", ", ".join(restart))
-    log.info("configuration reloaded from %s (sha256 %s): changed %s", path, control.config_hash, ", ".join(p.changed) or "nothing")
+    log.info("configuration reloaded from %s (sha256 %s): changed %s", path, control.config_hash, ", ".join(p.changed) or "nothing",
+             extra=log_event("config_reload", path=str(path), sha256=control.config_hash, changed=list(p.changed), restart_needed=list(restart)))
     return {"changed": list(p.changed), "restart_needed": list(restart), "fleet": fleet,
             "config": {"path": str(path), "sha256": control.config_hash, "loaded_at": control.config_loaded_at}}
 

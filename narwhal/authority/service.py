@@ -9,15 +9,19 @@ engine and wave names are the configuration's) before it reaches here.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..telemetry.logs import event as log_event
 from ..upstream.engines import EngineSpec
 from . import metrics, views
 from .control import ControlPlane
 from .door import LocalDoor
 
 __all__ = ["LocalControls", "Scraper"]
+
+log = logging.getLogger("narwhal")
 
 # a data plane's families for a scrape (narwhal/authority/metrics.py)
 Scraper = Callable[[], Awaitable[list[metrics.Family]]]
@@ -50,7 +54,9 @@ class LocalControls:
         return metrics.render(lambda: views.state_snapshot(self.control), planes)
 
     async def set_state(self, state: str) -> str:
+        before = self.control.state.reason(self.control.clock.now()) or "active"
         self.control.set_operator(state)
+        log.info("router state: the operator set %s (was %s)", state, before, extra=log_event("router_state", state=state, previous=before, by="operator"))
         el = self.control.elector
         if state == "active" and el is not None:
             # with ha the router campaigns again: answer once that campaign has an outcome
@@ -59,9 +65,11 @@ class LocalControls:
 
     async def set_wave(self, wave: str, on: bool) -> None:
         self.control.set_wave_maintenance(wave, on)
+        log.info("wave %s: maintenance %s", wave, "on" if on else "off", extra=log_event("wave_maintenance", wave=wave, maintenance=on))
 
     async def drain(self, engine: str, on: bool) -> None:
         self.control.set_draining(engine, on)
+        log.info("engine %s: the operator's drain %s", engine, "on" if on else "off", extra=log_event("engine_drain", engine=engine, drain=on))
 
     async def put_engine(self, entry: dict[str, Any]) -> dict[str, Any]:
         """PUT /admin/engines/{name}: `entry` validated by the caller (config.parse_engines)."""

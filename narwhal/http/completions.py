@@ -8,6 +8,9 @@ Order of decisions, as the refusal table orders them:
   reading stops at the first byte past the limit, so nothing past it is buffered);
   R04-R07 on the parsed body (narwhal/core/requests.py); then workload sizing, and
   R08-R13 in narwhal/worker/request.py.
+Observability (narwhal/telemetry, docs/observability.md): with JSON logs or tracing on, or
+a client's `traceparent`, each request gets a `RequestRecord` at arrival (tracing decides
+sampling then, once); its end writes the request_end line and ends the root span.
 Books: the authority's. `door.arrive` offers the request (and decides R01/R02, closing
 the books itself when it refuses); from then on exactly one terminal class when it ends,
 whatever happens (the `finally` below is the only place an admitted entry is closed).
@@ -30,6 +33,7 @@ from ..core.lease import Order
 from ..core.prefix import rendered, text_keys
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
 from ..core.tickets import Refuse
+from ..telemetry.logs import RequestRecord, emit_request_end
 from ..tenants import Identity
 from ..worker.plane import DataPlane
 from ..worker.request import error_event, run_request
@@ -78,7 +82,7 @@ class AsgiSink:
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes")
 
     def __init__(self, send: Send, rid: str, stall_s: float) -> None:
         self._send = send
@@ -88,6 +92,10 @@ class AsgiSink:
         self.stall_s = stall_s
         self.sending_since = 0.0  # monotonic time the pending send began; 0: none pending
         self.extra_headers: list[tuple[bytes, bytes]] = []
+        # for the request's record (per response, never per event)
+        self.row: str | None = None
+        self.status: int | None = None
+        self.body_bytes: int | None = None
 
     async def _out(self, msg: dict[str, Any]) -> None:
         self.sending_since = _monotonic()
@@ -97,12 +105,15 @@ class AsgiSink:
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         h = [*headers, *self.extra_headers, (b"x-request-id", self.rid.encode()), (b"content-length", str(len(body)).encode())]
         self.headers_sent = True
+        self.status = status
+        self.body_bytes = len(body)
         await self._out({"type": "http.response.start", "status": status, "headers": h})
         await self._out({"type": "http.response.body", "body": body, "more_body": False})
         self.finished = True
 
     async def start_stream(self) -> None:
         self.headers_sent = True
+        self.status = 200
         await self._out({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]})
 
     async def write(self, data: bytes) -> None:
@@ -219,7 +230,26 @@ def _rendered(row: E.ErrorRow, **fields: object) -> tuple[int, list[tuple[bytes,
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
-    return {k: v for k, v in scope["headers"] if k in (b"x-request-id", b"x-narwhal-ttft-target-ms", b"x-narwhal-deadline-ms")}
+    return {k: v for k, v in scope["headers"] if k in _READ}
+
+
+_READ = (b"x-request-id", b"x-narwhal-ttft-target-ms", b"x-narwhal-deadline-ms", b"traceparent", b"tracestate")
+
+
+def _end(rec: RequestRecord | None, cls: str, now: float, sink: AsgiSink | None = None) -> None:
+    """The request's record at its end (request_end line, root span); never raises."""
+    if rec is None:
+        return
+    try:
+        if sink is not None:
+            if rec.status is None:
+                rec.status = sink.status
+            if sink.row is not None and rec.row is None:
+                rec.row = sink.row
+            rec.response_bytes = sink.body_bytes
+        emit_request_end(rec, cls, now)
+    except Exception:  # noqa: BLE001 - observability never fails a request
+        log.exception("request %s: its end record failed", rec.request_id)
 
 
 class CompletionEndpoint:
@@ -247,6 +277,14 @@ class CompletionEndpoint:
                 who = checked
             else:
                 denied = Refuse(checked)
+        tel = r.telemetry
+        tp = hdr.get(b"traceparent")
+        rec: RequestRecord | None = None
+        if tel.records or tp is not None:  # JSON logs, tracing, or a client's trace context to pass on
+            rec = RequestRecord(rid, self.route, arrival, trace=tel.tracing.start(rid, tp) if tel.tracing is not None else None,
+                                traceparent=tp, tracestate=hdr.get(b"tracestate"), log=tel.json_logs)
+            if who is not None:
+                rec.tenant, rec.key_id = who.tenant, who.key_id
         got = await r.door.arrive(arrival, denied, who.tenant if who is not None else None)
         if isinstance(got, Refuse):  # R01, R15/R16, R02: the authority has closed the books
             try:
@@ -254,6 +292,9 @@ class CompletionEndpoint:
                 await send_row(send, got.row, rid=rid, overrun_s=got.overrun_s, **got.fields)
             finally:
                 r.telemetry.e2e.labels(got.row.counter).observe(r.clock.now() - arrival)
+                if rec is not None:
+                    rec.refused(got.row)
+                    _end(rec, got.row.counter, r.clock.now())
             return
         entry = got
         if denied is not None:  # over IPC: the authority's answer is R01 or `denied`; no body is read
@@ -261,11 +302,14 @@ class CompletionEndpoint:
             try:
                 refused = await entry.arrived() or denied
                 ended = refused.row.counter
+                if rec is not None:
+                    rec.refused(refused.row)
                 await drain_request(scope, receive, limit=drain)
                 await send_row(send, refused.row, rid=rid, overrun_s=refused.overrun_s, **refused.fields)
             finally:
                 entry.end(ended)  # the authority closed the books at arrival; this End is ignored there
                 r.telemetry.e2e.labels(ended).observe(r.clock.now() - arrival)
+                _end(rec, ended, r.clock.now())
             return
         sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0)
         cls: str | None = None
@@ -284,6 +328,8 @@ class CompletionEndpoint:
             # refused one answers with its own row, as it would have before the body.
             refused = await entry.arrived()
             if refused is not None:
+                if rec is not None:
+                    rec.refused(refused.row)
                 if failed is not None and not (isinstance(failed, _TooLarge) and failed.ended):
                     await drain_request(scope, receive, limit=drain, timeout_s=1.0)
                 await send_row(send, refused.row, rid=rid, overrun_s=refused.overrun_s, **refused.fields)
@@ -292,10 +338,13 @@ class CompletionEndpoint:
             if isinstance(failed, _TooLarge):  # R03
                 if not failed.ended:
                     await drain_request(scope, receive, limit=drain)
+                if rec is not None:
+                    rec.refused(E.R03)
                 await send_row(send, E.R03, rid=rid, limit=limit)
                 cls = E.R03.counter
                 return
             if isinstance(failed, _Fragmented):  # H10
+                sink.row = E.H10.id
                 await sink.respond(*_rendered(E.H10, limit=FRAGMENT_PIECES, min_bytes=FRAGMENT_MIN_BYTES))
                 cls = E.H10.counter
                 # no client sends real bodies so: its reconnects are refused at accept
@@ -305,6 +354,7 @@ class CompletionEndpoint:
                 await drain_request(scope, receive, limit=65536, timeout_s=0.2)
                 return
             if isinstance(failed, _TooSlow):  # H07
+                sink.row = E.H07.id
                 await sink.respond(*_rendered(E.H07, limit_ms=r.config.serving.read_timeout_ms))
                 cls = E.H07.counter
                 # linger (bounded): a close while the client's bytes still arrive makes the
@@ -320,11 +370,17 @@ class CompletionEndpoint:
                 max_target_ms=adm.max_ttft_target_ms,
             )
             parsed: ParsedRequest | Rejection = hv if isinstance(hv, Rejection) else parse_request(self.route, body, model=r.config.serving.model)
+            if rec is not None:
+                rec.request_bytes = len(body)
             if isinstance(parsed, Rejection):  # R04-R07
+                if rec is not None:
+                    rec.refused(parsed.row)
                 await send_row(send, parsed.row, rid=rid, param=parsed.param, **parsed.fields)
                 cls = parsed.row.counter
                 return
             assert not isinstance(hv, Rejection)
+            if rec is not None:
+                rec.stream = parsed.stream
             # workload sizing: an exact count here (token IDs, or serving.tokenizer on the
             # text), else the authority's learned estimate from the prompt's bytes
             exact = parsed.prompt_token_count
@@ -344,7 +400,7 @@ class CompletionEndpoint:
                 tenant=None if who is None else who.tenant,
                 key_id=None if who is None else who.key_id,
             )
-            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid), receive, sink)
+            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid, rec), receive, sink)
         except asyncio.CancelledError:
             cls = "cancelled"
             raise
@@ -353,8 +409,11 @@ class CompletionEndpoint:
         except Exception:
             log.exception("request %s (key %s): router bug", rid, "-" if who is None else who.key_id)  # the key's id, never the key
             cls = E.H06.counter
+            sink.row = E.H06.id
             try:
                 if not sink.headers_sent:
+                    if rec is not None:
+                        rec.status = E.H06.status
                     await send_row(send, E.H06, rid=rid, request_id=rid)
                 elif not sink.finished:
                     await sink.write(error_event(E.H06, request_id=rid))
@@ -364,3 +423,4 @@ class CompletionEndpoint:
         finally:
             entry.end(cls or "cancelled")
             r.telemetry.e2e.labels(cls or "cancelled").observe(r.clock.now() - arrival)
+            _end(rec, cls or "cancelled", r.clock.now(), sink)

@@ -23,6 +23,11 @@ Rules
     bytes or engine-supplied values; an engine's own error message (E04, E05) is passed
     on as words only (`engine_message`: a string, shortened, addresses replaced). The
     detail (address, bytes, values) goes to the log at WARNING under the request ID.
+  * Observability (narwhal/telemetry): with a `RequestRecord` (JSON logs or tracing on)
+    the request's facts are written into it once per request and per leg, never per
+    event; a traced request has a span for admission and one per leg (a retry is a new
+    one), the relay or assembly under its decode leg. Every leg sends the engine a
+    `traceparent`: its own span's when traced, else the client's unchanged.
 Returns the request's terminal class; the HTTP shell closes the books with it.
 """
 
@@ -44,6 +49,8 @@ from ..core.lease import Entry, Grant, Lease, Order, Outcome
 from ..core.relay import StreamRelay, engine_message
 from ..core.requests import ParsedRequest, without_fields
 from ..core.tickets import Refuse
+from ..telemetry.logs import RequestRecord
+from ..telemetry.tracing import DECODE, PREFILL, Leg, parse_traceparent
 from ..upstream.client import H1Error, UpstreamError
 from ..upstream.engines import EngineSpec
 from ..upstream.usage import USAGE_SOURCE_HEADER
@@ -69,6 +76,7 @@ class Sink(Protocol):
 
     headers_sent: bool
     extra_headers: list[tuple[bytes, bytes]]  # added to the response's headers (x-narwhal-projected-ttft-ms)
+    row: str | None  # the row of the refusal or error answered, for the request's record
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
 
@@ -96,6 +104,7 @@ def error_event(row: E.ErrorRow, **fields: object) -> bytes:
 
 async def _refuse(sink: Sink, row: E.ErrorRow, *, param: str | None = None, overrun_s: float | None = None, **fields: object) -> str:
     status, headers, body = E.render(row, param=param, overrun_s=overrun_s, **fields)
+    sink.row = row.id
     await sink.respond(status, headers, body)
     return row.counter
 
@@ -127,7 +136,7 @@ def _engine_error_detail(status: int, body: bytes, hosts: tuple[str, ...] = ()) 
 class _Run:
     """State of one request across its legs and attempts."""
 
-    def __init__(self, plane: DataPlane, req: ParsedRequest, order: Order, lease: Lease, sink: Sink, rid: str) -> None:
+    def __init__(self, plane: DataPlane, req: ParsedRequest, order: Order, lease: Lease, sink: Sink, rid: str, rec: RequestRecord | None = None) -> None:
         self.r = plane
         self.req = req
         self.order = order
@@ -145,6 +154,31 @@ class _Run:
         self.finish_reason: str | None = None
         self.reported_prompt: int | None = None
         self.cached_tokens: int | None = None  # the phase-1 engine's usage.prompt_tokens_details.cached_tokens
+        # observability: the record (None: JSON logs and tracing off), the trace when
+        # sampled, the leg being run, the client's trace context passed on when not traced
+        self.rec = rec
+        self.trace = rec.trace if rec is not None else None
+        self.leg: Leg | None = None
+        self.events: int | None = None
+        self.client_tp: dict[str, str] | None = None
+        if rec is not None and self.trace is None and rec.traceparent is not None and parse_traceparent(rec.traceparent) is not None:
+            self.client_tp = {"traceparent": rec.traceparent.decode("latin-1")}
+            if rec.tracestate is not None and len(rec.tracestate) <= 512:
+                self.client_tp["tracestate"] = rec.tracestate.decode("latin-1")
+
+    def _leg(self, name: str, e: EngineSpec, phase: str, attempt: int) -> Leg | None:
+        if self.rec is not None:
+            self.rec.engines.append(e.name)
+        self.leg = self.trace.leg(name, e.name, phase, attempt) if self.trace is not None else None
+        return self.leg
+
+    def _leg_headers(self, base: dict[str, str] | None) -> dict[str, str] | None:
+        """The engine request's headers: `base` plus the trace context (module rules)."""
+        if self.leg is not None:
+            return {**base, "traceparent": self.leg.traceparent} if base else {"traceparent": self.leg.traceparent}
+        if self.client_tp is not None:
+            return {**base, **self.client_tp} if base else self.client_tp
+        return base
 
     def outcome(self, failed: _Failed | None = None) -> Outcome:
         fe = failed.engine.name if failed is not None and failed.engine is not None and not failed.reported else None
@@ -178,9 +212,11 @@ class _Run:
         body = prefill_body(self.body, route=self.req.route, model=e.model)
         ok = False
         r = self.r
+        leg = self._leg(PREFILL, e, "prefill", 1)
+        failed: _Failed | None = None
         try:
             try:
-                up = await r.client.open("POST", e.url + _ROUTE_PATH[self.req.route], body=orjson.dumps(body), headers=self.headers)
+                up = await r.client.open("POST", e.url + _ROUTE_PATH[self.req.route], body=orjson.dumps(body), headers=self._leg_headers(self.headers))
                 legs = r.legs.setdefault(e.name, set())  # a cut (lifecycle M30) reaches this leg
                 legs.add(up)
                 try:
@@ -208,8 +244,15 @@ class _Run:
             self.cached_tokens = _cached(usage)
             ok = True
             return kv
+        except _Failed as f:
+            failed = f
+            raise
         finally:
             self.lease.prefill_done(self.r.clock.now(), ok=ok)
+            if leg is not None:
+                leg.end(row=failed.row if failed is not None else (None if ok else "interrupted"), detail=failed.detail if failed is not None else None,
+                        **{"narwhal.prompt_tokens": self.prefill_prompt_tokens, "narwhal.cached_tokens": self.cached_tokens})
+                self.leg = None
 
     async def decode(self, e: EngineSpec, kv: dict[str, Any] | None) -> str:
         """Stream from a unified or decode engine; relay or assemble. Returns the class."""
@@ -232,7 +275,7 @@ class _Run:
             hosts=r.engine_hosts,
         )
         try:
-            headers = self.headers if dialect.propagate_request_id else None
+            headers = self._leg_headers(self.headers if dialect.propagate_request_id else None)
             up = await r.client.open("POST", e.url + _ROUTE_PATH[req.route], body=orjson.dumps(body), headers=headers)
         except UpstreamError as x:
             raise self._upstream(x, e) from None
@@ -245,6 +288,8 @@ class _Run:
             if up.status >= 400:
                 raw = await up.read(min(1 << 20, r.client.max_body_bytes))
                 raise self._http_error(up.status, raw, e)
+            if self.leg is not None:
+                self.leg.start_relay(assembler is not None)
             next_raw, now_fn, feed = up.next_raw, r.clock.now, relay.feed
             while True:
                 try:
@@ -342,6 +387,8 @@ class _Run:
             return
         self.first_token_at = now
         self.lease.first_token(now)
+        if self.leg is not None:
+            self.leg.first_token()
         self.r.telemetry.ttft.labels(self.req.route).observe(now - self.order.arrival)
 
     def _learn(self, e: EngineSpec, relay: StreamRelay) -> None:
@@ -353,6 +400,7 @@ class _Run:
             self.r.telemetry.tpot.labels(e.name).observe(tpot)
         self.output_tokens = relay.token_count
         self.finish_reason = relay.finish_reason
+        self.events = relay.events
         usage = relay.usage
         pt = self.prefill_prompt_tokens
         if pt is None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
@@ -374,15 +422,21 @@ class _Run:
                 return await _refuse(self.sink, d.row, overrun_s=d.overrun_s, **d.fields)
             g = d
         retries = 1
+        attempt = 0
         while True:
             e = r.engines[g.engine]
+            attempt += 1
+            leg = self._leg(DECODE, e, g.phase, attempt)
             try:
-                return await self.decode(e, kv)
+                cls = await self.decode(e, kv) if leg is None else await self._traced_decode(leg, e, kv)
+                return cls
             except _Failed as f:
                 row = E.ROWS[f.row]
                 if self.sink.headers_sent or not row.retryable or retries <= 0 or f.engine is None:
                     raise
                 retries -= 1
+                if self.rec is not None:
+                    self.rec.retries += 1
                 log.info("request %s: retrying after %s on %s", self.rid, f.row, e.name)
                 f.reported = True  # Lease.retry tells the engine's breaker
                 nxt = await self.lease.retry(f.engine.name, f.row, g.phase, r.clock.now())
@@ -391,6 +445,26 @@ class _Run:
                 if isinstance(nxt, Refuse):
                     return await _refuse(self.sink, nxt.row, overrun_s=nxt.overrun_s, **nxt.fields)
                 g = nxt
+
+    async def _traced_decode(self, leg: Leg, e: EngineSpec, kv: dict[str, Any] | None) -> str:
+        """`decode` with its leg's span (and the relay's) ended however it ends."""
+        row: str | None = "interrupted"
+        detail: str | None = None
+        cls: str | None = None
+        try:
+            cls = await self.decode(e, kv)
+            row = None
+            return cls
+        except _Failed as f:
+            row, detail = f.row, f.detail
+            raise
+        except _Ended as x:
+            row, detail, cls = x.failure.row, x.failure.detail, x.cls
+            raise
+        finally:
+            self.leg = None
+            leg.end(row=row, detail=detail, **{"narwhal.class": cls, "narwhal.output_tokens": self.output_tokens,
+                                               "narwhal.finish_reason": self.finish_reason, "narwhal.events": self.events})
 
 
 class _Ended(Exception):
@@ -425,21 +499,57 @@ def _merge_usage(res: dict[str, Any], prompt_tokens: int) -> None:
         u["total_tokens"] = prompt_tokens + u["completion_tokens"]
 
 
-async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order: Order, sink: Sink, rid: str) -> str:
+def _admitted(rec: RequestRecord, lease: Lease | Refuse, g: Grant | Refuse | None, admitted_at: float, now: float, mode: str) -> None:
+    """The admission's facts (the Lease and grant the authority sent, in any process) into
+    the record and, when traced, the admission span (docs/observability.md)."""
+    t = rec.trace
+    if isinstance(lease, Refuse) or isinstance(g, Refuse):
+        ref = lease if isinstance(lease, Refuse) else g
+        assert isinstance(ref, Refuse)
+        rec.refused(ref.row)
+        if t is not None:
+            t.end_admission(decision="refused", row=ref.row.id, code=ref.row.code, **{"narwhal.admission.overrun_s": ref.overrun_s,
+                            "narwhal.admission.queue_wait_ms": None if g is None else round((now - admitted_at) * 1000.0, 3)})
+        if isinstance(lease, Refuse):
+            return
+    assert not isinstance(lease, Refuse)
+    rec.projected_ttft_ms = lease.projected_ttft_ms
+    rec.expected_cached = lease.expected_cached if lease.projected_ttft_ms is not None else None
+    rec.prompt_tokens = lease.prompt_tokens
+    if g is not None:
+        rec.queue_s = now - admitted_at
+    if t is not None and isinstance(g, Grant):
+        why = "least projected TTFT (cache-aware)" if mode == "predictive" else "least loaded"
+        t.end_admission(decision="granted", **{
+            "narwhal.admission.mode": mode, "narwhal.admission.engine": g.engine, "narwhal.admission.phase": g.phase,
+            "narwhal.admission.placement": why, "narwhal.admission.queue_wait_ms": round((now - admitted_at) * 1000.0, 3),
+            "narwhal.admission.projected_ttft_ms": lease.projected_ttft_ms,
+            "narwhal.admission.expected_cached_tokens": rec.expected_cached, "narwhal.admission.prompt_tokens": lease.prompt_tokens})
+
+
+async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order: Order, sink: Sink, rid: str, rec: RequestRecord | None = None) -> str:
     """Admission (R08-R13) and the whole life of one sized request; returns its class."""
     r = plane
+    if rec is not None:
+        admitted_at = r.clock.now()
+        if rec.trace is not None:
+            rec.trace.start_admission()
     lease = await entry.admit(order)
     if isinstance(lease, Refuse):
+        if rec is not None:
+            _admitted(rec, lease, None, admitted_at, r.clock.now(), r.config.admission.mode)
         cls = await _refuse(sink, lease.row, overrun_s=lease.overrun_s, **lease.fields)
         r.telemetry.refusal.labels(lease.row.code).observe(r.clock.now() - order.arrival)
         return cls
     if lease.projected_ttft_ms is not None:  # predictive mode: what admission projected
         sink.extra_headers.append((PROJECTED_TTFT_HEADER, b"%d" % round(lease.projected_ttft_ms)))
         sink.extra_headers.append((EXPECTED_CACHED_HEADER, b"%d" % round(lease.expected_cached)))
-    run = _Run(r, req, order, lease, sink, rid)
+    run = _Run(r, req, order, lease, sink, rid, rec)
     failed: _Failed | None = None
     try:
         g = await lease.granted()
+        if rec is not None:
+            _admitted(rec, lease, g, admitted_at, r.clock.now(), r.config.admission.mode)
         if isinstance(g, Refuse):
             return await _refuse(sink, g.row, overrun_s=g.overrun_s, **g.fields)
         limit_ms = round(order.deadline_s * 1000) if order.deadline_s is not None else 0
@@ -452,6 +562,7 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
         except TimeoutError:
             # R13: the original request deadline expired while in flight
             if sink.headers_sent:
+                sink.row = E.R13.id
                 await sink.write(error_event(E.R13, limit=limit_ms))
                 await sink.end_stream()
                 return E.R13.counter
@@ -470,3 +581,19 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
             return await _refuse(sink, row, param=f.param, **fields)
     finally:
         lease.close(run.outcome(failed))
+        if rec is not None:
+            _ended(rec, run, failed)
+
+
+def _ended(rec: RequestRecord, run: _Run, failed: _Failed | None) -> None:
+    """What the request's record learns at its end (once)."""
+    if failed is not None:
+        rec.row = failed.row
+    rec.ttft_s = None if run.first_token_at is None else run.first_token_at - run.order.arrival
+    rec.tpot_s = run.tpot[1] if run.tpot else None
+    rec.output_tokens = run.output_tokens
+    rec.finish_reason = run.finish_reason
+    rec.cached_tokens = run.cached_tokens
+    rec.events = run.events if run.req.stream else None
+    if run.reported_prompt is not None:
+        rec.prompt_tokens = run.reported_prompt

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 __all__ = ["Telemetry", "families"]
 
@@ -22,6 +22,27 @@ class Telemetry:
         self.tpot = Histogram("narwhal_tpot_seconds", "Time per output token, measured from token IDs (T11).", ["engine"], buckets=_TPOT, registry=self.registry)
         self.e2e = Histogram("narwhal_request_duration_seconds", "Time from arrival to the response's end, by terminal class.", ["class"], buckets=_LAT, registry=self.registry)
         self.refusal = Histogram("narwhal_refusal_seconds", "Time from arrival to a refusal's answer.", ["code"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0), registry=self.registry)
+        # observability (narwhal/telemetry, issue 23): set by `observe`
+        self.trace_dropped = Counter("narwhal_trace_spans_dropped", "Ended spans dropped because the exporter's queue (observability.max_queue_size) was full.", registry=self.registry)
+        self.trace_failed = Counter("narwhal_trace_spans_export_failed", "Spans lost in exports that failed or timed out (observability.export_timeout_ms).", registry=self.registry)
+        self.tracing: Any = None  # narwhal.telemetry.tracing.Tracing when observability samples
+        self.json_logs = False  # serving.log_format json: a request_end line per request
+        self.records = False  # either: a RequestRecord per request
+
+    def observe(self, config: Any, *, worker: int | None = None) -> None:
+        """observability.* and serving.log_format of this process (at start; both need a restart)."""
+        from ..telemetry.tracing import Tracing
+
+        self.tracing = Tracing.of(config.observability, on_dropped=self.trace_dropped.inc, on_failed=self.trace_failed.inc, worker=worker)
+        self.json_logs = config.serving.log_format == "json"
+        self.records = self.json_logs or self.tracing is not None
+
+    def close(self) -> None:
+        """Flush the spans still queued (bounded), at exit."""
+        if self.tracing is not None:
+            self.tracing.shutdown()
+            self.tracing = None
+            self.records = self.json_logs
 
 
 def families(registry: CollectorRegistry, worker: int) -> list[list[Any]]:
