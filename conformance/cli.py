@@ -38,7 +38,15 @@ from .etcd import EtcdError, EtcdServer, running_etcd
 from .etcd import binary as etcd_binary
 from .expectations import ExpectationError, expectation_for, load_expectations
 from .fleet import FleetError, running_fleet, serve_fleet
-from .profiles import DEFAULT_PORT_BASE, PROFILES, RUN_KEY, Profile, get_profile, keys_file_entries, router_config
+from .profiles import (
+    DEFAULT_PORT_BASE,
+    PROFILES,
+    RUN_KEY,
+    Profile,
+    get_profile,
+    keys_file_entries,
+    router_config,
+)
 from .report import apply_expectations, exit_code, print_result, print_summary, write_junit
 from .runner import Result, Runner
 

@@ -23,7 +23,14 @@ from narwhal_conformance import cli
 from narwhal_conformance.cases import load_cases, select_cases
 from narwhal_conformance.cli import add_arguments
 from narwhal_conformance.fleet import running_fleet
-from narwhal_conformance.profiles import RUN_KEY, TENANT_KEYS, TENANTS, get_profile, keys_file_entries, router_config
+from narwhal_conformance.profiles import (
+    RUN_KEY,
+    TENANT_KEYS,
+    TENANTS,
+    get_profile,
+    keys_file_entries,
+    router_config,
+)
 from tests.conformance.support import ADMIN_TOKEN, _wait_ready, free_port_base, parse_results, run
 
 ROWS = ("refusals/R17", "refusals/R18", "refusals/R19", "refusals/R20")
