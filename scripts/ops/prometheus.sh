@@ -14,7 +14,7 @@
 # with that reason elsewhere.
 set -euo pipefail
 
-DEST="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal/prometheus}"
+DEST="${1:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/narwhal/prometheus}"
 PROMTOOL="$DEST/usr/bin/promtool"
 
 if [ -x "$PROMTOOL" ] && "$PROMTOOL" --version >/dev/null 2>&1 && [ -x "$DEST/usr/bin/prometheus" ]; then
