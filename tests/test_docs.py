@@ -1,0 +1,77 @@
+"""Every repository path the docs name exists in the tree: backticked paths
+(`narwhal/...py`, `tests/...`, `docs/...`, `spec/...`, `deploy/...`, `scripts/...`,
+`conformance/...`, `generated/...`, `benchmarks/...`, `narwhal_bench/...`) and relative
+Markdown links, in README.md, conformance/README.md and every page under docs/. A
+`path.py::name` also names a test or function in that file, which must be defined there.
+Placeholders (`<ROW>`, `*`, `{a,b}`, `...`, NAME) are not paths."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", ROOT / "conformance" / "README.md", *(ROOT / "docs").glob("*.md")])
+PREFIXES = ("narwhal/", "narwhal_bench/", "tests/", "docs/", "spec/", "deploy/", "scripts/", "conformance/", "generated/", "benchmarks/")
+_CODE = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+_TOKEN = re.compile(r"[A-Za-z0-9_./:\-\[\]]+")
+
+
+def _placeholder(p: str) -> bool:
+    return any(c in p for c in "<>*{}$") or "..." in p or "…" in p or re.search(r"/[A-Z]{2,}(?:/|$|\.)", p) is not None
+
+
+def named_paths(text: str) -> set[str]:
+    """The repository paths a Markdown text names (backticked, or linked relatively)."""
+    out = set()
+    for code in _CODE.findall(text):
+        for word in code.split():
+            if _placeholder(word):
+                continue
+            for tok in _TOKEN.findall(word):
+                tok = tok.rstrip(".,:;)")
+                if tok.startswith(PREFIXES):
+                    out.add(tok)
+    return out
+
+
+def links(text: str) -> set[str]:
+    return {u for u in _LINK.findall(text) if "://" not in u and not u.startswith("mailto:")}
+
+
+def _check(path: str, base: Path) -> str | None:
+    """None when `path` (optionally `file::name` or `file:LINE`) exists under base."""
+    name = None
+    if "::" in path:
+        path, name = path.split("::", 1)
+        name = re.split(r"[\[(]", name)[0]
+    path = re.sub(r":\d+$", "", path)
+    target = (base / path).resolve()
+    if not target.exists():
+        return f"{path} does not exist"
+    if name:
+        words = name.split("::")
+        src = target.read_text(errors="replace")
+        for w in words:
+            if not re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(w)}\b|^{re.escape(w)}\s*[:=]", src, re.M):
+                return f"{path} defines no {w}"
+    return None
+
+
+def test_named_paths_finds_paths_and_skips_placeholders() -> None:
+    text = ("See `narwhal/core/sse.py`, `tests/abuse/test_clients.py::test_x[ping]`, `python scripts/compat/matrix.py`, "
+            "`conformance/cases/<table>/<ROW>.yaml`, `spec/tables/*.yaml`, `narwhal/engines/...`, `deploy/`, "
+            "`tables/refusals.yaml`, `narwhal serve`, and [ha](ha.md) or [x](https://example.org/a.md).")
+    assert named_paths(text) == {"narwhal/core/sse.py", "tests/abuse/test_clients.py::test_x[ping]", "scripts/compat/matrix.py", "deploy/"}
+    assert links(text) == {"ha.md"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_path_a_doc_names_exists(doc: Path) -> None:
+    text = doc.read_text()
+    wrong = [f"`{p}`: {err}" for p in sorted(named_paths(text)) if (err := _check(p, ROOT))]
+    wrong += [f"link ({u}): {err}" for u in sorted(links(text)) if (err := _check(u, doc.parent))]
+    assert not wrong, f"{doc.relative_to(ROOT)} names paths that are not in the tree:\n" + "\n".join(wrong)
