@@ -15,7 +15,9 @@ continuation's stream back into the client's (`Rejoin`). The reasons are
 stable names; the spec rows that map them (and the relay that acts on them) come in the
 next step of issue 24.
 
-Decisions (each a reason below, in the order they are checked):
+Decisions: spec/tables/migration.yaml, rows G01-G11, first match in file order; each
+reason below is one row's (`obstacle` checks G01-G09 in that order, the caller G10 when
+admission refuses the continuation; G11, none of them: carry on):
   * `not_enabled`: upstream.migration.max_attempts is 0 (the default): every existing row
     unchanged.
   * `no_token_ids`: the engine does not account by token IDs: nothing validated to carry.
@@ -44,11 +46,13 @@ from typing import Any
 
 import orjson
 
+from narwhal_generated import migration as G
+
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 
 __all__ = ["REASONS", "Progress", "obstacle", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS"]
 
-REASONS = ("not_enabled", "no_token_ids", "attempts_spent", "deadline", "echo", "logprobs", "structured", "not_plain", "stop_straddles")
+REASONS = G.REASONS  # the rows' reasons, in their order
 
 # A request holding any of these is never carried on (`structured`).
 STRUCTURED_FIELDS = frozenset((

@@ -57,6 +57,11 @@ def render_tables_md(spec: Spec) -> str:
     out += ["", "## Engine lifecycle (fleet membership)", "", "| ID | state | event | next | action |", "|---|---|---|---|---|"]
     for r in spec.rows("lifecycle"):
         out.append(f"| {r['id']} | {r['state']} | {r['event']} | {r['next']} | {r['action']} |")
+    mig = spec.tables["migration"]
+    out += ["", "## Stream migration (first match)", "", f"Applies to a decode leg failing after response headers with {', '.join(mig['failures'])}, or cut by a drain.", "",
+            "| ID | reason | outcome | excerpt |", "|---|---|---|---|"]
+    for r in spec.rows("migration"):
+        out.append(f"| {r['id']} | {r['reason']} | {r['outcome']} | {_cell(r['quote'])} |")
     out += ["", "## Notes", ""]
     for tname, t in spec.tables.items():
         for k, v in t.get("notes", {}).items():

@@ -6,7 +6,9 @@ Beyond the schema, the cross-table invariants checked here are:
   * error codes are unique (a code names one row);
   * every assembly `refusal:` names an existing failure row;
   * every `notes:` key names a row of its table;
-  * the leadership and lifecycle tables have exactly one row per (state, event) pair.
+  * the leadership and lifecycle tables have exactly one row per (state, event) pair;
+  * the migration table names existing failure rows, each reason once, and ends with the
+    one row that migrates (`carry_on`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ TABLE_FILES = (
     "router_states.yaml",
     "leadership.yaml",
     "lifecycle.yaml",
+    "migration.yaml",
 )
 
 # JSON Schemas turned into pydantic models: (schema file, generated module name).
@@ -132,6 +135,15 @@ def _cross_check(spec: Spec) -> None:
             raise _fail("spec/tables/assembly.yaml", f"{r['id']} refers to unknown failure row {r['refusal']}")
     for machine in ("leadership", "lifecycle"):
         _check_total(spec, machine)
+    mig = spec.tables["migration"]
+    for f in mig["failures"]:
+        if f not in failure_ids:
+            raise _fail("spec/tables/migration.yaml", f"failures: {f} is not a failure row")
+    reasons = [r["reason"] for r in mig["rows"]]
+    if len(set(reasons)) != len(reasons):
+        raise _fail("spec/tables/migration.yaml", "a reason appears twice")
+    if reasons[-1] != "carry_on" or [r["outcome"] for r in mig["rows"]].count("migrate") != 1 or mig["rows"][-1]["outcome"] != "migrate":
+        raise _fail("spec/tables/migration.yaml", "the last row, and only it, migrates (reason carry_on)")
     classes = {k["name"] for k in spec.tables["accounting"]["terminal_classes"]}
     for tname in ("refusals", "failures"):
         for r in spec.tables[tname]["rows"]:

@@ -224,6 +224,7 @@ _FIELD_TYPES: dict[str, dict[str, str]] = {
     "router_states": {"id": "str", "state": "str", "ready": "bool", "set_by": "str", "quote": "str"},
     "leadership": {"id": "str", "state": "str", "event": "str", "next": "str", "action": "str", "quote": "str"},
     "lifecycle": {"id": "str", "state": "str", "event": "str", "next": "str", "action": "str", "quote": "str"},
+    "migration": {"id": "str", "reason": "str", "outcome": "str", "quote": "str"},
 }
 
 
@@ -288,6 +289,21 @@ def _lifecycle(spec: Spec) -> str:
                     "lookup narwhal/core/lifecycle.py applies, a missing pair is a bug.")
 
 
+def _migration(spec: Spec) -> str:
+    text, _ = _row_module(
+        spec, "migration", "MigrationRow",
+        "Stream migration (issue 24): first match in file order; narwhal/core/migration.py\n"
+        "checks the reasons in this order. FAILURES: the failure rows it applies to after\n"
+        "response headers.",
+        list(_FIELD_TYPES["migration"]), ["BY_REASON", "REASONS", "FAILURES"],
+    )
+    return text + (
+        "BY_REASON: dict[str, MigrationRow] = {r.reason: r for r in ROWS}\n"
+        "REASONS: tuple[str, ...] = tuple(r.reason for r in ROWS)\n"
+        f"FAILURES: frozenset[str] = frozenset({_lit(sorted(spec.tables['migration']['failures']))})\n"
+    )
+
+
 def _accounting(spec: Spec) -> str:
     t = spec.tables["accounting"]
     counters = {c["name"]: c["metric"] for c in t["counters"]}
@@ -316,5 +332,6 @@ def render_modules(spec: Spec) -> dict[str, str]:
         "router_states.py": _states(spec),
         "leadership.py": _leadership(spec),
         "lifecycle.py": _lifecycle(spec),
+        "migration.py": _migration(spec),
         "accounting.py": _accounting(spec),
     }

@@ -54,8 +54,34 @@ def test_obstacle(name: str, route: str, body: dict[str, Any], prog: dict[str, A
     assert obstacle(route, {**CHAT, **body}, progress(**prog), max_attempts=attempts, token_ids=ids, projected_ttft_ms=ttft) == reason
 
 
-def test_every_reason_has_a_case() -> None:
-    assert {c[-1] for c in CASES} - {None} == set(REASONS)
+def test_every_reason_obstacle_decides_has_a_case() -> None:
+    assert {c[-1] for c in CASES} - {None} == set(REASONS) - {"placement_refused", "carry_on"}
+
+
+def test_obstacle_checks_the_rows_in_the_tables_order() -> None:
+    """Everything wrong at once: take away the reason obstacle names, one at a time; the
+    reasons come out in the order of spec/tables/migration.yaml."""
+    body: dict[str, Any] = {**CHAT, "echo": True, "logprobs": True, "tools": [{}], "stop": ["wor" + "ld"]}
+    p = progress(attempts=1, deadline_left_ms=1.0, plain=False)
+    kw: dict[str, Any] = {"max_attempts": 0, "token_ids": False, "projected_ttft_ms": 50.0}
+    fixes = {
+        "not_enabled": lambda: kw.update(max_attempts=1),
+        "no_token_ids": lambda: kw.update(token_ids=True),
+        "attempts_spent": lambda: kw.update(max_attempts=2),
+        "deadline": lambda: kw.update(projected_ttft_ms=0.0),
+        "echo": lambda: body.pop("echo"),
+        "logprobs": lambda: body.pop("logprobs"),
+        "structured": lambda: body.pop("tools"),
+        "not_plain": lambda: None,
+        "stop_straddles": lambda: body.pop("stop"),
+    }
+    seen: list[str] = []
+    while (why := obstacle("completion", body, p, **kw)) is not None:
+        seen.append(why)
+        if why == "not_plain":
+            p = progress(attempts=1, deadline_left_ms=1.0, plain=True)
+        fixes[why]()
+    assert seen == [r for r in REASONS if r not in ("placement_refused", "carry_on")]
 
 
 @pytest.mark.parametrize(("text", "stops", "expected"), [
