@@ -116,6 +116,8 @@ def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
         raise ConfigError(f"{source}: observability.protocol: grpc needs the opentelemetry-exporter-otlp-proto-grpc package (pip install opentelemetry-exporter-otlp-proto-grpc); http/protobuf needs nothing more")
     if cfg.auth is not None and cfg.auth.keys_file is None and cfg.auth.jwt is None:
         raise ConfigError(f"{source}: auth: needs keys_file or jwt (or both)")
+    if cfg.discovery.drain == "migrate" and cfg.upstream.migration.max_attempts < 1:
+        raise ConfigError(f"{source}: discovery.drain: migrate needs upstream.migration.max_attempts >= 1 (a continuation to move each decode to)")
     ha = cfg.ha
     if ha is not None:
         # renew_interval_ms and fence_margin_ms follow the TTL unless given (an operator

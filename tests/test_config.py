@@ -30,3 +30,14 @@ def test_an_empty_fleet_is_an_error_unless_a_discovery_source_fills_it() -> None
     assert parse_config({"engines": [], "discovery": {"file": "/tmp/fleet.yaml"}}).engines == []
     # a fleet that changes at run time may be P/D-incomplete for a while: R09, not a start-up error
     assert parse_config({"engines": [{"name": "p", "url": "http://127.0.0.1:1", "role": "prefill"}], "discovery": {"dns": {"name": "localhost", "port": 1}}})
+
+
+def test_migration_is_off_by_default_and_drain_migrate_needs_it() -> None:
+    cfg = parse_config({})
+    assert cfg.upstream.migration.max_attempts == 0 and cfg.discovery.drain == "wait"
+    with pytest.raises(ConfigError, match="discovery.drain: migrate needs upstream.migration.max_attempts"):
+        parse_config({"discovery": {"drain": "migrate"}})
+    on = parse_config({"discovery": {"drain": "migrate"}, "upstream": {"migration": {"max_attempts": 2}}})
+    assert on.upstream.migration.max_attempts == 2 and on.discovery.drain == "migrate"
+    with pytest.raises(ConfigError, match="max_attempts"):
+        parse_config({"upstream": {"migration": {"max_attempts": 9}}})  # bounded

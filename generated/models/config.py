@@ -177,42 +177,6 @@ class Admin(BaseModel):
     token_env: StrictStr = 'NARWHAL_ADMIN_TOKEN'
 
 
-class Upstream(BaseModel):
-    model_config = ConfigDict(
-        extra='forbid',
-    )
-    connect_timeout_ms: Annotated[StrictInt, Field(ge=1)] = 2000
-    idle_timeout_ms: Annotated[
-        StrictInt,
-        Field(
-            description='An engine that sends nothing for this long fails the attempt (E07).', ge=1
-        ),
-    ] = 30000
-    max_connections: Annotated[StrictInt, Field(ge=1)] = 4096
-    max_event_bytes: Annotated[
-        StrictInt,
-        Field(
-            description="The most engine output the router holds as one piece: one SSE event's data, any one line of a stream, and a whole non-streaming engine body (the prefill leg's JSON answer, an error body). More fails the attempt as E02 malformed_engine_output (retried once before response headers, like any E02), in time linear in the bytes received and memory within about this bound per engine stream. 4 MiB by default: a streamed token event is well under 1 KiB and a prefill answer a few KiB, while an engine that never ends a line must not take the router's memory with it.",
-            ge=1024,
-            le=1073741824,
-        ),
-    ] = 4194304
-    max_answer_bytes: Annotated[
-        StrictInt,
-        Field(
-            description="For a non-streaming client, the most engine output one answer is assembled from: the bytes of all the engine's SSE event data of the attempt, added up as they arrive. More fails the attempt as E02 malformed_engine_output (retried once on another engine, like any E02), the engine connection dropped, in time linear in the bytes received. Streaming clients need no such bound (what they have not read waits in bounded buffers and the engine is paused). 64 MiB by default: a 100,000-token answer with token IDs is some 15-20 MiB of vLLM events, while an engine that never ends its answer must not take the router's memory with it (the assembled answer's memory stays within a small multiple of this).",
-            ge=1024,
-            le=1073741824,
-        ),
-    ] = 67108864
-    deny_fields: Annotated[
-        list[StrictStr],
-        Field(
-            description="Top-level request-body fields removed from every client body before it reaches any engine (silently: an OpenAI-style API ignores what it does not use, and a refusal would break clients that send engine extras to every backend). Pass-through policy (docs/passthrough.md): every field the router does not interpret reaches the engine unchanged, except (1) fields only the router may set, removed from every client body on every leg and role whatever this list says: kv_transfer_params (vLLM's KV transfer: remote host, port, block IDs; the router sets it itself on P/D legs) bootstrap_host, bootstrap_port, bootstrap_room (SGLang's), and the engine-side request IDs request_id (vLLM) and rid (SGLang); and (2) the fields named here. The default removes what lets one client steer an engine at others' expense or run code in it: priority (jumps vLLM's priority scheduler), vllm_xargs (arbitrary extension arguments), logits_processors (vLLM loads the named classes), custom_logit_processor (SGLang runs a serialised callable). cache_salt stays allowed: it only narrows which cached prefixes its own request may share, protecting that client from prefix-cache timing probes. Set [] to forward everything but the router-only fields."
-        ),
-    ] = ['priority', 'vllm_xargs', 'logits_processors', 'custom_logit_processor']
-
-
 class EtcdItem(RootModel[StrictStr]):
     root: Annotated[StrictStr, Field(pattern='^https?://[^/@\\s]+(:[0-9]+)?/?$')]
 
@@ -585,6 +549,28 @@ class Observability(BaseModel):
     ] = 5000
 
 
+class Migration(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    max_attempts: Annotated[
+        StrictInt,
+        Field(
+            description='Continuations one request may make (0, the default: never; every failure after response headers ends the stream with an error event, T06). Each continuation is admitted like a decode; one that fails again counts one more.',
+            ge=0,
+            le=8,
+        ),
+    ] = 0
+    tokenize_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description="When the engine did not return the prompt's token IDs on its stream: the bound on asking the new engine's /tokenize for them (then the failure's error event, G10).",
+            ge=1,
+            le=60000,
+        ),
+    ] = 2000
+
+
 class Serving(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -707,6 +693,45 @@ class Admission(BaseModel):
     prediction: Annotated[Prediction, Field(validate_default=True)] = {}
 
 
+class Upstream(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    connect_timeout_ms: Annotated[StrictInt, Field(ge=1)] = 2000
+    idle_timeout_ms: Annotated[
+        StrictInt,
+        Field(
+            description='An engine that sends nothing for this long fails the attempt (E07).', ge=1
+        ),
+    ] = 30000
+    max_connections: Annotated[StrictInt, Field(ge=1)] = 4096
+    max_event_bytes: Annotated[
+        StrictInt,
+        Field(
+            description="The most engine output the router holds as one piece: one SSE event's data, any one line of a stream, and a whole non-streaming engine body (the prefill leg's JSON answer, an error body). More fails the attempt as E02 malformed_engine_output (retried once before response headers, like any E02), in time linear in the bytes received and memory within about this bound per engine stream. 4 MiB by default: a streamed token event is well under 1 KiB and a prefill answer a few KiB, while an engine that never ends a line must not take the router's memory with it.",
+            ge=1024,
+            le=1073741824,
+        ),
+    ] = 4194304
+    max_answer_bytes: Annotated[
+        StrictInt,
+        Field(
+            description="For a non-streaming client, the most engine output one answer is assembled from: the bytes of all the engine's SSE event data of the attempt, added up as they arrive. More fails the attempt as E02 malformed_engine_output (retried once on another engine, like any E02), the engine connection dropped, in time linear in the bytes received. Streaming clients need no such bound (what they have not read waits in bounded buffers and the engine is paused). 64 MiB by default: a 100,000-token answer with token IDs is some 15-20 MiB of vLLM events, while an engine that never ends its answer must not take the router's memory with it (the assembled answer's memory stays within a small multiple of this).",
+            ge=1024,
+            le=1073741824,
+        ),
+    ] = 67108864
+    deny_fields: Annotated[
+        list[StrictStr],
+        Field(
+            description="Top-level request-body fields removed from every client body before it reaches any engine (silently: an OpenAI-style API ignores what it does not use, and a refusal would break clients that send engine extras to every backend). Pass-through policy (docs/passthrough.md): every field the router does not interpret reaches the engine unchanged, except (1) fields only the router may set, removed from every client body on every leg and role whatever this list says: kv_transfer_params (vLLM's KV transfer: remote host, port, block IDs; the router sets it itself on P/D legs) bootstrap_host, bootstrap_port, bootstrap_room (SGLang's), and the engine-side request IDs request_id (vLLM) and rid (SGLang); and (2) the fields named here. The default removes what lets one client steer an engine at others' expense or run code in it: priority (jumps vLLM's priority scheduler), vllm_xargs (arbitrary extension arguments), logits_processors (vLLM loads the named classes), custom_logit_processor (SGLang runs a serialised callable). cache_salt stays allowed: it only narrows which cached prefixes its own request may share, protecting that client from prefix-cache timing probes. Set [] to forward everything but the router-only fields."
+        ),
+    ] = ['priority', 'vllm_xargs', 'logits_processors', 'custom_logit_processor']
+    migration: Annotated[Migration, Field(description="Stream migration (issue 24; spec/tables/migration.yaml G01-G11): a decode leg that fails after response headers on an engine with token IDs is continued on another decode or unified engine from the prompt's and the answer's validated token IDs.", validate_default=True)] = {
+        'max_attempts': 0
+    }
+
+
 class Discovery(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -739,6 +764,12 @@ class Discovery(BaseModel):
             le=67108864,
         ),
     ] = 4194304
+    drain: Annotated[
+        Literal['wait', 'migrate'],
+        Field(
+            description="What a leaving engine's running decodes do: wait (up to drain_timeout_ms, then cut) or migrate (moved to other engines at once, each as a migration G01-G11 would; the ones that cannot be are waited for as with wait). migrate needs upstream.migration.max_attempts >= 1."
+        ),
+    ] = 'wait'
 
 
 class Auth(BaseModel):

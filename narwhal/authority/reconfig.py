@@ -120,7 +120,7 @@ def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str
     c = control
     # whatever can still fail is done before the first change (a discovery.etcd naming a
     # password variable that is not set): the swap below is all or nothing
-    restart = any(k.startswith("discovery.") and k != "discovery.drain_timeout_ms" for k in changed)
+    restart = any(k.startswith("discovery.") and k not in ("discovery.drain_timeout_ms", "discovery.drain") for k in changed)
     sources = configured(cfg) if restart else None
     c.config = cfg
     a, m = cfg.admission, cfg.monitoring
