@@ -85,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rl.add_argument("--servers", default="hypercorn")
     rl.add_argument("--http", default="1", choices=["1", "2"])
     rl.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode (default open: measure the relay alone)")
+    rl.add_argument("--tracing", default="", help="comma-separated observability.sample_ratio arms, e.g. off,0.01,1 (issue 23: spans to an OTLP sink in the load's process)")
+    rl.add_argument("--alternations", type=int, default=1, help="with --tracing: rounds of the arms in turn")
 
     ab = sub.add_parser("abuse", help="the attacks of tests/abuse against a live router alongside normal traffic (issue 11's soak)")
     ab.add_argument("--attacks", default="", help="comma-separated (default: all): " + "none, slow-body, h2-idle-streams, h2-no-read, h1-no-read, fin-churn, chunked-1-byte, settings-flood, ping-flood, rapid-reset")
@@ -219,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
                        output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, stream=not args.no_stream, out=out)
         elif cmd == "relay":
             X.relay(streams=args.streams, interval_ms=args.interval_ms, tokens=args.tokens, warm_s=args.warm, window_s=args.window, servers=_names(args.servers),
-                    http=args.http, profile_s=args.profile, mode=args.mode, out=out)
+                    http=args.http, profile_s=args.profile, mode=args.mode, out=out, tracing=_names(args.tracing) if args.tracing else (),
+                    alternations=args.alternations)
         elif cmd == "memory":
             X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=_names(args.servers), out=out)
         elif cmd == "peers":

@@ -202,7 +202,13 @@ async def _relay_run(url: str, http: str, streams: int, tokens: int, proc: Any, 
 
 
 def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, warm_s: float = 4.0, window_s: float = 15.0, servers: Sequence[str] = ("hypercorn",),
-          http: str = "1", profile_s: float = 0.0, mode: str = "open", out: Path | None = None) -> Report:
+          http: str = "1", profile_s: float = 0.0, mode: str = "open", out: Path | None = None, tracing: Sequence[str] = (), alternations: int = 1) -> Report:
+    """`tracing` (issue 23): arms of observability.sample_ratio ("off", "0.01", "1", ...),
+    run in turn `alternations` times, every span exported to an OTLP/HTTP sink in this
+    (the load's) process; without it, the plain relay run."""
+    if tracing:
+        return _relay_tracing(streams=streams, interval_ms=interval_ms, tokens=tokens, warm_s=warm_s, window_s=window_s, http=http, mode=mode, out=out,
+                              arms=tracing, alternations=alternations)
     rcpu, lcpu = layout()
     pin_self(lcpu)
     rep = Report("relay: relayed token events per router CPU-second")
@@ -247,6 +253,119 @@ def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, w
         rep.add(markdown_table(["function (self)", "share"], [(k, f"{v:.1%}") for k, v in prof["self"][:12]]))
         rep.add("Narwhal's own functions, inclusive:")
         rep.add(markdown_table(["function (inclusive)", "share"], [(k, f"{v:.1%}") for k, v in prof["inclusive_narwhal"][:12]]))
+    rep.save(out)
+    return rep
+
+
+class _OtlpSink:
+    """An OTLP/HTTP receiver that answers 200 and keeps only counts (the tracing arm's
+    collector; it runs in the load's process, on the load's cores)."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.requests = 0
+        self.bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                n = int(self.headers.get("content-length") or 0)
+                self.rfile.read(n)
+                sink.requests += 1
+                sink.bytes += n
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _trace_counters(url: str) -> dict[str, float]:
+    import httpx
+
+    out = {"dropped": 0.0, "failed": 0.0}
+    with contextlib.suppress(Exception):
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("narwhal_trace_spans_dropped_total"):
+                out["dropped"] += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("narwhal_trace_spans_export_failed_total"):
+                out["failed"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _relay_tracing(*, streams: int, interval_ms: float, tokens: int, warm_s: float, window_s: float, http: str, mode: str, out: Path | None,
+                   arms: Sequence[str], alternations: int) -> Report:
+    """The relay's CPU per event with tracing off and at each sampling ratio (issue 23)."""
+    rcpu, lcpu = layout()
+    pin_self(lcpu)
+    rep = Report("relay with tracing: relayed token events per router CPU-second, sampling off / 1% / 100%")
+    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "tokens_per_stream": tokens, "mode": mode, "pinning": _pinning_note(rcpu, lcpu),
+                            "arms": list(arms), "alternations": alternations, "runs": []}
+    per_arm: dict[str, list[float]] = {a: [] for a in arms}
+    rows = []
+    sink = _OtlpSink()
+    try:
+        with _cleanup() as things:
+            tk = H.ticker_engine("t0", interval_ms=interval_ms, cpus=lcpu)
+            things.append(tk)
+            for k in range(alternations):
+                for arm in arms:
+                    cfg = H.narwhal_config([tk], admission={"mode": mode})
+                    if arm != "off":
+                        cfg["observability"] = {"otlp_endpoint": sink.url, "sample_ratio": float(arm)}
+                    name = f"narwhal tracing {arm}"
+                    r = H.start_narwhal(cfg, cpus=rcpu, name=f"narwhal-trace-{arm}")
+                    things.append(r)
+                    before = sink.requests
+                    win, res, _ = _run(_relay_run(r.url, http, streams, tokens, r.proc, warm_s, window_s, 0.0, None, False))
+                    counters = _trace_counters(r.url)
+                    r.stop()
+                    per_cpu = win["events"] / win["cpu_s"] if win["cpu_s"] > 0 else math.inf
+                    per_arm[arm].append(per_cpu)
+                    tp = [x.tpot for x in res if x.tpot is not None]
+                    st = summarize(res)
+                    run = {"arm": arm, "round": k + 1, **win, "events_per_cpu_s": per_cpu, "cpu_us_per_event": 1e6 / per_cpu,
+                           "requests": sum(1 for x in res if x.done_at is not None), "exports": sink.requests - before, **counters,
+                           "tpot_p50": percentile(tp, 50), "tpot_p99": percentile(tp, 99), "statuses": st["statuses"]}
+                    data["runs"].append(run)
+                    rows.append([f"{name}, round {k + 1}", f"{win['events'] / win['seconds']:,.0f}", f"{win['cpu_s'] / win['seconds']:.2f}", f"{per_cpu:,.0f}",
+                                 f"{1e6 / per_cpu:.1f}", str(run["exports"]), f"{counters['dropped']:.0f}", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99))])
+    finally:
+        sink.stop()
+    base = per_arm.get("off") or []
+    summary = []
+    for arm in arms:
+        v = per_arm[arm]
+        us = sorted(1e6 / x for x in v)
+        more = ""
+        if base and arm != "off":
+            b = sorted(1e6 / x for x in base)
+            lo, hi = us[0] / b[-1] - 1.0, us[-1] / b[0] - 1.0
+            mid = (sum(us) / len(us)) / (sum(b) / len(b)) - 1.0
+            more = f"{mid:+.1%} (range {lo:+.1%} to {hi:+.1%})"
+        summary.append([arm, f"{us[0]:.1f}–{us[-1]:.1f}", f"{sum(us) / len(us):.1f}", more or "—"])
+    data["summary"] = {a: per_arm[a] for a in arms}
+    rep.data = data
+    rep.add(f"{streams} concurrent streams (closed loop, {tokens} tokens each, restarted when done), one token per event every {interval_ms:g} ms; "
+            f"admission mode {mode}; HTTP/{'1.1' if http == '1' else '2'}. Every arm is one router process; spans go to an OTLP/HTTP sink in the load's "
+            f"process. Arms in turn, {alternations} rounds. Measured over {window_s:g} s after {warm_s:g} s of ramp. {data['pinning']}")
+    rep.add(markdown_table(["run", "token events/s at the client", "router cores busy", "relayed events per router CPU-s", "CPU µs / event",
+                            "OTLP exports", "spans dropped", "client TPOT p50 ms", "client TPOT p99 ms"], rows))
+    rep.add(markdown_table(["sampling", "CPU µs / event (min–max)", "mean", "more CPU per event than off: mean (range over runs)"], summary))
     rep.save(out)
     return rep
 

@@ -8,9 +8,10 @@ Order of decisions, as the refusal table orders them:
   reading stops at the first byte past the limit, so nothing past it is buffered);
   R04-R07 on the parsed body (narwhal/core/requests.py); then workload sizing, and
   R08-R13 in narwhal/worker/request.py.
-Observability (narwhal/telemetry, docs/observability.md): with JSON logs or tracing on, or
-a client's `traceparent`, each request gets a `RequestRecord` at arrival (tracing decides
-sampling then, once); its end writes the request_end line and ends the root span.
+Observability (narwhal/telemetry, docs/observability.md): tracing decides sampling once, at
+arrival; a sampled request, every request with JSON logs, and one with a client's
+`traceparent` (passed on to the engines) get a `RequestRecord`; its end writes the
+request_end line and ends the root span. Any other request makes nothing.
 Books: the authority's. `door.arrive` offers the request (and decides R01/R02, closing
 the books itself when it refuses); from then on exactly one terminal class when it ends,
 whatever happens (the `finally` below is the only place an admitted entry is closed).
@@ -280,9 +281,9 @@ class CompletionEndpoint:
         tel = r.telemetry
         tp = hdr.get(b"traceparent")
         rec: RequestRecord | None = None
-        if tel.records or tp is not None:  # JSON logs, tracing, or a client's trace context to pass on
-            rec = RequestRecord(rid, self.route, arrival, trace=tel.tracing.start(rid, tp) if tel.tracing is not None else None,
-                                traceparent=tp, tracestate=hdr.get(b"tracestate"), log=tel.json_logs)
+        trace = tel.tracing.start(rid, tp) if tel.tracing is not None else None  # sampled once, here
+        if trace is not None or tel.json_logs or tp is not None:  # else nothing is made: the no-op path
+            rec = RequestRecord(rid, self.route, arrival, trace=trace, traceparent=tp, tracestate=hdr.get(b"tracestate"), log=tel.json_logs)
             if who is not None:
                 rec.tenant, rec.key_id = who.tenant, who.key_id
         got = await r.door.arrive(arrival, denied, who.tenant if who is not None else None)

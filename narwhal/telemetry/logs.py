@@ -229,8 +229,10 @@ def _ms(s: float | None) -> float | None:
 
 def emit_request_end(rec: RequestRecord, cls: str, now: float) -> None:
     """The request ended: its root span (when traced) and its request_end line (json)."""
-    f = rec.fields(cls, now)
     t = rec.trace
+    if t is None and not rec.log:
+        return  # only a client's traceparent was carried
+    f = rec.fields(cls, now)
     if t is not None:
         t.end(error=cls == "failed" or (rec.status or 0) >= 500,
               **{"narwhal.class": cls, "narwhal.row": rec.row, "http.response.status_code": rec.status, "narwhal.route": rec.route,

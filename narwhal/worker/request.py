@@ -415,9 +415,12 @@ class _Run:
     async def attempts(self, g: Grant) -> str:
         r = self.r
         kv: dict[str, Any] | None = None
+        slot_wait: float | None = None
         if g.phase == "prefill":
             kv = await self.prefill(r.engines[g.engine])
+            t0 = r.clock.now()
             d = await self.lease.decode_slot()
+            slot_wait = r.clock.now() - t0
             if isinstance(d, Refuse):
                 return await _refuse(self.sink, d.row, overrun_s=d.overrun_s, **d.fields)
             g = d
@@ -427,6 +430,10 @@ class _Run:
             e = r.engines[g.engine]
             attempt += 1
             leg = self._leg(DECODE, e, g.phase, attempt)
+            if leg is not None and slot_wait is not None:  # P/D: the decode slot, chosen by the authority
+                leg.span.set_attribute("narwhal.slot_wait_ms", round(slot_wait * 1000.0, 3))
+                leg.span.set_attribute("narwhal.placement", "decode engine with the smallest share of its slots in use")
+                slot_wait = None
             try:
                 cls = await self.decode(e, kv) if leg is None else await self._traced_decode(leg, e, kv)
                 return cls

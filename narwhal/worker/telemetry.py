@@ -27,7 +27,6 @@ class Telemetry:
         self.trace_failed = Counter("narwhal_trace_spans_export_failed", "Spans lost in exports that failed or timed out (observability.export_timeout_ms).", registry=self.registry)
         self.tracing: Any = None  # narwhal.telemetry.tracing.Tracing when observability samples
         self.json_logs = False  # serving.log_format json: a request_end line per request
-        self.records = False  # either: a RequestRecord per request
 
     def observe(self, config: Any, *, worker: int | None = None) -> None:
         """observability.* and serving.log_format of this process (at start; both need a restart)."""
@@ -35,14 +34,12 @@ class Telemetry:
 
         self.tracing = Tracing.of(config.observability, on_dropped=self.trace_dropped.inc, on_failed=self.trace_failed.inc, worker=worker)
         self.json_logs = config.serving.log_format == "json"
-        self.records = self.json_logs or self.tracing is not None
 
     def close(self) -> None:
         """Flush the spans still queued (bounded), at exit."""
         if self.tracing is not None:
             self.tracing.shutdown()
             self.tracing = None
-            self.records = self.json_logs
 
 
 def families(registry: CollectorRegistry, worker: int) -> list[list[Any]]:
