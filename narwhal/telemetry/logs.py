@@ -83,7 +83,7 @@ ROUTER_EVENTS = {
 _KEY = "narwhal_event"
 
 
-def event(name: str, **fields: Any) -> dict[str, Any]:
+def event(name: str, /, **fields: Any) -> dict[str, Any]:
     """`extra=` of a log call that is a router event: `log.info("...", extra=event(...))`."""
     return {_KEY: (name, fields)}
 
