@@ -108,6 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a short run (4 s per arm, 2 engines): a smoke test")
     p.add_argument("--out", default="out/bench/tenants", help="save tenants.md and tenants.json here (default out/bench/tenants; '' to skip)")
+    p.add_argument("--from-json", default=None, help="print the tables of a saved tenants.json again (no run)")
 
 
 def _defaults(args: argparse.Namespace) -> None:
@@ -392,12 +393,13 @@ def verdict(data: dict[str, Any]) -> None:
         if alone is not None and alone["tenants"]["quiet"]["ttft_p99"] and q["ttft_p99"] is not None:
             ratio = q["ttft_p99"] / alone["tenants"]["quiet"]["ttft_p99"]
         failed = sum(t["failed"] for t in both["tenants"].values())
+        cut = sum(t["cancelled"] for t in both["tenants"].values())
         out[router] = {
             "quiet_goodput": q["goodput"], "quiet_goodput_ok": q["goodput"] is not None and q["goodput"] >= 0.95,
             "ttft_p99_ratio": ratio, "ttft_p99_ok": ratio is not None and ratio <= 1.25,
             "noisy_refused": n.get("refused", 0), "noisy_refused_with_retry_after": n.get("refused_with_retry_after", 0),
             "noisy_refused_all_with_retry_after": n.get("refused", 0) > 0 and n.get("refused", 0) == n.get("refused_with_retry_after", 0),
-            "failed": failed, "nothing_failed": failed == 0,
+            "failed": failed, "nothing_failed": failed == 0, "cut": cut,
             "books_balanced": both["books"]["balanced"] if "books" in both else None,
         }
     data["verdict"] = out
@@ -418,9 +420,10 @@ def tables(data: dict[str, Any]) -> str:
     for a in data["arms"]:
         for t, s in a["tenants"].items():
             ref = ", ".join(f"{k} ×{v}" for k, v in s["refusals"].items()) or "—"
-            rows.append([a["arm"], t, s["offered"], s["ok"], ref, s["failed"] + s["cancelled"], fmt_ms(s["ttft_p50"], 0), fmt_ms(s["ttft_p99"], 0),
-                         "—" if s["goodput"] is None else f"{s['goodput']:.3f}"])
-    lines.append(markdown_table(["arm", "tenant", "offered", "200", "refused (status code, +RA: with Retry-After)", "failed", "TTFT p50 ms", "TTFT p99 ms", "goodput"], rows))
+            rows.append([a["arm"], t, s["offered"], s["ok"], ref, s["failed"], s["cancelled"], fmt_ms(s["ttft_p50"], 0), fmt_ms(s["ttft_p99"], 0),
+                         "—" if s["goodput"] is None else f"{s['goodput']:.3f}", f"{a['router_cpu_s']:.1f}" if t == "quiet" else ""])
+    lines.append(markdown_table(["arm", "tenant", "offered", "200", "refused (status code, +RA: with Retry-After)", "failed", "cut (open at the end)", "TTFT p50 ms", "TTFT p99 ms",
+                                 "goodput", "router CPU s"], rows))
     books = [a for a in data["arms"] if "books" in a]
     if books:
         lines += ["", "Narwhal's books at rest (/metrics): offered = Σ terminal classes, per tenant and for the fleet", ""]
@@ -436,8 +439,9 @@ def tables(data: dict[str, Any]) -> str:
         vrows = []
         for r, x in v.items():
             vrows.append([r, f"{x['quiet_goodput']:.3f}" + (" ✓" if x["quiet_goodput_ok"] else " ✗"), "—" if x["ttft_p99_ratio"] is None else f"{x['ttft_p99_ratio']:.2f}" + (" ✓" if x["ttft_p99_ok"] else " ✗"),
-                          f"{x['noisy_refused_with_retry_after']} / {x['noisy_refused']}", x["failed"], "—" if x["books_balanced"] is None else ("yes" if x["books_balanced"] else "NO")])
-        lines.append(markdown_table(["router", "quiet goodput", "quiet TTFT p99 / alone", "noisy refusals with Retry-After", "failed", "books balanced"], vrows))
+                          f"{x['noisy_refused_with_retry_after']} / {x['noisy_refused']}", x["failed"], x.get("cut", 0),
+                          "—" if x["books_balanced"] is None else ("yes" if x["books_balanced"] else "NO")])
+        lines.append(markdown_table(["router", "quiet goodput", "quiet TTFT p99 / alone", "noisy refusals with Retry-After", "failed", "cut (open at the end)", "books balanced"], vrows))
     for name, why in data["unavailable"].items():
         lines.append(f"- **{name}** did not run: {why}")
     lines += ["", f"Reproduce: `{data['command']}`"]
@@ -451,6 +455,11 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        verdict(data)
+        print(tables(data))
+        return 0
     try:
         data = tenants(args)
     except KeyboardInterrupt:
