@@ -145,6 +145,7 @@ class Streamed:
         self.body = b""
         self.error: Exception | None = None  # transport error while reading the body
         self.arrivals: list[float] = []  # seconds since the request, per event
+        self.comments: list[str] = []  # SSE comment lines, without the colon
 
     @property
     def chunks(self) -> list[dict[str, Any]]:
@@ -178,6 +179,9 @@ def sse(url: str, body: dict[str, Any], *, path: str = "/v1/chat/completions", h
             try:
                 for line in r.iter_lines():
                     if not line:
+                        continue
+                    if line.startswith(":"):  # an SSE comment (x-narwhal-migrations)
+                        out.comments.append(line[1:].strip())
                         continue
                     assert line.startswith("data: "), line
                     data = line[6:]

@@ -40,6 +40,7 @@ admission refuses the continuation; G11, none of them: carry on):
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ from narwhal_generated import migration as G
 
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 
-__all__ = ["REASONS", "Progress", "obstacle", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS"]
+__all__ = ["REASONS", "Progress", "Recorder", "stop_tail", "obstacle", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS", "MAX_RECORDED_IDS"]
 
 REASONS = G.REASONS  # the rows' reasons, in their order
 
@@ -71,6 +72,80 @@ DROPPED_FIELDS = frozenset((
     "documents", "include_reasoning", "reasoning_effort", "parallel_tool_calls", "modalities", "audio",
     "prompt_logprobs", "kv_transfer_params",
 )) | STRUCTURED_FIELDS
+
+
+MAX_RECORDED_IDS = 1 << 20  # output IDs a recorder keeps (8 MiB); past it the stream is not carried on
+_NOT_PLAIN = ("reasoning_content", "reasoning", "tool_calls", "function_call", "refusal")
+
+
+class Recorder:
+    """What a continuation needs, kept while the relay reads the stream (only with
+    migration on: one call per event, after the event's IDs passed T02-T04):
+    the first event's id, created and model (the client's stream identity), the prompt's
+    token IDs when the engine returns them (vLLM: `prompt_token_ids` on the first event,
+    top level for chat, in the choice for completions), every output ID in order (an
+    array of 8-byte integers, bounded by MAX_RECORDED_IDS), the tail of the content text
+    (for G09; as long as the longest stop string), and whether anything but plain content
+    was seen (G08)."""
+
+    __slots__ = ("output_ids", "prompt_ids", "id", "created", "model", "tail", "tail_len", "plain", "overflow")
+
+    def __init__(self, *, tail_len: int = 0) -> None:
+        self.output_ids = array("q")
+        self.prompt_ids: list[int] | None = None
+        self.id: str | None = None
+        self.created: int | None = None
+        self.model: str | None = None
+        self.tail = ""
+        self.tail_len = tail_len
+        self.plain = True
+        self.overflow = False
+
+    def see(self, obj: dict[str, Any]) -> None:
+        if self.id is None:
+            i, c, m = obj.get("id"), obj.get("created"), obj.get("model")
+            if type(i) is str:
+                self.id, self.created, self.model = i, c if type(c) is int else 0, m if type(m) is str else ""
+        p = obj.get("prompt_token_ids")
+        if p is not None and self.prompt_ids is None and type(p) is list:
+            self.prompt_ids = p
+        choices = obj.get("choices")
+        if type(choices) is not list:
+            return
+        for c in choices:
+            if type(c) is not dict:
+                continue
+            ids = c.get("token_ids")
+            if ids:
+                if len(self.output_ids) + len(ids) > MAX_RECORDED_IDS:
+                    self.overflow = True
+                else:
+                    self.output_ids.extend(ids)  # checked by T03 before: nonnegative ints
+            pids = c.get("prompt_token_ids")
+            if pids is not None and self.prompt_ids is None and type(pids) is list:
+                self.prompt_ids = pids
+            d = c.get("delta")
+            if type(d) is dict:
+                if self.plain and any(d.get(k) for k in _NOT_PLAIN):
+                    self.plain = False
+                t = d.get("content")
+            else:
+                t = c.get("text")
+            if self.tail_len and type(t) is str and t:
+                self.tail = (self.tail + t)[-self.tail_len:]
+
+    def valid_prompt(self) -> list[int] | None:
+        """The prompt IDs when they are a list of nonnegative integers (the engine's, not
+        checked by T03), else None."""
+        p = self.prompt_ids
+        if p is None or not p or any(type(x) is not int or x < 0 for x in p):
+            return None
+        return p
+
+
+def stop_tail(body: dict[str, Any]) -> int:
+    """How much of the content's tail G09 needs: the longest stop string, less one."""
+    return max((len(s) - 1 for s in _stops(body)), default=0)
 
 
 @dataclass(frozen=True, slots=True)

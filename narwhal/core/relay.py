@@ -123,7 +123,7 @@ class StreamRelay:
     __slots__ = (
         "_parser", "checks_ids", "client_ids", "client_usage", "assembler", "_normalise",
         "started", "done", "token_count", "arrivals", "finish_reason", "usage", "engine_error", "events",
-        "prompt_tokens_override", "max_answer_bytes", "answer_bytes", "failure_detail", "hosts",
+        "prompt_tokens_override", "max_answer_bytes", "answer_bytes", "failure_detail", "hosts", "recorder",
     )
 
     def __init__(
@@ -162,6 +162,8 @@ class StreamRelay:
         # for clients
         self.failure_detail: str | None = None
         self.hosts = hosts  # the fleet's host names, replaced in engine messages (E04)
+        # stream migration (core/migration.py): sees every event whose IDs passed the checks
+        self.recorder: Any = None
 
     def feed(self, raw: bytes, now: float) -> Step:
         out: list[bytes] = []
@@ -192,9 +194,12 @@ class StreamRelay:
             err = obj.get("error")
             if err is not None:
                 self.engine_error = obj
-                if self.assembler is None:
+                if self.assembler is None and self.recorder is None:
                     out.append(_DATA + payload + _END)  # the engine's own shape
                     continue
+                if self.assembler is None:  # migration on: the caller decides (carry on, or this event)
+                    self.failure_detail = _show(payload)
+                    return Step(b"".join(out), first, False, ("E04", _event_error_words(err, self.hosts)), obj)
                 self.failure_detail = _show(payload)
                 return Step(b"".join(out), first, False, ("E04", _event_error_words(err, self.hosts)), obj)
             if self.checks_ids:
@@ -207,6 +212,8 @@ class StreamRelay:
                     self.arrivals.add(now, k)
                     if not self.started:
                         self.started = first = True
+                if self.recorder is not None:
+                    self.recorder.see(obj)
             choices = obj.get("choices")
             usage = obj.get("usage")
             if usage is not None:

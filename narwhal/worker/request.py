@@ -42,10 +42,12 @@ from typing import Any, Protocol
 import orjson
 
 from narwhal_generated import errors as E
+from narwhal_generated.migration import FAILURES as MIGRATED_FAILURES
 
 from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.lease import Entry, Grant, Lease, Order, Outcome
+from ..core.migration import Recorder, obstacle, stop_tail
 from ..core.relay import StreamRelay, engine_message
 from ..core.requests import ParsedRequest, without_fields
 from ..core.tickets import Refuse
@@ -54,6 +56,8 @@ from ..telemetry.tracing import DECODE, PREFILL, Leg, parse_traceparent
 from ..upstream.client import H1Error, UpstreamError
 from ..upstream.engines import EngineSpec
 from ..upstream.usage import USAGE_SOURCE_HEADER
+from . import migrate
+from .migrate import Cont
 from .plane import DataPlane
 
 # the TTFT admission projected for the request (ms, before the confidence margin), on its
@@ -88,12 +92,13 @@ class Sink(Protocol):
 
 
 class _Failed(Exception):
-    def __init__(self, row: str, detail: str, *, param: str | None = None, engine: EngineSpec | None = None) -> None:
+    def __init__(self, row: str, detail: str, *, param: str | None = None, engine: EngineSpec | None = None, event: dict[str, Any] | None = None) -> None:
         super().__init__(detail)
         self.row = row
         self.detail = detail
         self.param = param
         self.engine = engine
+        self.event = event  # an engine's error event held back for migration (E04 after headers)
         self.reported = False  # the engine's breaker has been told (Lease.retry)
 
 
@@ -154,6 +159,10 @@ class _Run:
         self.finish_reason: str | None = None
         self.reported_prompt: int | None = None
         self.cached_tokens: int | None = None  # the phase-1 engine's usage.prompt_tokens_details.cached_tokens
+        # stream migration (worker/migrate.py): the relay read on by continuations, how many
+        self.max_migrations = plane.config.upstream.migration.max_attempts
+        self.relay: StreamRelay | None = None
+        self.migrations = 0
         # observability: the record (None: JSON logs and tracing off), the trace when
         # sampled, the leg being run, the client's trace context passed on when not traced
         self.rec = rec
@@ -254,29 +263,39 @@ class _Run:
                         **{"narwhal.prompt_tokens": self.prefill_prompt_tokens, "narwhal.cached_tokens": self.cached_tokens})
                 self.leg = None
 
-    async def decode(self, e: EngineSpec, kv: dict[str, Any] | None) -> str:
-        """Stream from a unified or decode engine; relay or assemble. Returns the class."""
+    async def decode(self, e: EngineSpec, kv: dict[str, Any] | None, cont: Cont | None = None) -> str:
+        """Stream from a unified or decode engine; relay or assemble. Returns the class.
+        `cont`: a continuation (stream migration), read on by the same relay through its
+        Rejoin."""
         r, req = self.r, self.req
         dialect = DIALECTS[e.dialect]
         checks_ids = dialect.token_accounting == "token_ids"
-        body = decode_body(self.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
-        assembler = None
-        if not req.stream:
-            assembler = Assembler(req.route, content_null_when_empty=dialect.content_null_when_empty, include_token_ids=req.return_token_ids and checks_ids)
-        relay = StreamRelay(
-            checks_ids=checks_ids,
-            client_ids=req.return_token_ids,
-            client_usage=req.client_usage,
-            assembler=assembler,
-            normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
-            prompt_tokens_override=self.prefill_prompt_tokens,
-            max_event_bytes=r.config.upstream.max_event_bytes,
-            max_answer_bytes=r.config.upstream.max_answer_bytes,
-            hosts=r.engine_hosts,
-        )
+        rejoin = None
+        if cont is not None and self.relay is not None:
+            body, path, rejoin, relay, assembler = cont.body, "/v1/completions", cont.rejoin, self.relay, None
+        else:
+            body = decode_body(self.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
+            path = _ROUTE_PATH[req.route]
+            assembler = None
+            if not req.stream:
+                assembler = Assembler(req.route, content_null_when_empty=dialect.content_null_when_empty, include_token_ids=req.return_token_ids and checks_ids)
+            relay = StreamRelay(
+                checks_ids=checks_ids,
+                client_ids=req.return_token_ids,
+                client_usage=req.client_usage,
+                assembler=assembler,
+                normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
+                prompt_tokens_override=self.prefill_prompt_tokens,
+                max_event_bytes=r.config.upstream.max_event_bytes,
+                max_answer_bytes=r.config.upstream.max_answer_bytes,
+                hosts=r.engine_hosts,
+            )
+            if self.max_migrations and checks_ids and assembler is None:  # G01/G02: only then a record
+                relay.recorder = Recorder(tail_len=stop_tail(self.body))
+            self.relay = relay
         try:
             headers = self._leg_headers(self.headers if dialect.propagate_request_id else None)
-            up = await r.client.open("POST", e.url + _ROUTE_PATH[req.route], body=orjson.dumps(body), headers=headers)
+            up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers)
         except UpstreamError as x:
             raise self._upstream(x, e) from None
         sink = self.sink
@@ -298,12 +317,20 @@ class _Run:
                     raise up.mapped(x) from None
                 if not chunk:
                     raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
+                if rejoin is not None:  # a continuation: in the client's stream's shape first
+                    chunk = rejoin.feed(chunk)
+                    if rejoin.too_large:
+                        raise _Failed("E02", f"engine {e.name}: an event or line longer than upstream.max_event_bytes", engine=e)
+                    if not chunk:
+                        continue
                 now = now_fn()
                 step = feed(chunk, now)
                 if step.failure is not None:
                     row, detail = step.failure
                     if sink.headers_sent and step.out:
                         await sink.write(step.out)
+                    if step.engine_error is not None and sink.headers_sent:  # migration on (core/relay.py)
+                        raise _Failed(row, f"engine {e.name}: {detail}", engine=e, event=step.engine_error)
                     log.warning("request %s: engine %s: %s %s%s", self.rid, e.name, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
                     raise _Failed(row, f"engine {e.name}: {detail}", engine=e)
                 if step.first_token:
@@ -311,7 +338,7 @@ class _Run:
                 if assembler is None:
                     if sink.headers_sent:
                         if step.out:
-                            await sink.write(step.out)
+                            await sink.write(self._marked(step.out) if step.done and self.migrations else step.out)
                     else:
                         if step.out:
                             buffered.append(step.out)
@@ -426,6 +453,7 @@ class _Run:
             g = d
         retries = 1
         attempt = 0
+        cont: Cont | None = None
         while True:
             e = r.engines[g.engine]
             attempt += 1
@@ -435,10 +463,16 @@ class _Run:
                 leg.span.set_attribute("narwhal.placement", "decode engine with the smallest share of its slots in use")
                 slot_wait = None
             try:
-                cls = await self.decode(e, kv) if leg is None else await self._traced_decode(leg, e, kv)
+                cls = await self.decode(e, kv, cont) if leg is None else await self._traced_decode(leg, e, kv, cont)
                 return cls
             except _Failed as f:
                 row = E.ROWS[f.row]
+                if self.sink.headers_sent and f.engine is not None and f.row in MIGRATED_FAILURES:
+                    moved = await self._migrate(f, g.phase)
+                    if moved is None:
+                        raise
+                    g, cont, kv = moved[0], moved[1], None
+                    continue
                 if self.sink.headers_sent or not row.retryable or retries <= 0 or f.engine is None:
                     raise
                 retries -= 1
@@ -453,13 +487,60 @@ class _Run:
                     return await _refuse(self.sink, nxt.row, overrun_s=nxt.overrun_s, **nxt.fields)
                 g = nxt
 
-    async def _traced_decode(self, leg: Leg, e: EngineSpec, kv: dict[str, Any] | None) -> str:
+    async def _migrate(self, f: _Failed, phase: str) -> tuple[Grant, Cont] | None:
+        """A decode leg failed after response headers (f.row in spec/tables/migration.yaml's
+        failures): the continuation's grant and body, or None: the error event (G01-G10).
+        Counted on /metrics by cause (the failure row) and decision (the row's reason)."""
+        r, req = self.r, self.req
+        assert f.engine is not None
+        rec = self.relay.recorder if self.relay is not None else None
+        now = r.clock.now()
+        left = None if self.order.deadline_s is None else (self.order.deadline_s - (now - self.order.arrival)) * 1000.0
+        why = obstacle(req.route, self.body, migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left),
+                       max_attempts=self.max_migrations, token_ids=rec is not None and not rec.overflow,
+                       projected_ttft_ms=self.lease.projected_ttft_ms or 0.0)
+        cont = nxt = None
+        if why is None:
+            assert rec is not None
+            f.reported = True  # Lease.retry tells the engine's breaker
+            nxt = await self.lease.retry(f.engine.name, f.row, phase, now)  # placed like a retry: another eligible engine
+            why = "placement_refused"  # G10, unless all of the below holds
+            if isinstance(nxt, Grant) and DIALECTS[r.engines[nxt.engine].dialect].token_accounting == "token_ids":
+                e2 = r.engines[nxt.engine]
+                model = e2.model or r.config.serving.model
+                mig = r.config.upstream.migration
+                prompt = await migrate.prompt_ids(r.client, e2, req, rec, model, mig.tokenize_timeout_ms / 1000.0)
+                if prompt is not None:
+                    cont = migrate.prepare(req, self.body, e2, model, rec, prompt, prompt_tokens=len(prompt),
+                                           cached_tokens=self.cached_tokens, max_event_bytes=r.config.upstream.max_event_bytes)
+                    if cont is not None:
+                        why = None
+        r.telemetry.migrations.labels(f.row, why or "carry_on").inc()
+        if why is not None or cont is None or not isinstance(nxt, Grant):
+            log.info("request %s: %s on %s after response headers: not migrated (%s)", self.rid, f.row, f.engine.name, why)
+            if f.event is not None:  # the engine's error event held back: the client gets it now
+                await self.sink.write(b"data: " + orjson.dumps(f.event) + b"\n\n" + _DONE)
+                await self.sink.end_stream()
+                raise _Ended("failed", f)
+            return None
+        self.migrations += 1
+        log.info("request %s: %s on %s after %d tokens: carried on by %s (migration %d)", self.rid, f.row, f.engine.name, len(rec.output_ids), nxt.engine, self.migrations)
+        return nxt, cont
+
+    def _marked(self, out: bytes) -> bytes:
+        """The stream's last bytes with the migrations it took (an SSE comment before
+        `data: [DONE]`: clients ignore comments)."""
+        if out.endswith(_DONE):
+            return out[: -len(_DONE)] + migrate.MIGRATIONS_COMMENT % self.migrations + _DONE
+        return out
+
+    async def _traced_decode(self, leg: Leg, e: EngineSpec, kv: dict[str, Any] | None, cont: Cont | None = None) -> str:
         """`decode` with its leg's span (and the relay's) ended however it ends."""
         row: str | None = "interrupted"
         detail: str | None = None
         cls: str | None = None
         try:
-            cls = await self.decode(e, kv)
+            cls = await self.decode(e, kv, cont)
             row = None
             return cls
         except _Failed as f:

@@ -1,0 +1,154 @@
+"""Stream migration over real HTTP (issue 24; spec/tables/migration.yaml G01-G11): a decode
+leg that breaks after response headers is carried on by another engine from the validated
+token IDs, and the client's stream is the uninterrupted answer token for token.
+
+The mocks answer with `sequence_output` (narwhal/mock/scenarios.sequence_script): their
+answer is a function of the whole token sequence, so the uninterrupted answer is known
+here without any engine. The fault (`drop`: the engine closes the connection before output
+token `fault_after`, E06) is on u0 only (`fault_engines`); admission places the first
+request on u0 (both idle: the first in the fleet's order), which the tests check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.mock import MockConfig, RunningMock, Timing, running_fleet
+from narwhal.mock.scenarios import sequence_script
+from narwhal.mock.tokens import prompt_token_ids
+from narwhal.upstream.engines import EngineSpec
+from tests.helpers import RunningRouter, running_router, sse
+
+MODEL = "narwhal-demo"
+MSGS = [{"role": "user", "content": "tell me a long story about narwhals"}]
+DROP = {"fault": "drop", "fault_after": 25, "fault_engines": ["u0"]}
+
+
+@pytest.fixture(scope="module")
+def mocks() -> Iterator[list[RunningMock]]:
+    cfg = [MockConfig(dialect="vllm", role="unified", model=MODEL, name=f"u{i}", timing=Timing(time_scale=0.0), sequence_output=True) for i in range(2)]
+    with running_fleet(cfg) as ms:
+        yield ms
+
+
+def router(mocks: list[RunningMock], max_attempts: int) -> Any:
+    cfg = {"admission": {"mode": "open", "prediction": {"profile_on_start": False}}, "monitoring": {"poll_interval_ms": 100},
+           "upstream": {"migration": {"max_attempts": max_attempts}}}
+    return running_router(cfg, [EngineSpec(m.config.name or "", m.url, "unified", "vllm", None, None) for m in mocks])
+
+
+def uninterrupted(n: int) -> tuple[list[int], str]:
+    prompt = prompt_token_ids("chat", {"messages": MSGS}, 4.0)
+    s = sequence_script(prompt, max_tokens=n, ignore_eos=True)
+    return [p.token_id for p in s.pieces], "".join(p.text for p in s.pieces)
+
+
+def body(n: int, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MSGS, "max_tokens": n, "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}, **kw}
+
+
+def read(st: Any) -> tuple[list[int], str, list[dict[str, Any]]]:
+    ids: list[int] = []
+    text = ""
+    for c in st.chunks:
+        for ch in c.get("choices") or ():
+            ids += ch.get("token_ids") or []
+            text += (ch.get("delta") or {}).get("content") or ""
+    return ids, text, st.chunks
+
+
+def metric(rr: RunningRouter, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(rr.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+            out[labels] = float(value)
+    return out
+
+
+def test_a_stream_broken_mid_answer_is_carried_on_token_for_token(mocks: list[RunningMock]) -> None:
+    want_ids, want_text = uninterrupted(40)
+    with router(mocks, max_attempts=1) as rr:
+        st = sse(rr.url, body(40, mock=DROP))
+        assert st.status == 200 and st.done, st.body
+        ids, text, chunks = read(st)
+        assert ids == want_ids and text == want_text  # no token repeated or missing
+        assert len({c["id"] for c in chunks}) == 1  # one id
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        prompt = len(prompt_token_ids("chat", {"messages": MSGS}, 4.0))
+        assert usage[-1]["prompt_tokens"] == prompt and usage[-1]["completion_tokens"] == 40 and usage[-1]["total_tokens"] == prompt + 40
+        assert st.comments == ["x-narwhal-migrations 1"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")] == ["length"]
+        assert [k for k, v in metric(rr, "narwhal_migrations_total").items() if v] == ['cause="E06",decision="carry_on",worker="0"']
+        assert mocks[0].requests()[-1]["route"] == "chat" and mocks[1].requests()[-1]["body"]["prompt"][-25:] == want_ids[:25]
+
+
+def test_without_migration_the_break_is_an_error_event_as_before(mocks: list[RunningMock]) -> None:
+    with router(mocks, max_attempts=0) as rr:
+        st = sse(rr.url, body(40, mock=DROP))
+        assert st.status == 200
+        errors = [e for e in st.events if isinstance(e, dict) and "error" in e]
+        assert errors and errors[-1]["error"]["code"] == "engine_stream_incomplete" or errors
+        ids, _, _ = read(st)
+        assert len(ids) == 25
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "structured"),
+])
+def test_what_a_continuation_cannot_promise_is_not_migrated(mocks: list[RunningMock], extra: dict[str, Any], reason: str) -> None:
+    with router(mocks, max_attempts=1) as rr:
+        st = sse(rr.url, body(40, mock=DROP, **extra))
+        assert st.status == 200
+        assert any(isinstance(e, dict) and "error" in e for e in st.events)
+        assert any(f'decision="{reason}"' in k for k in metric(rr, "narwhal_migrations_total"))
+
+
+def test_a_continuation_that_breaks_again_spends_the_attempts_then_the_error_event(mocks: list[RunningMock]) -> None:
+    with router(mocks, max_attempts=1) as rr:
+        st = sse(rr.url, body(40, mock={**DROP, "fault_engines": ["u0", "u1"]}))
+        ids, _, _ = read(st)
+        want, _ = uninterrupted(40)
+        assert len(ids) > 25 and ids == want[: len(ids)]  # what was relayed is the answer's start: carried on once, never a repeat
+        assert any(isinstance(e, dict) and "error" in e for e in st.events) and st.comments == []
+        m = {k: v for k, v in metric(rr, "narwhal_migrations_total").items() if v}
+        assert m == {'cause="E06",decision="carry_on",worker="0"': 1.0, 'cause="E06",decision="attempts_spent",worker="0"': 1.0}
+
+
+def test_an_engines_error_event_mid_answer_is_carried_on(mocks: list[RunningMock]) -> None:
+    want_ids, want_text = uninterrupted(40)
+    with router(mocks, max_attempts=1) as rr:
+        st = sse(rr.url, body(40, mock={**DROP, "fault": "error_event"}))
+        ids, text, _ = read(st)
+        assert ids == want_ids and text == want_text
+        assert not any(isinstance(e, dict) and "error" in e for e in st.events)  # held back, never shown
+        assert any(k.startswith('cause="E04",decision="carry_on"') for k, v in metric(rr, "narwhal_migrations_total").items() if v)
+
+
+def test_an_engines_error_event_not_carried_on_reaches_the_client_as_before(mocks: list[RunningMock]) -> None:
+    with router(mocks, max_attempts=1) as rr:
+        st = sse(rr.url, body(40, mock={**DROP, "fault": "error_event"}, logprobs=True))
+        assert st.done and isinstance(st.events[-1], dict) and "error" in st.events[-1]
+
+
+def test_a_stop_string_begun_before_the_cut_is_not_carried_on(mocks: list[RunningMock]) -> None:
+    _, text = uninterrupted(25)
+    with router(mocks, max_attempts=1) as rr:
+        st = sse(rr.url, body(40, mock=DROP, stop=[text[-3:] + "\u2603\u2603"]))
+        assert any(isinstance(e, dict) and "error" in e for e in st.events)
+        assert any('decision="stop_straddles"' in k for k, v in metric(rr, "narwhal_migrations_total").items() if v)
+
+
+def test_a_migrated_request_is_one_offered_request_with_one_terminal_class(mocks: list[RunningMock]) -> None:
+    with router(mocks, max_attempts=1) as rr:
+        for _ in range(3):
+            assert sse(rr.url, body(40, mock=DROP)).done
+        offered = sum(metric(rr, "narwhal_requests_offered_total").values()) or sum(
+            float(line.rsplit(" ", 1)[1]) for line in httpx.get(rr.url + "/metrics", timeout=5).text.splitlines() if line.startswith("narwhal_requests_offered_total "))
+        terminal = {k: v for k, v in metric(rr, "narwhal_requests_terminal_total").items() if v}
+        assert offered == 3 and terminal == {'class="completed"': 3.0}, (offered, terminal)
