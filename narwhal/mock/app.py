@@ -22,7 +22,9 @@ Rules
     after its prefill and, when asked with kv_transfer_params.do_remote_decode, returns
     top-level kv_transfer_params; `decode` refuses (400) a completion request whose
     kv_transfer_params lack do_remote_prefill: true, and with them skips the prefill
-    (only a transfer wait).
+    (only a transfer wait) — but for a token-ID prompt (a stream migration's
+    continuation, issue 24), which it prefills itself, as a vLLM decode instance runs a
+    request that comes without kv_transfer_params.
   * Order of checks on a completion request: JSON -> model (404) -> `mock` options ->
     request shape -> dialect rules -> role -> early faults. Every refusal is answered
     before any byte of a stream.
@@ -421,10 +423,10 @@ class MockEngine:
             _validate(cfg, route, body)
             kv = body.get("kv_transfer_params")
             remote = isinstance(kv, dict) and kv.get("do_remote_prefill") is True
-            if cfg.role == "decode" and not remote:
-                raise _Refusal(400, _DECODE_NEEDS_KV, "kv_transfer_params")
             max_tokens = _max_tokens(route, body)
             n_prompt, exact_ids = prompt_size(route, body, cfg.bytes_per_token)
+            if cfg.role == "decode" and not remote and exact_ids is None:
+                raise _Refusal(400, _DECODE_NEEDS_KV, "kv_transfer_params")
             if cfg.max_model_len is not None and n_prompt + (max_tokens or 0) > cfg.max_model_len:
                 raise _Refusal(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested {n_prompt + (max_tokens or 0)} tokens ({n_prompt} in the messages, {max_tokens or 0} in the completion).", "max_tokens")
             fault = beh.fault_on(self.name)

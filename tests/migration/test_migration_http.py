@@ -152,3 +152,21 @@ def test_a_migrated_request_is_one_offered_request_with_one_terminal_class(mocks
             float(line.rsplit(" ", 1)[1]) for line in httpx.get(rr.url + "/metrics", timeout=5).text.splitlines() if line.startswith("narwhal_requests_offered_total "))
         terminal = {k: v for k, v in metric(rr, "narwhal_requests_terminal_total").items() if v}
         assert offered == 3 and terminal == {'class="completed"': 3.0}, (offered, terminal)
+
+
+def test_pd_a_decode_engine_that_breaks_is_continued_by_a_direct_decode_on_another() -> None:
+    """P/D: the continuation goes to another decode engine as a direct decode of the
+    token-ID prompt (no new prefill leg: the decode engine prefills it itself)."""
+    cfg = [MockConfig(dialect="vllm", role=role, model=MODEL, name=name, timing=Timing(time_scale=0.0), sequence_output=True)
+           for role, name in (("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))]
+    want_ids, want_text = uninterrupted(40)
+    with running_fleet(cfg) as ms:
+        conf = {"admission": {"mode": "open", "prediction": {"profile_on_start": False}}, "monitoring": {"poll_interval_ms": 100},
+                "upstream": {"migration": {"max_attempts": 1}}}
+        with running_router(conf, [EngineSpec(m.config.name or "", m.url, m.config.role, "vllm", None, None) for m in ms]) as rr:
+            st = sse(rr.url, body(40, mock={**DROP, "fault_engines": ["d0"]}))
+            ids, text, _ = read(st)
+            assert ids == want_ids and text == want_text and st.comments == ["x-narwhal-migrations 1"]
+            assert len(ms[0].requests()) == 1  # one prefill leg only
+            cont = ms[2].requests()[-1]["body"]
+            assert cont["prompt"][-25:] == want_ids[:25] and "kv_transfer_params" not in cont
