@@ -87,7 +87,8 @@ def test_the_deployment_probes_ports_and_grace_agree_with_the_router() -> None:
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     # the balancer sees /ready 503 well within the delay the listener stays open
-    assert c["readinessProbe"]["periodSeconds"] * c["readinessProbe"]["failureThreshold"] * 1000 < cfg.serving.shutdown_delay_ms
+    rp = c["readinessProbe"]
+    assert (rp["periodSeconds"] * rp["failureThreshold"] + rp["timeoutSeconds"]) * 1000 < cfg.serving.shutdown_delay_ms
     # the router ends by itself (delay and grace both count from the signal) before SIGKILL
     assert pod["terminationGracePeriodSeconds"] * 1000 > max(cfg.serving.shutdown_grace_ms, cfg.serving.shutdown_delay_ms) + 5000
     assert c["args"] == ["--config", "/etc/narwhal/narwhal.yaml"]
