@@ -1,8 +1,9 @@
 """Every repository path the docs name exists in the tree: backticked paths
 (`narwhal/...py`, `tests/...`, `docs/...`, `spec/...`, `deploy/...`, `scripts/...`,
 `conformance/...`, `generated/...`, `benchmarks/...`, `narwhal_bench/...`) and relative
-Markdown links, in README.md, conformance/README.md and every page under docs/. A
-`path.py::name` also names a test or function in that file, which must be defined there.
+Markdown links (and their #anchors: a heading of the page they point to), in README.md,
+conformance/README.md and every page under docs/. A `path.py::name` also names a test or
+function in that file, which must be defined there.
 Placeholders (`<ROW>`, `*`, `{a,b}`, `...`, NAME) are not paths."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ DOCS = sorted([ROOT / "README.md", ROOT / "conformance" / "README.md", *(ROOT / 
 PREFIXES = ("narwhal/", "narwhal_bench/", "tests/", "docs/", "spec/", "deploy/", "scripts/", "conformance/", "generated/", "benchmarks/")
 _CODE = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+_ANCHORED = re.compile(r"\]\(([^)\s#]*)#([^)\s]+)\)")
 _TOKEN = re.compile(r"[A-Za-z0-9_./:\-\[\]]+")
 
 
@@ -40,6 +42,26 @@ def named_paths(text: str) -> set[str]:
 
 def links(text: str) -> set[str]:
     return {u for u in _LINK.findall(text) if "://" not in u and not u.startswith("mailto:")}
+
+
+def slugs(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (lower case, punctuation dropped, spaces
+    to hyphens, -1, -2 ... for repeats); code blocks hold no headings."""
+    text = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)
+    out: set[str] = set()
+    for h in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        base = re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        slug, n = base, 0
+        while slug in out:
+            n += 1
+            slug = f"{base}-{n}"
+        out.add(slug)
+    return out
+
+
+def anchored_links(text: str) -> set[tuple[str, str]]:
+    """(file or "" for the same page, anchor) of every relative link with an anchor."""
+    return {(f, a) for f, a in _ANCHORED.findall(text) if "://" not in f and (f == "" or f.endswith(".md"))}
 
 
 def _check(path: str, base: Path) -> str | None:
@@ -69,9 +91,19 @@ def test_named_paths_finds_paths_and_skips_placeholders() -> None:
     assert links(text) == {"ha.md"}
 
 
+def test_slugs_follow_githubs_rules() -> None:
+    md = "# Operations: a fleet\n## Stopping a router: SIGTERM\n```\n# not a heading\n```\n## Measured (`narwhal bench fleet`)\n## Notes\n## Notes\n"
+    assert slugs(md) == {"operations-a-fleet", "stopping-a-router-sigterm", "measured-narwhal-bench-fleet", "notes", "notes-1"}
+    assert anchored_links("[a](ops.md#x) [b](#y) [c](https://e.org/p.md#z) [d](../generated/TABLES.md#t)") == {("ops.md", "x"), ("", "y"), ("../generated/TABLES.md", "t")}
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
 def test_every_path_a_doc_names_exists(doc: Path) -> None:
     text = doc.read_text()
     wrong = [f"`{p}`: {err}" for p in sorted(named_paths(text)) if (err := _check(p, ROOT))]
     wrong += [f"link ({u}): {err}" for u in sorted(links(text)) if (err := _check(u, doc.parent))]
+    for f, anchor in sorted(anchored_links(text)):
+        target = doc if f == "" else (doc.parent / f).resolve()
+        if target.exists() and anchor not in slugs(target.read_text()):
+            wrong.append(f"link ({f}#{anchor}): {f or doc.name} has no heading with that anchor")
     assert not wrong, f"{doc.relative_to(ROOT)} names paths that are not in the tree:\n" + "\n".join(wrong)
