@@ -104,6 +104,8 @@ def _install() -> Path:
     (installing it when absent), else one on PATH."""
     given = os.environ.get("NARWHAL_PROMTOOL")
     if given:
+        if not os.access(given, os.X_OK):
+            raise Missing(f"NARWHAL_PROMTOOL={given} is not an executable")
         return Path(given)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "ops" / "prometheus.sh")], capture_output=True, text=True, timeout=300)
     if r.returncode == 0:
