@@ -96,6 +96,8 @@ class LocalLease:
         a = self.a
         a.engine_failed(engine, row)
         a.wake(a.scheduler.decode_failed(self.t, at))
+        if a.leaving:  # lifecycle M29: the failed attempt's slot on a leaving engine may have been its last
+            a.released()
         if phase == "decode":
             if not a.scheduler.has_retry_decoder(self.t):
                 return None

@@ -25,7 +25,11 @@ Invariants
     its end (["gone"]) after the last lease on it closed; over IPC both travel on the
     channel the grants do, so a grant never names an engine its worker does not know.
   * A leaving engine's requests are cut (M30) by the data planes (["cut"]): the attempt
-    fails E06, retried before response headers, an error event (class failed) after.
+    fails E06, retried before response headers, after them carried on by another engine
+    when upstream.migration allows (spec/tables/migration.yaml), else an error event.
+  * discovery.drain: migrate: when the engine starts leaving, the data planes cut at once
+    every decode leg on it that can be carried on (["migrate"]); the rest run on until
+    they end or the drain timeout, as with `wait`.
 """
 
 from __future__ import annotations
@@ -203,6 +207,8 @@ class Membership:
         if e.holds_nothing():
             self.event(e, "idle")
             return
+        if a.config.discovery.drain == "migrate":  # its decodes that can move, now (worker/plane.py)
+            a._tell(e.name, ["migrate"])
         if self.drain_timeout_s <= 0:
             self.event(e, "drain_timeout")
             return

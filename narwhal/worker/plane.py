@@ -7,7 +7,9 @@ are this plane's own request histograms and how to count a prompt on an engine t
 too (spec/tables/lifecycle.yaml, narwhal/authority/membership.py): ["spec", entry] (an
 engine joins or changes settings; it arrives before any grant names it), ["gone"] (it
 left: its pooled connections go), ["cut"] (it is leaving past its drain timeout: every
-exchange with it ends now, E06).
+exchange with it ends now, E06), ["migrate"] (it is leaving with discovery.drain:
+migrate: each decode leg on it whose request can be carried on by another engine is cut
+now, E06, and carried on (spec/tables/migration.yaml); the others run on, as with wait).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class DataPlane:
         # the open exchanges with each engine (worker/request.py registers each leg), so
         # that a cut (lifecycle M30) reaches them; a request's leg costs one add/discard
         self.legs: dict[str, set[Any]] = {}
+        # decode legs that a continuation could carry on, by engine: leg -> "may it move now?"
+        self.movers: dict[str, dict[Any, Callable[[], bool]]] = {}
         self.door = door
         # the operations and read models of the authority (admin API, /v1/engines, /ready,
         # /metrics): narwhal.authority.service.Controls in process, or its IPC proxy
@@ -126,6 +130,11 @@ class DataPlane:
             self.engines[engine] = s
             self._fleet_views()
             return
+        if facts and facts[0] == "migrate":
+            for leg, movable in list(self.movers.get(engine, {}).items()):
+                if movable():
+                    leg.cut(f"engine {engine} is leaving (discovery.drain: migrate)")
+            return
         if facts and facts[0] == "cut":
             for leg in list(self.legs.get(engine, ())):
                 leg.cut(f"engine {engine} left the fleet (discovery.drain_timeout_ms)")
@@ -134,6 +143,7 @@ class DataPlane:
             s = self.engines.pop(engine, None)
             self.prompt_counters.pop(engine, None)
             self.legs.pop(engine, None)
+            self.movers.pop(engine, None)
             if s is not None and not any(o.url.split("/")[2] == s.url.split("/")[2] for o in self.engines.values()):
                 self.client.forget(s.url)
             self._fleet_views()

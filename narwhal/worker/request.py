@@ -303,6 +303,10 @@ class _Run:
         complete = False
         legs = r.legs.setdefault(e.name, set())  # a cut (lifecycle M30) reaches this leg
         legs.add(up)
+        movers = None
+        if relay.recorder is not None:  # discovery.drain: migrate may move it (worker/plane.py)
+            movers = r.movers.setdefault(e.name, {})
+            movers[up] = self._movable
         try:
             if up.status >= 400:
                 raw = await up.read(min(1 << 20, r.client.max_body_bytes))
@@ -351,6 +355,8 @@ class _Run:
             raise self._upstream(x, e) from None
         finally:
             legs.discard(up)
+            if movers is not None:
+                movers.pop(up, None)
             await up.aclose(complete=complete)
         now = r.clock.now()
         if relay.engine_error is not None:
@@ -526,6 +532,17 @@ class _Run:
         self.migrations += 1
         log.info("request %s: %s on %s after %d tokens: carried on by %s (migration %d)", self.rid, f.row, f.engine.name, len(rec.output_ids), nxt.engine, self.migrations)
         return nxt, cont
+
+    def _movable(self) -> bool:
+        """Could this request's decode leg be carried on now (G01-G09 hold none)? Asked
+        by a drain with discovery.drain: migrate before it cuts the leg."""
+        rec = self.relay.recorder if self.relay is not None else None
+        if not self.sink.headers_sent or rec is None:
+            return False
+        now = self.r.clock.now()
+        left = None if self.order.deadline_s is None else (self.order.deadline_s - (now - self.order.arrival)) * 1000.0
+        return obstacle(self.req.route, self.body, migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left),
+                        max_attempts=self.max_migrations, token_ids=not rec.overflow, projected_ttft_ms=self.lease.projected_ttft_ms or 0.0) is None
 
     def _marked(self, out: bytes) -> bytes:
         """The stream's last bytes with the migrations it took (an SSE comment before

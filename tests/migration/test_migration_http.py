@@ -170,3 +170,43 @@ def test_pd_a_decode_engine_that_breaks_is_continued_by_a_direct_decode_on_anoth
             assert len(ms[0].requests()) == 1  # one prefill leg only
             cont = ms[2].requests()[-1]["body"]
             assert cont["prompt"][-25:] == want_ids[:25] and "kv_transfer_params" not in cont
+
+
+def test_drain_migrate_moves_running_answers_at_once_and_the_engine_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """discovery.drain: migrate (issue 24 item 3): DELETE an engine in the middle of three
+    answers of ~3 s each; they are carried on by the other engine at once (each the
+    uninterrupted answer), the engine is gone long before they end, nothing failed."""
+    import threading
+    import time
+
+    from tests.helpers import wait_until
+
+    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "t0k3n-migrate")
+    slow = Timing(tpot_base_ms=15.0)
+    cfg = [MockConfig(dialect="vllm", role="unified", model=MODEL, name=f"u{i}", timing=slow, sequence_output=True) for i in range(2)]
+    want_ids, _ = uninterrupted(200)
+    with running_fleet(cfg) as ms:
+        conf = {"admission": {"mode": "open", "prediction": {"profile_on_start": False}}, "monitoring": {"poll_interval_ms": 100, "stale_after_ms": 60000},
+                "upstream": {"migration": {"max_attempts": 1}}, "discovery": {"drain": "migrate", "drain_timeout_ms": 30000}}
+        with running_router(conf, [EngineSpec("u0", ms[0].url, "unified", "vllm", None, None)]) as rr:
+            out: list[Any] = []
+            ts = [threading.Thread(target=lambda: out.append(sse(rr.url, body(200)))) for _ in range(3)]
+            for t in ts:
+                t.start()
+            wait_until(lambda: httpx.get(ms[0].url + "/mock/stats", timeout=2).json()["in_flight"] == 3, timeout=10, what="3 answers on u0")
+            auth = {"authorization": "Bearer t0k3n-migrate"}
+            assert httpx.put(f"{rr.url}/admin/engines/u1", json={"name": "u1", "url": ms[1].url, "role": "unified", "dialect": "vllm"}, headers=auth, timeout=10).status_code in (200, 201)
+            wait_until(lambda: any(e["name"] == "u1" and e["lifecycle"]["state"] == "active" for e in rr.get("/v1/engines").json()["data"]), timeout=10, what="u1 active")
+            time.sleep(0.3)  # a few tokens each: response headers are out
+            t0 = time.monotonic()
+            assert httpx.delete(f"{rr.url}/admin/engines/u0", headers=auth, timeout=10).json()["lifecycle"] == "draining"
+            wait_until(lambda: all(e["name"] != "u0" for e in rr.get("/v1/engines").json()["data"]), timeout=10, what="u0 gone")
+            gone_after = time.monotonic() - t0
+            for t in ts:
+                t.join(30)
+            assert gone_after < 2.0, gone_after  # not the ~2.5 s the answers had left, nor the 30 s drain timeout
+            for st in out:
+                ids, _, _ = read(st)
+                assert st.done and ids == want_ids and st.comments == ["x-narwhal-migrations 1"]
+            b = rr.balanced()
+            assert b["terminal"].get("failed", 0) == 0 and b["terminal"]["completed"] == 3
