@@ -83,15 +83,18 @@ class Router:
         return httpx.get(self.url + "/metrics", timeout=10).text
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def router(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    """serving.workers 1 (one process) and 2 (an authority and two data-plane workers
+    whose families the authority merges, as deploy/kubernetes runs it)."""
     tmp = tmp_path_factory.mktemp("live")
     fleet_file = tmp / "fleet.yaml"
     fleet_file.write_text("[]\n")
     with etcd_server() as etcd, running_fleet([MockConfig(dialect="vllm", role="prefill", model=MODEL, name="p0"),
                                                MockConfig(dialect="vllm", role="decode", model=MODEL, name="d0")]) as engines:
         cfg = {
-            "serving": {"model": MODEL, "listen": f"127.0.0.1:{free_port()}", "shutdown_delay_ms": 0, "shutdown_grace_ms": 2000},
+            "serving": {"model": MODEL, "listen": f"127.0.0.1:{free_port()}", "workers": request.param,
+                        "shutdown_delay_ms": 0, "shutdown_grace_ms": 2000},
             "engines": [{"name": "p0", "url": engines[0].url, "role": "prefill", "dialect": "vllm"},
                         {"name": "d0", "url": engines[1].url, "role": "decode", "dialect": "vllm"}],
             "monitoring": {"poll_interval_ms": 200},
@@ -128,23 +131,23 @@ def _sample_names(text: str) -> set[str]:
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def _bad_fleet_file(r: Router, n: int) -> None:
+def _source_errors(r: Router) -> float:
+    fams = {f.name: f for f in text_string_to_metric_families(r.metrics())}
+    return sum(s.value for s in fams["narwhal_fleet_source_errors"].samples if s.labels.get("source") == "file")
+
+
+def _bad_fleet_file(r: Router) -> None:
     """Make the discovery file invalid: one more source error (valid first, as the
     watcher counts a file that goes bad, not the same bad file again)."""
+    before = _source_errors(r)
     r.fleet_file.write_text("[]\n")  # type: ignore[attr-defined]
     time.sleep(0.6)  # three checks at file_interval_ms 200
-    r.fleet_file.write_text(f"- {{name: bad{n}, url: 'not a url', role: nope}}\n" + "#" * n)  # type: ignore[attr-defined]
-
-    def counted() -> bool:
-        fams = {f.name: f for f in text_string_to_metric_families(r.metrics())}
-        vals = [s.value for s in fams["narwhal_fleet_source_errors"].samples if s.labels.get("source") == "file"]
-        return bool(vals) and vals[0] >= n
-
-    wait_until(counted, timeout=15, what=f"{n} fleet source errors on /metrics")
+    r.fleet_file.write_text(f"- {{name: bad{before}, url: 'not a url', role: nope}}\n")  # type: ignore[attr-defined]
+    wait_until(lambda: _source_errors(r) > before, timeout=15, what="one more fleet source error on /metrics")
 
 
 def test_every_metric_the_dashboard_and_rules_name_is_on_metrics(router: Router) -> None:
-    _bad_fleet_file(router, 1)
+    _bad_fleet_file(router)
     present = _sample_names(router.metrics())
     named: dict[str, list[str]] = {}
     for where, expr in dashboard_exprs() + rule_exprs():
@@ -199,6 +202,7 @@ def _grafana(expr: str) -> str:
             .replace("$ttft_budget", "2").replace("$tpot_budget", "0.1"))
 
 
+@pytest.mark.parametrize("router", [2], ids=["workers2"], indirect=True)
 def test_a_real_prometheus_scrapes_the_router_and_evaluates_dashboard_and_rules(router: Router, tmp_path: Path) -> None:
     binary = require(prometheus_binary)
     prom = Prometheus(binary, tmp_path, f"127.0.0.1:{router.port}")
@@ -214,8 +218,10 @@ def test_a_real_prometheus_scrapes_the_router_and_evaluates_dashboard_and_rules(
         wait_until(scraped, timeout=40, interval=0.25, what="Prometheus to scrape the router")
         up = prom.query('up{job="narwhal"}')["data"]["result"]
         assert [s["value"][1] for s in up] == ["1"], up
-        # traffic while scraped, so rates move; then a few scrapes more
+        # traffic while scraped, so rates move, and a source error (its series exists from
+        # then on, whichever test ran first); then a few scrapes more
         _traffic(router.url)
+        _bad_fleet_file(router)
         time.sleep(3)
 
         empty, errors = [], []
@@ -245,7 +251,7 @@ def test_a_real_prometheus_scrapes_the_router_and_evaluates_dashboard_and_rules(
             assert states[quiet] == "inactive", (quiet, states)
 
         # the discovery file goes bad (again): the counter rises under Prometheus's eyes
-        _bad_fleet_file(router, 2)
+        _bad_fleet_file(router)
 
         def firing() -> bool:
             alerts = prom.get("/api/v1/alerts")["data"]["alerts"]
