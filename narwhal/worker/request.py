@@ -34,10 +34,8 @@ Returns the request's terminal class; the HTTP shell closes the books with it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -48,7 +46,7 @@ from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body, prefill_body
 from ..core.lease import Entry, Grant, Lease, Order, Outcome
 from ..core.migration import Recorder, obstacle, stop_tail
-from ..core.relay import StreamRelay, engine_message
+from ..core.relay import StreamRelay
 from ..core.requests import ParsedRequest, without_fields
 from ..core.tickets import Refuse
 from ..telemetry.logs import RequestRecord
@@ -59,6 +57,9 @@ from ..upstream.usage import USAGE_SOURCE_HEADER
 from . import migrate
 from .migrate import Cont
 from .plane import DataPlane
+from .records import admitted
+from .replies import DONE as _DONE
+from .replies import Sink, cached, engine_error_detail, err_msg, error_event, merge_usage, refuse
 
 # the TTFT admission projected for the request (ms, before the confidence margin), on its
 # response: what docs/performance.md compares with the measured TTFT
@@ -72,23 +73,6 @@ __all__ = ["Sink", "run_request", "error_event"]
 log = logging.getLogger("narwhal")
 
 _ROUTE_PATH = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-_DONE = b"data: [DONE]\n\n"
-
-
-class Sink(Protocol):
-    """Where the response goes (the HTTP shell implements it over ASGI)."""
-
-    headers_sent: bool
-    extra_headers: list[tuple[bytes, bytes]]  # added to the response's headers (x-narwhal-projected-ttft-ms)
-    row: str | None  # the row of the refusal or error answered, for the request's record
-
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
-
-    async def start_stream(self) -> None: ...
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def end_stream(self) -> None: ...
 
 
 class _Failed(Exception):
@@ -100,42 +84,6 @@ class _Failed(Exception):
         self.engine = engine
         self.event = event  # an engine's error event held back for migration (E04 after headers)
         self.reported = False  # the engine's breaker has been told (Lease.retry)
-
-
-def error_event(row: E.ErrorRow, **fields: object) -> bytes:
-    """The error event that ends a stream after response headers."""
-    return b"data: " + json.dumps(E.envelope(row, **fields), separators=(",", ":")).encode() + b"\n\n" + _DONE
-
-
-async def _refuse(sink: Sink, row: E.ErrorRow, *, param: str | None = None, overrun_s: float | None = None, **fields: object) -> str:
-    status, headers, body = E.render(row, param=param, overrun_s=overrun_s, **fields)
-    sink.row = row.id
-    await sink.respond(status, headers, body)
-    return row.counter
-
-
-_PARAM = re.compile(r"^[A-Za-z0-9_.\[\]-]{1,128}$")  # an engine's `param` passed on: a field path
-
-
-def _engine_error_detail(status: int, body: bytes, hosts: tuple[str, ...] = ()) -> tuple[str, str | None]:
-    """(message, param) from an engine's HTTP error body, whatever its version's shape.
-    The engine's own message (a JSON string) is passed on through `engine_message`; a body
-    that is not JSON, or a message that is not a string (FastAPI's `detail` list), is not:
-    the message says what it was in words. `param` only when it looks like a field path."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return f"HTTP {status} with a body that is not JSON", None
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        if isinstance(err, dict):
-            msg = engine_message(err.get("message"), hosts=hosts) or engine_message(err.get("detail"), hosts=hosts)
-            param = err.get("param")
-            return msg or f"HTTP {status} without a message", (param if isinstance(param, str) and _PARAM.match(param) else None)
-        msg = engine_message(err, hosts=hosts)
-        if msg is not None:
-            return msg, None
-    return f"HTTP {status} without a message", None
 
 
 class _Run:
@@ -210,7 +158,7 @@ class _Run:
         return _Failed(x.row, f"{leg} {e.name}: {x.detail}", engine=e)
 
     def _http_error(self, status: int, raw: bytes, e: EngineSpec, leg: str = "engine") -> _Failed:
-        msg, param = _engine_error_detail(status, raw, self.r.engine_hosts)
+        msg, param = engine_error_detail(status, raw, self.r.engine_hosts)
         log.log(logging.WARNING if status >= 500 else logging.INFO, "request %s: %s %s answered HTTP %d: %r", self.rid, leg, e.name, status, raw[:500])
         return _Failed("E05" if status < 500 else "E04", f"{leg} {e.name}: {msg}", param=param, engine=e)
 
@@ -250,7 +198,7 @@ class _Run:
             usage = obj.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                 self.prefill_prompt_tokens = usage["prompt_tokens"]
-            self.cached_tokens = _cached(usage)
+            self.cached_tokens = cached(usage)
             ok = True
             return kv
         except _Failed as f:
@@ -363,7 +311,7 @@ class _Run:
             # a streaming client got the engine's own error event (E04 shape of the engine)
             if not sink.headers_sent:
                 log.warning("request %s: engine %s: E04 error event %r", self.rid, e.name, orjson.dumps(relay.engine_error)[:500])
-                raise _Failed("E04", f"engine {e.name}: {_err_msg(relay.engine_error, r.engine_hosts)}", engine=e)
+                raise _Failed("E04", f"engine {e.name}: {err_msg(relay.engine_error, r.engine_hosts)}", engine=e)
             await sink.end_stream()
             f = _Failed("E04", "error event", engine=e)
             raise _Ended("failed", f)
@@ -383,7 +331,7 @@ class _Run:
                 log.warning("request %s: engine %s: %s %s (%s)%s", self.rid, e.name, res.row, res.detail, res.rule, f": {res.log_detail}" if res.log_detail else "")
                 raise _Failed(res.row, f"engine {e.name}: {res.detail} ({res.rule})", engine=e)
             if self.prefill_prompt_tokens is not None:
-                _merge_usage(res, self.prefill_prompt_tokens)
+                merge_usage(res, self.prefill_prompt_tokens)
             if self.first_token_at is None:
                 self._first_token(now)
             await sink.respond(200, [(b"content-type", b"application/json"), (USAGE_SOURCE_HEADER, source.encode())], orjson.dumps(res))
@@ -441,7 +389,7 @@ class _Run:
         if pt is not None:
             self.reported_prompt = pt
         if self.prefill_prompt_tokens is None:  # unified: this engine did the prefill
-            self.cached_tokens = _cached(usage)
+            self.cached_tokens = cached(usage)
 
     # -- attempts ------------------------------------------------------------------------
 
@@ -455,7 +403,7 @@ class _Run:
             d = await self.lease.decode_slot()
             slot_wait = r.clock.now() - t0
             if isinstance(d, Refuse):
-                return await _refuse(self.sink, d.row, overrun_s=d.overrun_s, **d.fields)
+                return await refuse(self.sink, d.row, overrun_s=d.overrun_s, **d.fields)
             g = d
         retries = 1
         attempt = 0
@@ -490,7 +438,7 @@ class _Run:
                 if nxt is None:
                     raise
                 if isinstance(nxt, Refuse):
-                    return await _refuse(self.sink, nxt.row, overrun_s=nxt.overrun_s, **nxt.fields)
+                    return await refuse(self.sink, nxt.row, overrun_s=nxt.overrun_s, **nxt.fields)
                 g = nxt
 
     async def _migrate(self, f: _Failed, phase: str) -> tuple[Grant, Cont] | None:
@@ -582,56 +530,6 @@ class _Ended(Exception):
         self.failure = failure
 
 
-def _err_msg(obj: dict[str, Any], hosts: tuple[str, ...]) -> str:
-    """The words of an engine's error event (E04): its message, if a string."""
-    err = obj.get("error")
-    msg = engine_message(err.get("message") if isinstance(err, dict) else err, hosts=hosts)
-    return msg if msg is not None else "an error event without a message"
-
-
-def _cached(usage: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens (vLLM with --enable-prompt-tokens-details),
-    when an integer."""
-    d = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    c = d.get("cached_tokens") if isinstance(d, dict) else None
-    return c if type(c) is int and c >= 0 else None
-
-
-def _merge_usage(res: dict[str, Any], prompt_tokens: int) -> None:
-    u = res.get("usage")
-    if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
-        u["prompt_tokens"] = prompt_tokens
-        u["total_tokens"] = prompt_tokens + u["completion_tokens"]
-
-
-def _admitted(rec: RequestRecord, lease: Lease | Refuse, g: Grant | Refuse | None, admitted_at: float, now: float, mode: str) -> None:
-    """The admission's facts (the Lease and grant the authority sent, in any process) into
-    the record and, when traced, the admission span (docs/observability.md)."""
-    t = rec.trace
-    if isinstance(lease, Refuse) or isinstance(g, Refuse):
-        ref = lease if isinstance(lease, Refuse) else g
-        assert isinstance(ref, Refuse)
-        rec.refused(ref.row)
-        if t is not None:
-            t.end_admission(decision="refused", row=ref.row.id, code=ref.row.code, **{"narwhal.admission.overrun_s": ref.overrun_s,
-                            "narwhal.admission.queue_wait_ms": None if g is None else round((now - admitted_at) * 1000.0, 3)})
-        if isinstance(lease, Refuse):
-            return
-    assert not isinstance(lease, Refuse)
-    rec.projected_ttft_ms = lease.projected_ttft_ms
-    rec.expected_cached = lease.expected_cached if lease.projected_ttft_ms is not None else None
-    rec.prompt_tokens = lease.prompt_tokens
-    if g is not None:
-        rec.queue_s = now - admitted_at
-    if t is not None and isinstance(g, Grant):
-        why = "least projected TTFT (cache-aware)" if mode == "predictive" else "least loaded"
-        t.end_admission(decision="granted", **{
-            "narwhal.admission.mode": mode, "narwhal.admission.engine": g.engine, "narwhal.admission.phase": g.phase,
-            "narwhal.admission.placement": why, "narwhal.admission.queue_wait_ms": round((now - admitted_at) * 1000.0, 3),
-            "narwhal.admission.projected_ttft_ms": lease.projected_ttft_ms,
-            "narwhal.admission.expected_cached_tokens": rec.expected_cached, "narwhal.admission.prompt_tokens": lease.prompt_tokens})
-
-
 async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order: Order, sink: Sink, rid: str, rec: RequestRecord | None = None) -> str:
     """Admission (R08-R13) and the whole life of one sized request; returns its class."""
     r = plane
@@ -642,8 +540,8 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
     lease = await entry.admit(order)
     if isinstance(lease, Refuse):
         if rec is not None:
-            _admitted(rec, lease, None, admitted_at, r.clock.now(), r.config.admission.mode)
-        cls = await _refuse(sink, lease.row, overrun_s=lease.overrun_s, **lease.fields)
+            admitted(rec, lease, None, admitted_at, r.clock.now(), r.config.admission.mode)
+        cls = await refuse(sink, lease.row, overrun_s=lease.overrun_s, **lease.fields)
         r.telemetry.refusal.labels(lease.row.code).observe(r.clock.now() - order.arrival)
         return cls
     if lease.projected_ttft_ms is not None:  # predictive mode: what admission projected
@@ -654,9 +552,9 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
     try:
         g = await lease.granted()
         if rec is not None:
-            _admitted(rec, lease, g, admitted_at, r.clock.now(), r.config.admission.mode)
+            admitted(rec, lease, g, admitted_at, r.clock.now(), r.config.admission.mode)
         if isinstance(g, Refuse):
-            return await _refuse(sink, g.row, overrun_s=g.overrun_s, **g.fields)
+            return await refuse(sink, g.row, overrun_s=g.overrun_s, **g.fields)
         limit_ms = round(order.deadline_s * 1000) if order.deadline_s is not None else 0
         try:
             if order.deadline_s is not None:
@@ -671,7 +569,7 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
                 await sink.write(error_event(E.R13, limit=limit_ms))
                 await sink.end_stream()
                 return E.R13.counter
-            return await _refuse(sink, E.R13, limit=limit_ms)
+            return await refuse(sink, E.R13, limit=limit_ms)
         except _Ended as x:
             failed = x.failure
             return x.cls
@@ -683,7 +581,7 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
                 await sink.write(error_event(row, param=f.param, **fields))
                 await sink.end_stream()
                 return "failed"
-            return await _refuse(sink, row, param=f.param, **fields)
+            return await refuse(sink, row, param=f.param, **fields)
     finally:
         lease.close(run.outcome(failed))
         if rec is not None:

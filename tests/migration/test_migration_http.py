@@ -24,7 +24,7 @@ from tests.helpers import RunningRouter, running_router, sse
 
 MODEL = "narwhal-demo"
 MSGS = [{"role": "user", "content": "tell me a long story about narwhals"}]
-DROP = {"fault": "drop", "fault_after": 25, "fault_engines": ["u0"]}
+DROP = {"fault": "drop", "fault_after": 25, "fault_engines": ["u0"], "tpot_ms": 3}  # tokens apart: response headers go out before the fault
 
 
 @pytest.fixture(scope="module")
