@@ -557,7 +557,7 @@ class MockEngine:
     async def _serve(self, send: Any, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, hdrs: list[tuple[bytes, bytes]], watch: _Watch, n_prompt: int, exact_ids: list[int] | None, max_tokens: int | None, remote: bool, kv_in: Any, rec: dict[str, Any]) -> None:
         cfg = self.config
         prompt_ids = exact_ids
-        sequence = cfg.sequence_output and (beh.scenario == "content" or (route == "completions" and beh.scenario != "empty"))
+        sequence = (cfg.sequence_output or beh.sequence) and (beh.scenario == "content" or (route == "completions" and beh.scenario != "empty"))
         if prompt_ids is None and (self.cache is not None or sequence or body.get("return_token_ids") is True):
             prompt_ids = prompt_token_ids(route, body, cfg.bytes_per_token)
         stream = body.get("stream") is True

@@ -107,6 +107,7 @@ class Behaviour:
     tpot_ms: float | None = None
     stall_ms: float | None = None
     quirks: frozenset[str] = field(default_factory=frozenset)
+    sequence: bool = False  # this request's answer as MockConfig.sequence_output makes it (sequence_script)
 
     def fault_on(self, engine: str) -> str | None:
         """The fault this engine applies (fault_engines restricts it to named engines)."""
@@ -241,6 +242,7 @@ def parse_behaviour(route: str, body: dict[str, Any]) -> Behaviour:
         tpot_ms=_ms(opts, "tpot_ms"),
         stall_ms=_ms(opts, "stall_ms"),
         quirks=frozenset(quirks),
+        sequence=bool(_bool(opts, "sequence")),
     )
 
 

@@ -66,3 +66,11 @@ def test_without_sequence_output_answers_are_as_before() -> None:
     with running_mock(MockConfig(dialect="vllm", timing=Timing(time_scale=0.0))) as m:
         r = post(m.url, completion_body([5, 6, 7], max_tokens=3, return_token_ids=True), path="/v1/completions").json()
         assert r["choices"][0]["token_ids"] == [1000, 1001, 1002]
+
+
+def test_a_request_may_ask_for_a_sequence_answer_itself() -> None:
+    """`mock: {sequence: true}`: one request's answer as sequence_output makes it, on any
+    engine (a continuation carries the body's `mock` field on)."""
+    with running_mock(MockConfig(dialect="vllm", timing=Timing(time_scale=0.0))) as m:
+        r = post(m.url, completion_body([5, 6, 7], max_tokens=3, return_token_ids=True, mock={"sequence": True}), path="/v1/completions").json()
+        assert r["choices"][0]["token_ids"] == [p.token_id for p in sequence_script([5, 6, 7], max_tokens=3).pieces]
