@@ -10,7 +10,7 @@
     narwhal bench prediction --engine URL --model NAME [--dialect openai] [--max-concurrency 1]
     narwhal bench split [--parts decisions,saturation,relay,ttft] [--rate 2000] [--clients 1] [--layouts pinned,spread]
     narwhal bench fleet [--rate 40] [--output-tokens 100] [--gap 4] [--after 6] [--quick]
-    narwhal bench tenants [--arms narwhal-alone,narwhal,smg-alone,smg,litellm-alone,litellm] [--duration 90] [--quick]
+    narwhal bench tenants [--arms narwhal-alone,narwhal,smg-alone,smg,smg-priority,litellm-alone,litellm,litellm-parallel] [--duration 90] [--quick]
 
 Every subcommand prints Markdown tables; --out DIR also saves them with the raw numbers
 as JSON (default out/bench, git-ignored); sweeps write PNG plots to --img (default

@@ -1,8 +1,8 @@
 """`narwhal bench tenants`: one tenant's overload (issue 22 item 4), Narwhal side by side
 with SMG 1.13 and LiteLLM.
 
-    narwhal bench tenants [--arms narwhal-alone,narwhal,smg-alone,smg,litellm-alone,litellm]
-                          [--duration 90] [--engines 4] [--load 2] [--noisy-factor 10] [--quick]
+    narwhal bench tenants [--arms narwhal-alone,narwhal,smg-alone,smg,smg-priority,litellm-alone,litellm,litellm-parallel]
+                          [--duration 90] [--engines 4] [--load 2] [--noisy-factor 10] [--quick] [--from-json FILE]
     python -m narwhal_bench.tenants ...                (the same, without the `narwhal bench` entry)
 
 The run
@@ -40,7 +40,11 @@ The run
                 `general_settings.custom_auth` (a module written here that maps each key
                 to a `UserAPIKeyAuth` with `rpm_limit` = its equal share x 60), and
                 the deployments without rpm limits; the per-key RPM limit is LiteLLM's
-                own in-memory limiter. Its notes say what it could and could not express.
+                own in-memory limiter.
+      litellm-parallel  the same, and each key's `max_parallel_requests` = the number
+                of engines (LiteLLM's per-key concurrency bound, the nearest it has to
+                Narwhal's one prefill per engine: a tenant alone can keep every engine
+                busy but queue no more than that).
   * Per tenant and arm: offered, answered 200 whole, refused (status, code, with or
     without Retry-After), failed (5xx, other status, transport error, cut stream),
     cancelled (still open at the end of the drain), TTFT p50/p99 of the 200s, goodput.
@@ -87,7 +91,7 @@ __all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "A
 
 MODEL = "narwhal-demo"
 KEYS = {"quiet": "sk-bench-quiet-0123456789abcdef", "noisy": "sk-bench-noisy-0123456789abcdef"}
-ARMS = ("narwhal-alone", "narwhal", "smg-alone", "smg", "smg-priority", "litellm-alone", "litellm")
+ARMS = ("narwhal-alone", "narwhal", "smg-alone", "smg", "smg-priority", "litellm-alone", "litellm", "litellm-parallel")
 TERMINAL = ("completed", "rejected", "refused", "invalid_requests", "expired", "unavailable", "failed", "cancelled")
 
 
@@ -242,23 +246,25 @@ from litellm.proxy._types import UserAPIKeyAuth
 
 KEYS = {KEYS!r}
 RPM = {RPM!r}
+PARALLEL = {PARALLEL!r}
 
 
 async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:
     key = api_key.removeprefix("Bearer ").strip()
     for tenant, k in KEYS.items():
         if key == k:
-            return UserAPIKeyAuth(api_key=key, key_alias=tenant, user_id=tenant, team_id=tenant, rpm_limit=RPM[tenant])
+            return UserAPIKeyAuth(api_key=key, key_alias=tenant, user_id=tenant, team_id=tenant, rpm_limit=RPM[tenant], max_parallel_requests=PARALLEL.get(tenant))
     raise HTTPException(status_code=401, detail="invalid api key")
 '''
 
 
-def _start_litellm(fleet: list[H.Engine], share_rps: float, cpus: set[int] | None) -> tuple[H.Started, dict[str, Any]]:
+def _start_litellm(fleet: list[H.Engine], share_rps: float, cpus: set[int] | None, parallel: int | None = None) -> tuple[H.Started, dict[str, Any]]:
     exe = H._venv_exe("litellm", "litellm")
     rpm = {t: max(1, round(share_rps * 60)) for t in KEYS}
+    par = {t: parallel for t in KEYS} if parallel else {}
     d = log_dir() / "litellm-tenants"
     d.mkdir(exist_ok=True)
-    (d / "bench_tenants_auth.py").write_text(_LITELLM_AUTH.replace("{KEYS!r}", repr(KEYS)).replace("{RPM!r}", repr(rpm)))
+    (d / "bench_tenants_auth.py").write_text(_LITELLM_AUTH.replace("{KEYS!r}", repr(KEYS)).replace("{RPM!r}", repr(rpm)).replace("{PARALLEL!r}", repr(par)))
     cfg = {
         "model_list": [{"model_name": MODEL, "litellm_params": {"model": f"openai/{MODEL}", "api_base": e.url + "/v1", "api_key": "none"}} for e in fleet],
         "router_settings": {"routing_strategy": "simple-shuffle", "num_retries": 0},
@@ -272,7 +278,7 @@ def _start_litellm(fleet: list[H.Engine], share_rps: float, cpus: set[int] | Non
     p = Proc("litellm-tenants", [str(exe), "--config", str(path), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"], cpus=cpus, env=env, cwd=d).start()
     url = f"http://127.0.0.1:{port}"
     st = H._started("litellm", p, url, "/health/liveliness", 90.0, protocols=("1",), notes=f"litellm[proxy] {H._version('litellm', 'litellm')}, 1 worker")
-    return st, {"config": cfg, "custom_auth_rpm_limit": rpm}
+    return st, {"config": cfg, "custom_auth_rpm_limit": rpm, "custom_auth_max_parallel_requests": par}
 
 
 # -- one arm ---------------------------------------------------------------------------------
@@ -298,6 +304,8 @@ def _arm(name: str, fleet: list[H.Engine], loads: dict[str, list[Arrival]], *, b
         st, setup = _start_smg(fleet, share_rps, cpus, classes={"quiet": "default", "noisy": "bulk"})
     elif router == "smg":
         st, setup = _start_smg(fleet, share_rps, cpus)
+    elif name == "litellm-parallel":  # and at most one request per engine in flight per key
+        st, setup = _start_litellm(fleet, share_rps, cpus, parallel=len(fleet))
     elif router == "litellm":
         st, setup = _start_litellm(fleet, share_rps, cpus)
     else:
@@ -384,7 +392,7 @@ def verdict(data: dict[str, Any]) -> None:
     """The issue's targets for each router that ran both arms (alone and with the noisy)."""
     by = {a["arm"]: a for a in data["arms"]}
     out = {}
-    for router in ("narwhal", "smg", "smg-priority", "litellm"):
+    for router in ("narwhal", "smg", "smg-priority", "litellm", "litellm-parallel"):
         both, alone = by.get(router), by.get(f"{router.split('-')[0]}-alone")
         if both is None:
             continue
