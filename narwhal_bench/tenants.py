@@ -462,12 +462,12 @@ def run(args: argparse.Namespace) -> int:
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         verdict(data)
         print(tables(data))
         return 0
+    previous = signal.signal(signal.SIGTERM, on_term)  # unwind: every process started here is stopped
     try:
         data = tenants(args)
     except KeyboardInterrupt:
@@ -476,6 +476,8 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
         print(f"narwhal bench tenants: {e}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     md = tables(data)
     print()
     print(md)
