@@ -118,10 +118,12 @@ class _Run:
         self.leg: Leg | None = None
         self.events: int | None = None
         self.client_tp: dict[str, str] | None = None
-        if rec is not None and self.trace is None and rec.traceparent is not None and parse_traceparent(rec.traceparent) is not None:
-            self.client_tp = {"traceparent": rec.traceparent.decode("latin-1")}
+        self.tracestate: dict[str, str] = {}  # the client's, passed on with our traceparent too (W3C)
+        if rec is not None and rec.traceparent is not None and parse_traceparent(rec.traceparent) is not None:
             if rec.tracestate is not None and len(rec.tracestate) <= 512:
-                self.client_tp["tracestate"] = rec.tracestate.decode("latin-1")
+                self.tracestate = {"tracestate": rec.tracestate.decode("latin-1")}
+            if self.trace is None:
+                self.client_tp = {"traceparent": rec.traceparent.decode("latin-1"), **self.tracestate}
 
     def _leg(self, name: str, e: EngineSpec, phase: str, attempt: int) -> Leg | None:
         if self.rec is not None:
@@ -132,7 +134,7 @@ class _Run:
     def _leg_headers(self, base: dict[str, str] | None) -> dict[str, str] | None:
         """The engine request's headers: `base` plus the trace context (module rules)."""
         if self.leg is not None:
-            return {**base, "traceparent": self.leg.traceparent} if base else {"traceparent": self.leg.traceparent}
+            return {**(base or {}), "traceparent": self.leg.traceparent, **self.tracestate}
         if self.client_tp is not None:
             return {**base, **self.client_tp} if base else self.client_tp
         return base

@@ -21,12 +21,15 @@ class Recorded:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.seen: list[tuple[str, str | None, str | None]] = []
+        self.states: dict[str, str | None] = {}  # x-request-id -> tracestate
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             h = dict(scope["headers"])
             tp, rid = h.get(b"traceparent"), h.get(b"x-request-id")
             self.seen.append((scope["path"], tp.decode() if tp else None, rid.decode() if rid else None))
+            ts = h.get(b"tracestate")
+            self.states[rid.decode() if rid else ""] = ts.decode() if ts else None
         await self.app(scope, receive, send)
 
     def __getattr__(self, name: str) -> Any:

@@ -102,8 +102,9 @@ def test_a_client_traceparent_is_the_parent_and_a_non_streaming_answer_is_assemb
     client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with receiver() as otlp, running_router(config(otlp.endpoint), specs) as rr:
         got = httpx.post(rr.url + "/v1/chat/completions", json=chat(), timeout=30,
-                         headers={"x-request-id": "trace-client-1", "traceparent": f"00-{client_trace}-{client_span}-01"})
+                         headers={"x-request-id": "trace-client-1", "traceparent": f"00-{client_trace}-{client_span}-01", "tracestate": "vendor=abc"})
         assert got.status_code == 200, got.text
+        assert rec["p0"].states["trace-client-1"] == "vendor=abc"  # passed on with the router's traceparent
         root, mine = tree(otlp.wait_spans(has_root("trace-client-1")), "trace-client-1")
         assert root.trace_id == client_trace and root.parent_id == client_span
         names = sorted(s.name for s in mine)
