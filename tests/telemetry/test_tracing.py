@@ -5,6 +5,7 @@ drop counter of a full exporter queue."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -197,3 +198,20 @@ def test_a_full_exporter_queue_drops_spans_and_counts_them(fleet: Any) -> None:
         n = wait_until(lambda: dropped() or None, timeout=10, what="dropped spans counted")
         assert n >= 6 * 5 - 1 - 2 - 1
         assert otlp.requests == 0
+
+
+def test_json_logs_without_tracing_name_the_clients_trace(fleet: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """serving.log_format json, tracing off: a request_end per request, sampled false, the
+    trace id the client's traceparent names (null without one)."""
+    specs, rec = fleet
+    cfg = config(None, ratio=0.0)
+    cfg["serving"] = {"log_format": "json"}
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with caplog.at_level(logging.INFO, logger="narwhal.request"), running_router(cfg, specs) as rr:
+        assert httpx.post(rr.url + "/v1/chat/completions", json=chat(), headers={"x-request-id": "json-1", "traceparent": tp}, timeout=30).status_code == 200
+        assert httpx.post(rr.url + "/v1/chat/completions", json=chat(stream=True), headers={"x-request-id": "json-2"}, timeout=30).status_code == 200
+        rr.balanced()
+    ends = {r.narwhal_event[1]["request_id"]: r.narwhal_event[1] for r in caplog.records if getattr(r, "narwhal_event", ("",))[0] == "request_end"}
+    assert set(ends) == {"json-1", "json-2"}
+    assert ends["json-1"]["trace_id"] == "0af7651916cd43dd8448eb211c80319c" and ends["json-1"]["sampled"] is False
+    assert ends["json-2"]["trace_id"] is None and ends["json-2"]["class"] == "completed" and ends["json-2"]["engines"][0] == "p0"
