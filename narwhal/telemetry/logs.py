@@ -56,6 +56,7 @@ REQUEST_FIELDS = (
     "expected_cached_tokens",  # float | null: what admission expected cached
     "finish_reason",  # str | null
     "retries",  # int: decode attempts retried (T05)
+    "migrations",  # int: decode legs carried on by another engine after a break (spec/tables/migration.yaml)
     "request_bytes",  # int | null: the request body's size
     "response_bytes",  # int | null: the response body's size (non-streaming answers and refusals); null for a stream
     "events",  # int | null: engine events relayed (streams)
@@ -144,7 +145,7 @@ class RequestRecord:
 
     __slots__ = ("request_id", "trace", "traceparent", "tracestate", "route", "stream", "tenant", "key_id", "engines",
                  "row", "status", "ttft_s", "tpot_s", "queue_s", "projected_ttft_ms", "prompt_tokens", "output_tokens",
-                 "cached_tokens", "expected_cached", "finish_reason", "retries", "request_bytes", "response_bytes",
+                 "cached_tokens", "expected_cached", "finish_reason", "retries", "migrations", "request_bytes", "response_bytes",
                  "events", "arrival", "log")
 
     def __init__(self, request_id: str, route: str, arrival: float, *, trace: Any = None, traceparent: bytes | None = None,
@@ -172,6 +173,7 @@ class RequestRecord:
         self.expected_cached: float | None = None
         self.finish_reason: str | None = None
         self.retries = 0
+        self.migrations = 0
         self.request_bytes: int | None = None
         self.response_bytes: int | None = None
         self.events: int | None = None
@@ -217,6 +219,7 @@ class RequestRecord:
             "expected_cached_tokens": self.expected_cached,
             "finish_reason": self.finish_reason,
             "retries": self.retries,
+            "migrations": self.migrations,
             "request_bytes": self.request_bytes,
             "response_bytes": self.response_bytes,
             "events": self.events,
@@ -239,6 +242,6 @@ def emit_request_end(rec: RequestRecord, cls: str, now: float) -> None:
                  "narwhal.stream": rec.stream, "narwhal.tenant": rec.tenant, "narwhal.engines": rec.engines or None,
                  "narwhal.ttft_ms": f["ttft_ms"], "narwhal.tpot_ms": f["tpot_ms"], "narwhal.prompt_tokens": rec.prompt_tokens,
                  "narwhal.output_tokens": rec.output_tokens, "narwhal.cached_tokens": rec.cached_tokens,
-                 "narwhal.finish_reason": rec.finish_reason, "narwhal.retries": rec.retries})
+                 "narwhal.finish_reason": rec.finish_reason, "narwhal.retries": rec.retries, "narwhal.migrations": rec.migrations})
     if rec.log:
         request_log.info("request %s ended %s", rec.request_id, cls, extra=event(REQUEST_END, **f))

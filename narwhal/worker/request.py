@@ -414,6 +414,8 @@ class _Run:
             e = r.engines[g.engine]
             attempt += 1
             leg = self._leg(DECODE, e, g.phase, attempt)
+            if leg is not None and cont is not None:  # a continuation (stream migration): its own decode leg
+                leg.span.set_attribute("narwhal.migration", self.migrations)
             if leg is not None and slot_wait is not None:  # P/D: the decode slot, chosen by the authority
                 leg.span.set_attribute("narwhal.slot_wait_ms", round(slot_wait * 1000.0, 3))
                 leg.span.set_attribute("narwhal.placement", "decode engine with the smallest share of its slots in use")
@@ -480,6 +482,8 @@ class _Run:
                 raise _Ended("failed", f)
             return None
         self.migrations += 1
+        if self.rec is not None:
+            self.rec.migrations += 1
         log.info("request %s: %s on %s after %d tokens: carried on by %s (migration %d)", self.rid, f.row, f.engine.name, len(rec.output_ids), nxt.engine, self.migrations)
         return nxt, cont
 

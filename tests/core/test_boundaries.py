@@ -38,6 +38,9 @@ LAYERS = {
     # who is asking (issue 22): identity over the core and the configuration; no HTTP, no
     # planes (the data plane holds it, the authority will hold tenant limits)
     "narwhal/tenants": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.fleet", "narwhal.ipc", "narwhal.mock", *ABOVE, *TOOLS},
+    # what operators see (issue 23): spans and log records of facts handed to it; it
+    # reaches into no plane, no HTTP and no engine
+    "narwhal/telemetry": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.fleet", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/mock": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", *ABOVE, *TOOLS},
     "narwhal/specgen": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
     "narwhal/ipc.py": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.upstream", "narwhal.mock", *ABOVE, *TOOLS},
