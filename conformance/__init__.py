@@ -8,7 +8,7 @@ Public surface: `SUITE_VERSION`; narwhal_conformance.cli (add_arguments, run);
 the etcd a run starts for capability ha-etcd).
 """
 
-SUITE_VERSION = "2.3.0"
+SUITE_VERSION = "2.4.0"
 SUITE_MAJOR = 2  # cases carry `since: N`; `--suite-version N` runs the cases of version N
 
 __all__ = ["SUITE_VERSION", "SUITE_MAJOR"]

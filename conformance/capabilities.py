@@ -16,11 +16,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from narwhal.mock.scenarios import sequence_script
+from narwhal.mock.tokens import prompt_token_ids
+
 from .books import parse_metrics
 from .profiles import TENANT_KEYS
-from .transport import Exchange, RequestData
+from .transport import Exchange, RequestData, parse_sse
 
-__all__ = ["CAPABILITIES", "PASSIVE", "Capabilities", "SetupError", "implied_needs", "detect", "Target"]
+__all__ = ["CAPABILITIES", "PASSIVE", "Capabilities", "SetupError", "implied_needs", "detect", "Target", "sequence_answer"]
 
 CAPABILITIES: dict[str, str] = {
     "ready": "GET /ready answers 200 {ready: true} at rest and 503 with the reason when the router is not ready",
@@ -36,6 +39,7 @@ CAPABILITIES: dict[str, str] = {
     "retry": "retries an engine attempt that fails before response headers once on another eligible engine",
     "auth": "asks clients for an API key (issue 22): the key given with --header (Authorization: Bearer KEY or x-api-key: KEY) is served, a request without it or with another key is refused 401 with WWW-Authenticate and an error envelope; /health and /ready need none",
     "tenants": "limits each tenant (issue 22) by the profile's tenants section: the suite's tenant keys (profiles.TENANT_KEYS) are served, each tenant's limit (in flight, requests per second, tokens per minute, queue places) refuses that tenant's request with 429 while other tenants are served",
+    "migration": "carries a stream whose engine fails after response headers on (issue 24): another engine continues it from the validated token IDs, and the client's stream is the uninterrupted answer, with no error event",
     "ha-etcd": "takes part in a leader election on the etcd the runner starts ({etcd} in --serve; lease TTL 2 s): as the only candidate it leads, it fences itself when etcd stops answering and leads again once etcd answers",
 }
 __doc__ = (__doc__ or "") + "".join(f"\n  {k:<21} {v}" for k, v in CAPABILITIES.items()) + "\n"
@@ -247,6 +251,44 @@ def _tenants(t: Target, profile: Any) -> tuple[bool, str]:
     return True, f"tenant t-probe over its request rate is refused 429 (code {_code(second)!r}), the run's own tenant is served"
 
 
+# capability migration: a streamed answer of 16 tokens that are a function of the whole
+# token sequence (mock `sequence`), whose first engine at the output closes the
+# connection before token 8 (E06, after response headers); the fleet keeps the fault to
+# the request's first attempt at an output engine, so the continuation is served
+MIGRATION_PROBE_TOKENS = 16
+MIGRATION_PROBE_CUT = 8
+
+
+def sequence_answer(route: str, body: dict[str, Any], max_tokens: int) -> tuple[list[int], str]:
+    """The uninterrupted answer of the profile's mocks to a `sequence` request with
+    ignore_eos (4 bytes per token): its token IDs and text."""
+    s = sequence_script(prompt_token_ids(route, body, 4.0), max_tokens=max_tokens, ignore_eos=True)
+    return [p.token_id for p in s.pieces], "".join(p.text for p in s.pieces)
+
+
+def _migration(t: Target, profile: Any) -> tuple[bool, str]:
+    if sum(1 for e in profile.engines if e.role in ("decode", "unified")) < 2:
+        return False, f"profile {profile.name} has one engine to generate output"
+    if not any(e.dialect == "vllm" for e in profile.engines):
+        return False, f"profile {profile.name} has no vLLM engine (no token IDs to continue from)"
+    rid = t.new_rid("migration")
+    msgs = [{"role": "user", "content": "capability probe: a stream carried on"}]
+    body = {"model": _MODEL, "max_tokens": MIGRATION_PROBE_TOKENS, "ignore_eos": True, "stream": True, "messages": msgs,
+            "mock": {"sequence": True, "fault": "drop", "fault_after": MIGRATION_PROBE_CUT, "fault_roles": ["output"], "fault_attempts": 1, "rid": rid}}
+    ex = t.send(RequestData("POST", "/v1/chat/completions", {"content-type": "application/json", "x-request-id": rid}, json.dumps(body).encode(), 10.0))
+    if ex.status != 200:
+        return False, f"a stream whose engine drops after {MIGRATION_PROBE_CUT} tokens answers {ex.status}"
+    doc = parse_sse(ex.body)
+    if doc["errors"]:
+        code = doc["errors"][-1].get("code") if isinstance(doc["errors"][-1], dict) else None
+        return False, f"a stream whose engine drops after {MIGRATION_PROBE_CUT} tokens ends with an error event (code {code!r})"
+    _, want = sequence_answer("chat", {"messages": msgs}, MIGRATION_PROBE_TOKENS)
+    got = doc["accumulated"].get("content")
+    if not doc["done"] or got != want:
+        return False, f"a stream whose engine drops after {MIGRATION_PROBE_CUT} tokens is not the uninterrupted answer ([DONE] {doc['done']}, content {got!r})"
+    return True, f"a stream whose engine drops after {MIGRATION_PROBE_CUT} tokens is carried on: the uninterrupted answer, no error event"
+
+
 def _ha_etcd(t: Target, profile: Any) -> tuple[bool, str]:
     return False, HA_ETCD_NOT_DECLARED
 
@@ -279,6 +321,7 @@ _DETECTORS: dict[str, Callable[[Target, Any], tuple[bool, str]]] = {
     "ha-etcd": _ha_etcd,
     "auth": _auth,
     "tenants": _tenants,
+    "migration": _migration,
 }
 assert set(_DETECTORS) == set(CAPABILITIES)
 

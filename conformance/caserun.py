@@ -1,6 +1,9 @@
 """One case while it runs: its steps, the conditions it waits for, and its expectations.
 
 Rules
+  * A path assertion marked `unless: CAP` is checked only when the target lacks CAP (what
+    a router with CAP legitimately does otherwise, e.g. carry a failed stream on:
+    migration); with CAP it is listed as unchecked.
   * Checks a case marks with `needs: CAP` (path assertions), and the parts of an error
     envelope that name Narwhal's vocabulary (`code`, `type`, `message`) in an
     interoperability case, are checked only when the target has the capability
@@ -256,11 +259,13 @@ class CaseRun:
         """The assertions whose capability the target has; the others are listed unchecked."""
         out = []
         for a in assertions:
-            need = a.get("needs")
+            need, unless = a.get("needs"), a.get("unless")
             if need is not None and need not in self.r.caps:
                 self.unchecked.append(f"{where} {a['path']}: {self.r.caps.reason(need)}")
+            elif unless is not None and unless in self.r.caps:
+                self.unchecked.append(f"{where} {a['path']}: holds only without {unless} (the target has it)")
             else:
-                out.append({k: v for k, v in a.items() if k != "needs"})
+                out.append({k: v for k, v in a.items() if k not in ("needs", "unless")})
         return out
 
     def _expect(self, label: str, e: dict[str, Any], ex: Exchange, rids: list[str]) -> None:

@@ -32,6 +32,7 @@ from narwhal_generated import accounting as _acc
 from narwhal_generated import assembly as _asm
 from narwhal_generated import dialects as _dia
 from narwhal_generated import errors as _err
+from narwhal_generated import migration as _mig
 from narwhal_generated import router_states as _st
 from narwhal_generated import token_identity as _tok
 
@@ -109,6 +110,8 @@ def spec_rows() -> dict[str, Row]:
         rows[t.id] = Row(t.id, "token_identity", t.quote, t.level)
     for s in _st.ROWS:
         rows[s.id] = Row(s.id, "router_states", s.quote, "MUST")
+    for g in _mig.ROWS:
+        rows[g.id] = Row(g.id, "migration", g.quote, "MUST")
     for d in _dia.ROWS:
         rows[d.id] = Row(d.id, "dialects", d.quote, "MUST")
     for i, name in enumerate(_acc.COUNTER_METRICS, start=1):

@@ -6,7 +6,7 @@ configuration, serve the mock fleet alone, or check the case data.
                         [--capability CAP ...] [--no-capability CAP ...]
                         [--strict] [--junit FILE] [--expectations FILE] [--dryrun] [--fuzz N]
     narwhal conformance print-config [--profile NAME] [--port-base N] [--capability ha-etcd [--etcd URL]]
-                                     [--capability tenants [--keys-file PATH]]
+                                     [--capability tenants [--keys-file PATH]] [--capability migration]
     narwhal conformance fleet [--profile NAME ...] [--port-base N]
     narwhal conformance check
 Exit status: 0 no case failed; 1 a case (or its books) failed, a case passed against its
@@ -74,7 +74,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuzz", type=int, default=0, metavar="N", help="after the cases, fuzz the target's /openapi.json with N examples per operation")
     p.add_argument("--admin-token", default=os.environ.get("NARWHAL_CONFORMANCE_ADMIN_TOKEN"), help="the router's admin token (default $NARWHAL_CONFORMANCE_ADMIN_TOKEN); without it cases that need the admin API are N/A")
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the target to be ready and at rest (default 60)")
-    p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the profile's Narwhal config file, with the tenants and their keys, {listen} HOST:PORT of --target, {etcd} the URL of the etcd the runner starts for --capability ha-etcd); a CMD that uses {config} gets the suite's run key on every request unless --header gives a key")
+    p.add_argument("--serve", metavar="CMD", help="start the router with CMD once the fleet is up ({config} is the profile's Narwhal config file, with the tenants and their keys and stream migration on, {listen} HOST:PORT of --target, {etcd} the URL of the etcd the runner starts for --capability ha-etcd); a CMD that uses {config} gets the suite's run key on every request unless --header gives a key")
     p.add_argument("--suite-version", default="latest", help="run the cases of this suite version (an integer, or latest)")
     p.add_argument("--verbose", action="store_true", help="print the details of every case, not only failures")
 
@@ -90,9 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         description="Print the router configuration a profile's cases assume: engine URLs, roles and dialects, and the limits.")
     pc.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile (default reference)")
     pc.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
-    pc.add_argument("--capability", action="append", default=[], choices=["ha-etcd", "tenants"], metavar="CAP",
+    pc.add_argument("--capability", action="append", default=[], choices=["ha-etcd", "tenants", "migration"], metavar="CAP",
                     help="ha-etcd: add the `ha` section (leader election on etcd) the runner writes into {config} under --capability ha-etcd; "
-                         "tenants: add the `auth` and `tenants` sections the runner writes into {config} under --serve (run with --header 'Authorization: Bearer " + RUN_KEY + "')")
+                         "tenants: add the `auth` and `tenants` sections the runner writes into {config} under --serve (run with --header 'Authorization: Bearer " + RUN_KEY + "'); "
+                         "migration: add upstream.migration (max_attempts 1), as {config} under --serve has it")
     pc.add_argument("--keys-file", metavar="PATH", help="with tenants: write auth.keys_file (the tenants' keys and the run key, as SHA-256) to PATH and name it (default: name narwhal-conformance-keys.yaml and print its entries as comments)")
     pc.add_argument("--etcd", metavar="URL", default=_ETCD_DEFAULT, help=f"with ha-etcd: the etcd URL to name (default {_ETCD_DEFAULT}; a run names the etcd it starts)")
     fl = sub.add_parser("fleet", help="serve the mock fleet of one or more profiles in the foreground",
@@ -127,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
             else:
                 sys.stdout.write(f"# tenants: write these entries to {keys} (or give --keys-file PATH); run with --header 'Authorization: Bearer {RUN_KEY}'\n")
                 sys.stdout.write("".join(f"#   {line}\n" for line in entries.splitlines()))
-        sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base, etcd=etcd, keys_file=keys), sort_keys=False))
+        migration = "migration" in args.capability
+        sys.stdout.write(yaml.safe_dump(router_config(profiles[0], args.port_base, etcd=etcd, keys_file=keys, migration=migration), sort_keys=False))
         return 0
     if action == "fleet":
         return _fleet(profiles, args.port_base)
@@ -236,7 +238,7 @@ def _served(cmd: str | None, profile: Profile, target: str, port_base: int, etcd
     with tempfile.NamedTemporaryFile("w", suffix=".keys.yaml", delete=False) as kf:
         yaml.safe_dump(keys_file_entries(run_keys), kf)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(router_config(profile, port_base, listen=listen, etcd=etcd, keys_file=kf.name), f)
+        yaml.safe_dump(router_config(profile, port_base, listen=listen, etcd=etcd, keys_file=kf.name, migration=True), f)
     argv = [a.replace("{config}", f.name).replace("{listen}", listen).replace("{etcd}", etcd or "") for a in shlex.split(cmd)]
     proc = subprocess.Popen(argv)
     try:

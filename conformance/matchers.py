@@ -20,6 +20,7 @@ Operators (several may be combined in one assertion; all must hold):
   contains: X       each value (string or array) contains X
   min: N, max: N    each value is a number (or a decimal string) within the bounds
   distinct: true    the selected values are pairwise different
+  same: true        something is selected and every selected value equals the first
   equals_path: P    the values selected by P (same document) are the selected values
 Equality is JSON equality: true is not 1, 1 equals 1.0.
 Operators that test "each value" fail when nothing is selected.
@@ -34,7 +35,7 @@ from typing import Any
 __all__ = ["select", "check", "check_all", "OPS", "json_equal", "json_type", "PathError", "render"]
 
 OPS = frozenset(
-    {"absent", "absent_or_null", "present", "equals", "not_equals", "join", "flatten", "count", "length", "type", "one_of", "matches", "contains", "min", "max", "distinct", "equals_path"}
+    {"absent", "absent_or_null", "present", "equals", "not_equals", "join", "flatten", "count", "length", "type", "one_of", "matches", "contains", "min", "max", "distinct", "same", "equals_path"}
 )
 _TOKEN = re.compile(r"([^.\[\]]+)|\[(\*|-?\d+)\]|(\.)")
 
@@ -198,6 +199,9 @@ def _op(op: str, want: Any, sel: list[Any], wild: bool, doc: Any) -> tuple[str, 
         return None if len(sel) == want else (f"{want} value(s)", f"{len(sel)}: {render(sel)}")
     if op == "distinct":
         return None if not want or _distinct(sel) else ("pairwise distinct values", None)
+    if op == "same":
+        held = bool(sel) and all(json_equal(v, sel[0]) for v in sel)
+        return None if held == bool(want) else ("one value throughout" if want else "values that differ", None)
     if op == "equals_path":
         other, _ = select(doc, want)
         return None if sel and json_equal(sel, other) else (f"the value at {want}: {render(other)}", None)

@@ -24,7 +24,7 @@ from typing import Any
 
 from narwhal.mock import MockConfig, Timing
 
-__all__ = ["DEFAULT_PORT_BASE", "MODEL", "HA", "RUN_KEY", "TENANT_KEYS", "TENANTS", "EngineDef", "Profile", "PROFILES", "get_profile", "router_config",
+__all__ = ["DEFAULT_PORT_BASE", "MODEL", "HA", "MIGRATION", "RUN_KEY", "TENANT_KEYS", "TENANTS", "EngineDef", "Profile", "PROFILES", "get_profile", "router_config",
            "keys_file_entries", "mock_configs"]
 
 DEFAULT_PORT_BASE = 18200
@@ -147,6 +147,13 @@ TENANTS: dict[str, dict[str, Any]] = {
 }
 
 
+# capability migration (issue 24): a decode leg that fails after response headers is
+# carried on by another engine from its validated token IDs, once per request (the cases
+# of table `migration` rely on one attempt: a continuation that fails too ends with the
+# error event, migration/G03/1).
+MIGRATION = {"max_attempts": 1}
+
+
 def keys_file_entries(run_keys: list[str] | None = None) -> list[dict[str, str]]:
     """auth.keys_file's entries ({id, tenant, sha256}) for the tenants' keys and the run's
     key(s) (default RUN_KEY), all of tenant `conformance`."""
@@ -246,11 +253,12 @@ def get_profile(name: str) -> Profile:
 
 
 def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: str | None = None, etcd: str | None = None,
-                  keys_file: str | None = None) -> dict[str, Any]:
+                  keys_file: str | None = None, migration: bool = False) -> dict[str, Any]:
     """The Narwhal configuration a router under test must be set up with; with `etcd` (the
     URL of the etcd the runner started for capability ha-etcd), an `ha` section on it;
     with `keys_file` (a file of keys_file_entries(), capability tenants), an `auth`
-    section naming it and the `tenants` the cases act for."""
+    section naming it and the `tenants` the cases act for; with `migration` (capability
+    migration), upstream.migration (MIGRATION)."""
     cfg = copy.deepcopy(profile.router)
     cfg["serving"]["listen"] = listen if listen is not None else profile.listen(port_base)
     cfg["engines"] = [
@@ -261,6 +269,8 @@ def router_config(profile: Profile, port_base: int = DEFAULT_PORT_BASE, listen: 
     if keys_file is not None:
         cfg["auth"] = {"keys_file": keys_file}
         cfg["tenants"] = copy.deepcopy(TENANTS)
+    if migration:
+        cfg["upstream"]["migration"] = dict(MIGRATION)
     return cfg
 
 

@@ -11,7 +11,8 @@ Response document (what `json.`, `sse.`, `headers.` paths in a case refer to):
   sse           for text/event-stream bodies: events (every data payload, JSON-parsed
                 when it parses), chunks (events that are objects without "error"),
                 errors (the "error" objects of error events), done ([DONE] seen),
-                after_done (payloads after [DONE]), accumulated (see `accumulate`)
+                after_done (payloads after [DONE]), accumulated (see `accumulate`),
+                comments (the text of each SSE comment line, ": x" -> "x", in order)
   transport_error   why the exchange failed or was cut, else null
 """
 
@@ -231,9 +232,11 @@ def _raw_headers(head: bytes) -> dict[str, str]:
 def parse_sse(body: bytes) -> dict[str, Any]:
     events: list[Any] = []
     after: list[Any] = []
+    comments: list[str] = []
     done = False
     text = body.decode("utf-8", "replace").replace("\r\n", "\n")
     for block in text.split("\n\n"):
+        comments += [line[2:] if line.startswith(": ") else line[1:] for line in block.split("\n") if line.startswith(":")]
         data = [line[5:].lstrip(" ") if line.startswith("data:") else None for line in block.split("\n") if line and not line.startswith(":")]
         payloads = [d for d in data if d is not None]
         if not payloads:
@@ -251,7 +254,7 @@ def parse_sse(body: bytes) -> dict[str, Any]:
         (after if done else events).append(v)
     chunks = [e for e in events if isinstance(e, dict) and "error" not in e]
     errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
-    return {"events": events, "chunks": chunks, "errors": errors, "done": done, "after_done": after, "accumulated": accumulate(chunks)}
+    return {"events": events, "chunks": chunks, "errors": errors, "done": done, "after_done": after, "accumulated": accumulate(chunks), "comments": comments}
 
 
 def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
