@@ -12,7 +12,7 @@ from tests.deploy.promql import _walk_panels, dashboard
 
 GRAFANA_VARS = {"__rate_interval", "__interval", "__range"}
 ROWS = {"Traffic and refusals", "TTFT and TPOT against budgets", "Projection error", "Queue and slots",
-        "Engines: health and lifecycle", "Books", "High availability"}
+        "Engines: health and lifecycle", "Books", "High availability", "Broken streams and telemetry"}
 
 
 def test_panels_ids_and_grid() -> None:

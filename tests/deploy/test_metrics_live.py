@@ -101,6 +101,7 @@ def router(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             "ha": {"etcd": [etcd.url], "key": "/narwhal/test-deploy/leader", "lease_ttl_ms": 2000},
             "discovery": {"file": str(fleet_file), "file_interval_ms": 200},
             "tenants": {"team-a": {"weight": 2}},
+            "upstream": {"migration": {"max_attempts": 1}},
         }
         r = Router(tmp, cfg)
         r.fleet_file = fleet_file  # type: ignore[attr-defined]
@@ -122,6 +123,11 @@ def _traffic(url: str) -> None:
         assert r.status_code == 404, r.text
         r = c.post(url + "/v1/chat/completions", json={**chat, "n": 2})
         assert r.status_code == 400, r.text
+        # a stream broken after response headers (narwhal_migrations_total): one decode
+        # engine, so not carried on (G10 placement_refused) but counted
+        with c.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True, "mock": {"tokens": 8, "tpot_ms": 25, "fault": "drop", "fault_after": 4, "fault_engines": ["d0"]}}) as s:
+            assert s.status_code == 200
+            s.read()
         # a refusal admission decides (the narwhal_refusal_seconds histogram): a 1 ms TTFT target
         r = c.post(url + "/v1/chat/completions", json=chat, headers={"x-narwhal-ttft-target-ms": "1"})
         assert r.status_code == 429, r.text
