@@ -32,7 +32,7 @@ def test_the_check_command_passes(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cases_cover_all_tables_and_profiles() -> None:
     cases = load_cases()
     assert len(cases) >= 120
-    assert {c.id.split("/")[0] for c in cases} == {"refusals", "failures", "assembly", "token_identity", "router_states", "accounting"}
+    assert {c.id.split("/")[0] for c in cases} == {"refusals", "failures", "assembly", "token_identity", "router_states", "accounting", "migration"}
     assert {p for c in cases for p in c.profiles} == set(PROFILES)
     assert {c.cls for c in cases} == {"interoperability", "narwhal"}
     assert len([c for c in cases if "unified" in c.profiles]) >= 60
@@ -40,6 +40,7 @@ def test_cases_cover_all_tables_and_profiles() -> None:
     for prefix, n in (("R", 14), ("E", 7), ("A", 23), ("D", 3), ("T", 12)):
         assert {f"{prefix}{i:02d}" for i in range(1, n + 1)} <= covered
     assert {r for r in spec_rows() if r.startswith("H")} - set(untestable()) <= covered
+    assert {f"G{i:02d}" for i in range(1, 12)} - set(untestable()) <= covered  # stream migration (capability migration)
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -86,9 +87,20 @@ def test_the_check_finds_a_row_without_a_case(tmp_path: Path) -> None:
         ({"h": "3"}, {"path": "h", "min": 2, "max": 4}, True),
         ({"h": "1"}, {"path": "h", "min": 2}, False),
         ({"i": ["a", "a"]}, {"path": "i[*]", "distinct": True}, False),
+        ({"i": ["a", "a"]}, {"path": "i[*]", "same": True}, True),
+        ({"i": ["a", "b"]}, {"path": "i[*]", "same": True}, False),
+        ({"i": []}, {"path": "i[*]", "same": True}, False),  # nothing selected: not one value
         ({"p": {"k": 1}, "d": {"k": 1}}, {"path": "d", "equals_path": "p"}, True),
         ({"s": "chatcmpl-tool-ab"}, {"path": "s", "matches": "^chatcmpl-tool-"}, True),
     ],
 )
 def test_matchers(doc: object, assertion: dict[str, object], ok: bool) -> None:
     assert (matchers.check(doc, assertion) == []) is ok
+
+
+def test_the_sse_document_keeps_comments() -> None:
+    from narwhal_conformance.transport import parse_sse
+
+    doc = parse_sse(b'data: {"id": "x", "choices": []}\n\n: x-narwhal-migrations 1\n\ndata: [DONE]\n\n')
+    assert doc["comments"] == ["x-narwhal-migrations 1"] and doc["done"] and len(doc["chunks"]) == 1
+    assert parse_sse(b"data: [DONE]\n\n")["comments"] == []

@@ -2,10 +2,12 @@
 HTTP/2 (h2c), against `narwhal serve` set up with `narwhal conformance print-config`,
 with zero Fail and zero N/A (Narwhal has every capability its profiles' cases need)
 but for the cases that need ha-etcd, which need an etcd the runner starts before the
-router (test_ha.py runs them), and those that need auth or tenants (print-config without
+router (test_ha.py runs them), those that need auth or tenants (print-config without
 --capability tenants has neither keys nor tenants, and no key is given here:
-tests/tenants/test_auth_conformance.py and test_tenants_conformance.py run them); the JUnit report lists every case with its class, and
-every books check."""
+tests/tenants/test_auth_conformance.py and test_tenants_conformance.py run them), and
+those that need migration (print-config without --capability migration leaves it off:
+tests/migration/test_migration_conformance.py runs them); the JUnit report lists every
+case with its class, and every books check."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def test_the_suite_passes_against_narwhal(stack: Stack, tmp_path: Path, profile:
     results = parse_results(out)
     ha = {c.id for c in select_cases(load_cases(), None, profile=profile) if "ha-etcd" in c.needs}  # no etcd here: N/A
     # no key given here (the reference config has no auth): N/A; tests/tenants/test_auth_conformance.py runs them
-    auth = {c.id for c in select_cases(load_cases(), None, profile=profile) if {"auth", "tenants"} & set(c.needs)}
+    # and migration off (print-config's default): N/A; tests/migration/test_migration_conformance.py runs them
+    auth = {c.id for c in select_cases(load_cases(), None, profile=profile) if {"auth", "tenants", "migration"} & set(c.needs)}
     bad = {k: v for k, v in results.items() if v not in ("PASS", "INFO") and not (k in ha | auth and v == "N/A")}  # no FAIL, no other N/A
     assert code == 0 and not bad, f"{bad}\n{out}\n--- router log ---\n{stack.log(profile)}"
     want = {c.id for c in select_cases(load_cases(), None, profile=profile)}

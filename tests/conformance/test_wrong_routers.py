@@ -135,7 +135,7 @@ def test_a_router_without_narwhals_api_gets_a_verdict_on_its_wire_behaviour(stac
     n = sum(1 for v in interop.values() if v == "PASS")
     assert f"interoperability {n}/{n}" in out, out
     na = {k for k, v in results.items() if v == "N/A"}
-    assert na == {k for k, c in cases.items() if {"ready", "engines-api", "books", "admin", "narwhal-headers", "auth", "tenants"} & set(c.needs)}, out
+    assert na == {k for k, c in cases.items() if {"ready", "engines-api", "books", "admin", "narwhal-headers", "auth", "tenants", "migration"} & set(c.needs)}, out
     assert "N/A: needs books (GET /metrics (404) has no narwhal_requests_offered_total)" in out, out
     for cap in ("ready (GET /ready answers 404)", "books (GET /metrics (404)", "admin (no --admin-token given)", "narwhal-errors (n: 2 answers 400 code None)"):
         assert cap in out.split("absent: ", 1)[1].split("\n", 1)[0], out
