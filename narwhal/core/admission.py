@@ -581,12 +581,29 @@ class Scheduler:
         return bool(self._decode_candidates(t.excluded))
 
     def retry_unified(self, t: Ticket, now: float) -> Dispatch | None:
-        """T05 on a unified fleet: another eligible unified engine with a free slot, at once."""
+        """T05 (and a stream migration's continuation, spec/tables/migration.yaml) on a
+        unified fleet: another eligible unified engine with a free slot, at once — the one
+        whose projected prefill is least, counting what its prefix cache is expected to
+        hold of the request's prompt (as R10 projects; the first in fleet order on a tie)."""
+        best: tuple[float, EngineState] | None = None
+        n = float(t.work.prompt_tokens)
         for e in self._phase1:
             if e.role == "unified" and e.name not in t.excluded and self.eligible(e) and e.phase1_free():
-                t.pred_prefill_ms = e.prefill.predict_ms(t.work.prompt_tokens)
-                return self._dispatch1(t, e, now)
-        return None
+                cached = 0.0
+                idx = self.prefix.get(e.name) if (t.work.prefix or t.work.token_prefix) else None
+                if idx is not None and idx.trusted:
+                    if idx.token:
+                        bt = idx.block_tokens or 1.0
+                        cached = min((n - 1.0) // bt * bt, idx.match(t.work.token_prefix) * bt)
+                    else:
+                        cached = min(n - 1.0, idx.match(t.work.prefix) * t.work.block_tokens)
+                ms = e.prefill.predict_ms(n - cached)
+                if best is None or ms < best[0]:
+                    best = (ms, e)
+        if best is None:
+            return None
+        t.pred_prefill_ms = best[0]
+        return self._dispatch1(t, best[1], now)
 
     def finish(self, t: Ticket, now: float) -> list[Dispatch]:
         """The request ended (any way): free everything it holds, leave every queue."""

@@ -193,13 +193,15 @@ class StreamRelay:
                 return Step(b"".join(out), first, False, ("E02", "an engine event is not a JSON object"), None)
             err = obj.get("error")
             if err is not None:
-                self.engine_error = obj
-                if self.assembler is None and self.recorder is None:
-                    out.append(_DATA + payload + _END)  # the engine's own shape
-                    continue
-                if self.assembler is None:  # migration on: the caller decides (carry on, or this event)
+                if self.assembler is None and self.recorder is not None:
+                    # migration on: the caller decides (carry on, or pass this event on); the
+                    # relay may read on a continuation, so it keeps no engine_error of its own
                     self.failure_detail = _show(payload)
                     return Step(b"".join(out), first, False, ("E04", _event_error_words(err, self.hosts)), obj)
+                self.engine_error = obj
+                if self.assembler is None:
+                    out.append(_DATA + payload + _END)  # the engine's own shape
+                    continue
                 self.failure_detail = _show(payload)
                 return Step(b"".join(out), first, False, ("E04", _event_error_words(err, self.hosts)), obj)
             if self.checks_ids:

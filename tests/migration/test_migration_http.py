@@ -128,6 +128,8 @@ def test_an_engines_error_event_mid_answer_is_carried_on(mocks: list[RunningMock
         assert ids == want_ids and text == want_text
         assert not any(isinstance(e, dict) and "error" in e for e in st.events)  # held back, never shown
         assert any(k.startswith('cause="E04",decision="carry_on"') for k, v in metric(rr, "narwhal_migrations_total").items() if v)
+        b = rr.balanced()
+        assert b["terminal"].get("completed") == 1 and not b["terminal"].get("failed"), b  # the answer was whole: completed
 
 
 def test_an_engines_error_event_not_carried_on_reaches_the_client_as_before(mocks: list[RunningMock]) -> None:
