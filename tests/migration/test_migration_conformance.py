@@ -29,11 +29,6 @@ from tests.conformance.support import ADMIN_TOKEN, _wait_ready, free_port_base, 
 # the failure cases a router that carries streams on answers otherwise (assertions marked
 # `unless: migration`): they run with the migration cases
 AFFECTED = ("failures/E02/5", "failures/E04/3", "failures/E06/2", "failures/E07/1", "token_identity/T06/1")
-# Router defect (narwhal/worker/request.py): a continuation reuses the first leg's
-# StreamRelay, whose engine_error (the held-back error event) is still set when the
-# continuation ends, so a request carried on after an engine's error event (E04) is
-# booked `failed` although its client got the whole answer and no error event.
-E04_BOOKS = "migration/G11/2"
 
 
 def migration_cases(profile: str) -> set[str]:
@@ -58,23 +53,12 @@ def test_the_migration_cases_pass_against_narwhal_served(monkeypatch: pytest.Mon
     p = get_profile(profile)
     base = free_port_base([p])
     serve = f"{sys.executable} -m narwhal.cli serve --config {{config}} --listen {{listen}} --workers {workers} --log-level warning"
-    want = (migration_cases(profile) - {E04_BOOKS}) | set(AFFECTED)
+    want = migration_cases(profile) | set(AFFECTED)
     code, out = run(f"http://{p.listen(base)}", profile, base, "--serve", serve, "--strict", *(["--http2"] if http2 else []), "--case", *sorted(want))
     results = parse_results(out)
     have = out.split("capabilities: ", 1)[1].split(";")[0].split(", ")
     assert "migration" in have, out  # detected
     assert code == 0 and set(results) == want and set(results.values()) == {"PASS"}, out
-
-
-@pytest.mark.xfail(strict=True, reason="router defect: an engine's error event carried on is booked failed (the first leg's relay keeps its engine_error)")
-def test_an_error_event_carried_on_is_booked_completed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", ADMIN_TOKEN)
-    p = get_profile("unified")
-    base = free_port_base([p])
-    serve = f"{sys.executable} -m narwhal.cli serve --config {{config}} --listen {{listen}} --log-level warning"
-    code, out = run(f"http://{p.listen(base)}", "unified", base, "--serve", serve, "--case", E04_BOOKS)
-    assert parse_results(out) == {E04_BOOKS: "PASS"}, out  # the client's side holds already
-    assert code == 0, out  # the books: completed +1, failed +0
 
 
 @pytest.fixture(scope="module")
