@@ -178,6 +178,7 @@ _DELEGATED = (
     ("fleet", "narwhal_bench.fleet", "a fleet that changes under steady streaming load: engines replaced through the file, etcd and the admin API, limits reloaded, the ha leader stopped with SIGTERM (docs/operations.md)"),
     ("tenants", "narwhal_bench.tenants", "one tenant's overload: two tenants of equal weight at 2x the mock fleet's capacity, the noisy one 10x the quiet one, through Narwhal, SMG 1.13 and LiteLLM"),
     ("prefix-model", "narwhal_bench.prefix_model", "a queueing model of the prefix bench: what any placement rule could get on its workload (seconds, no processes)"),
+    ("migration", "narwhal_bench.migration", "stream migration under load: engines killed every few seconds (migration off vs on) and replaced one by one (drain wait vs migrate)"),
 )
 
 
