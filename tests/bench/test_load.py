@@ -34,13 +34,14 @@ def test_open_loop_against_a_mock_engine(http: str) -> None:
     s = summarize(res)
     assert s["offered"] == 40 and s["ok"] == 40, s["error_samples"]
     assert all(r.tokens == 6 for r in res)  # token_ids counted, EOS included
-    # first token after the 5 ms prefill; 5 tokens more, 5 ms apart
-    assert all(r.ttft is not None and 0.004 < r.ttft < 0.5 for r in res)
-    assert s["tpot"]["p50"] == pytest.approx(0.005, abs=0.003)
+    # first token after the 5 ms prefill (never before it); 5 tokens more, at least 5 ms
+    # apart. Upper bounds only catch a broken clock, not a slow machine (no timing tests).
+    assert all(r.ttft is not None and 0.004 < r.ttft < 10.0 for r in res)
+    assert 0.004 <= s["tpot"]["p50"] < 1.0
     # the rate was respected: 40 sends spread over ~1 s, none bunched at the start
     sent = sorted(r.sent for r in res)
-    assert 0.9 < sent[-1] - sent[0] < 1.3
-    assert s["send_lag"]["p50"] < 0.02
+    assert 0.9 < sent[-1] - sent[0] < 10.0
+    assert s["send_lag"]["p50"] < 1.0
 
 
 def test_non_streaming_records_completion_tokens() -> None:
