@@ -55,6 +55,9 @@ class DataPlane:
         self.legs: dict[str, set[Any]] = {}
         # decode legs that a continuation could carry on, by engine: leg -> "may it move now?"
         self.movers: dict[str, dict[Any, Callable[[], bool]]] = {}
+        # the configured tenants (a per-tenant label on /metrics is one of them, `default` or
+        # `other`, as the books' labels: core/quota.Quotas.label); None: no tenants configured
+        self.tenant_labels: frozenset[str] | None = frozenset(n for n in config.tenants if n != "default") if config.tenants else None
         self.door = door
         # the operations and read models of the authority (admin API, /v1/engines, /ready,
         # /metrics): narwhal.authority.service.Controls in process, or its IPC proxy

@@ -373,6 +373,9 @@ class _Run:
         if self.leg is not None:
             self.leg.first_token()
         self.r.telemetry.ttft.labels(self.req.route).observe(now - self.order.arrival)
+        if self.r.tenant_labels is not None:  # tenants configured: the tenant's TTFT too
+            t = self.order.tenant
+            self.r.telemetry.tenant_ttft.labels("default" if t is None else t if t in self.r.tenant_labels else "other").observe(now - self.order.arrival)
 
     def _learn(self, e: EngineSpec, relay: StreamRelay) -> None:
         """What the authority learns when the lease closes (decode model, output length,

@@ -23,6 +23,9 @@ class Telemetry:
         self.e2e = Histogram("narwhal_request_duration_seconds", "Time from arrival to the response's end, by terminal class.", ["class"], buckets=_LAT, registry=self.registry)
         self.refusal = Histogram("narwhal_refusal_seconds", "Time from arrival to a refusal's answer.", ["code"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0), registry=self.registry)
         # observability (narwhal/telemetry, issue 23): set by `observe`
+        # per tenant (issue 22): observed only with tenants configured; the label is bounded
+        # as the books' are (a configured tenant's name, `default`, or `other`)
+        self.tenant_ttft = Histogram("narwhal_tenant_ttft_seconds", "Time from arrival to the first token sent to the client, per tenant (tenants configured).", ["tenant"], buckets=_LAT, registry=self.registry)
         self.migrations = Counter("narwhal_migrations", "Decode legs that failed after response headers, by cause (the failure row) and decision (spec/tables/migration.yaml: carry_on, or the reason it was not carried on).", ["cause", "decision"], registry=self.registry)
         self.trace_dropped = Counter("narwhal_trace_spans_dropped", "Ended spans dropped because the exporter's queue (observability.max_queue_size) was full.", registry=self.registry)
         self.trace_failed = Counter("narwhal_trace_spans_export_failed", "Spans lost in exports that failed or timed out (observability.export_timeout_ms).", registry=self.registry)

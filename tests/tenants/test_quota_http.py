@@ -152,3 +152,6 @@ def test_the_books_and_metrics_per_tenant_sum_to_the_fleets(tmp_path: Path, mock
         assert 'narwhal_tenant_requests_terminal_total{class="rejected",tenant="noisy"} 1.0' in m
         assert 'narwhal_tenant_in_flight{tenant="quiet"} 0.0' in m
         assert KEYS["noisy"] not in m and "k-noisy" not in m
+        # the TTFT histogram per tenant: configured tenants by name, any other as "other"
+        counts = {line.split('tenant="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in m.splitlines() if line.startswith("narwhal_tenant_ttft_seconds_count{")}
+        assert counts == {"noisy": 1.0, "quiet": 1.0, "other": 1.0}, counts
