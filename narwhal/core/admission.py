@@ -584,8 +584,9 @@ class Scheduler:
         """T05 (and a stream migration's continuation, spec/tables/migration.yaml) on a
         unified fleet: another eligible unified engine with a free slot, at once — the one
         whose projected prefill is least, counting what its prefix cache is expected to
-        hold of the request's prompt (as R10 projects; the first in fleet order on a tie)."""
-        best: tuple[float, EngineState] | None = None
+        hold of the request's prompt (as R10 projects); on a tie the one with the fewest
+        requests on it, so the streams of one failed engine spread over the others."""
+        best: tuple[tuple[float, int, float], EngineState] | None = None
         n = float(t.work.prompt_tokens)
         for e in self._phase1:
             if e.role == "unified" and e.name not in t.excluded and self.eligible(e) and e.phase1_free():
@@ -598,11 +599,12 @@ class Scheduler:
                     else:
                         cached = min(n - 1.0, idx.match(t.work.prefix) * t.work.block_tokens)
                 ms = e.prefill.predict_ms(n - cached)
-                if best is None or ms < best[0]:
-                    best = (ms, e)
+                key = (round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms)  # within 10 ms: a tie
+                if best is None or key < best[0]:
+                    best = (key, e)
         if best is None:
             return None
-        t.pred_prefill_ms = best[0]
+        t.pred_prefill_ms = best[0][2]
         return self._dispatch1(t, best[1], now)
 
     def finish(self, t: Ticket, now: float) -> list[Dispatch]:

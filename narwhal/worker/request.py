@@ -264,6 +264,9 @@ class _Run:
             if self.leg is not None:
                 self.leg.start_relay(assembler is not None)
             next_raw, now_fn, feed = up.next_raw, r.clock.now, relay.feed
+            # a continuation's own first token frees the slot admission gave it (the
+            # scheduler's first_token), as any first token does; the relay has started long ago
+            awaiting = relay.token_count if rejoin is not None else None
             while True:
                 try:
                     chunk = await next_raw()
@@ -289,6 +292,9 @@ class _Run:
                     raise _Failed(row, f"engine {e.name}: {detail}", engine=e)
                 if step.first_token:
                     self._first_token(now)
+                elif awaiting is not None and relay.token_count > awaiting:
+                    awaiting = None
+                    self.lease.first_token(now)
                 if assembler is None:
                     if sink.headers_sent:
                         if step.out:

@@ -212,3 +212,31 @@ def test_drain_migrate_moves_running_answers_at_once_and_the_engine_leaves(monke
                 assert st.done and ids == want_ids and st.comments == ["x-narwhal-migrations 1"]
             b = rr.balanced()
             assert b["terminal"].get("failed", 0) == 0 and b["terminal"]["completed"] == 3
+
+
+def test_a_continuation_frees_its_prefill_slot_at_its_first_token_so_the_next_break_is_carried_on_too() -> None:
+    """phase_concurrency.prefill 1: the continuation of answer A takes u1's one prefill
+    slot; at the continuation's first token the slot is free again (the scheduler's
+    first_token), so answer B, broken later on u0, is carried on by u1 as well (not G10)."""
+    from tests.helpers import wait_until
+
+    slow = Timing(tpot_base_ms=10.0)
+    cfg = [MockConfig(dialect="vllm", role="unified", model=MODEL, name=f"u{i}", timing=slow, sequence_output=True) for i in range(2)]
+    with running_fleet(cfg) as ms:
+        conf = {"admission": {"mode": "open", "phase_concurrency": {"prefill": 1}, "prediction": {"profile_on_start": False}},
+                "monitoring": {"poll_interval_ms": 100}, "upstream": {"migration": {"max_attempts": 2}}}
+        with running_router(conf, [EngineSpec(m.config.name or "", m.url, "unified", "vllm", None, None) for m in ms]) as rr:
+            import threading
+
+            out: list[Any] = []
+            ta = threading.Thread(target=lambda: out.append(sse(rr.url, body(200, mock={**DROP, "fault_after": 20, "tpot_ms": 30}))))  # ~6 s
+            ta.start()
+
+            wait_until(lambda: httpx.get(ms[1].url + "/mock/stats", timeout=2).json()["in_flight"] == 1, timeout=10, what="A carried on by u1")
+            # long before A ends (~5 s more): the continuation's first token freed the slot
+            wait_until(lambda: {x["name"]: x for x in rr.get("/v1/engines").json()["data"]}["u1"]["load"]["prefill_in_use"] == 0, timeout=2, what="u1's prefill slot free")
+            b = sse(rr.url, body(40, mock={**DROP, "fault_after": 10, "tpot_ms": 3}))
+            ta.join(30)
+            assert b.done and read(b)[0] == uninterrupted(40)[0] and b.comments == ["x-narwhal-migrations 1"]
+            decisions = {k: v for k, v in metric(rr, "narwhal_migrations_total").items() if v}
+            assert decisions == {'cause="E06",decision="carry_on",worker="0"': 2.0}, decisions
