@@ -49,6 +49,7 @@ log = logging.getLogger("narwhal")
 RETRY_S = 0.25  # the first retry after etcd failed a candidate's call ...
 RETRY_MAX_S = 2.0  # ... doubling up to this
 OPERATOR_POLL_S = 0.1  # how often a paused router looks at its operator state
+RESTORE_ATTEMPTS = 3  # reads of the tenants' buckets at a take-over before they start full
 
 
 class Elector:
@@ -292,16 +293,19 @@ class Elector:
 
     async def _restore_tenants(self) -> None:
         """Won (L01), before the take-over: the levels the last leader handed on. etcd
-        failing here costs the buckets (they stay as they are: full on a fresh router),
-        never the take-over."""
+        failing here RESTORE_ATTEMPTS times costs the buckets (they stay as they are: full
+        on a fresh router), never the take-over."""
         q = self.a.quotas
         if q is None:
             return
-        try:
-            kv, _ = await self.etcd.get(self.tenants_key)
-        except EtcdError as x:
-            log.warning("ha %s: tenants' buckets not restored (they start full): %s", self.name, x)
-            return
+        for attempt in range(RESTORE_ATTEMPTS):  # each bounded by ha.request_timeout_ms
+            try:
+                kv, _ = await self.etcd.get(self.tenants_key)
+                break
+            except EtcdError as x:
+                if attempt + 1 == RESTORE_ATTEMPTS:
+                    log.warning("ha %s: tenants' buckets not restored (they start full): %s", self.name, x)
+                    return
         self._carried = None
         if kv is not None:
             n = quota_state.restore(q, kv.value, self.a.clock.now(), time.time())

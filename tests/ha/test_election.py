@@ -262,7 +262,13 @@ def test_a_new_leader_keeps_the_tenants_buckets_the_old_one_spent(etcd: EtcdServ
         (lead,) = leaders(rs)
         assert ask(lead, "spent").status_code == 200
         assert ask(lead, "spent").json()["error"]["code"] == "tenant_request_rate_exceeded"
-        wait_for(lambda: etcd_get(etcd, "/narwhal-test/leader/tenants") is not None, 5, "the levels handed on")
+        def handed_on() -> bool:  # the spent bucket in the levels (not an earlier, empty hand-on)
+            import base64
+
+            kv = etcd_get(etcd, "/narwhal-test/leader/tenants")
+            return kv is not None and b'"spent"' in base64.b64decode(kv.get("value", ""))
+
+        wait_for(handed_on, 5, "the spent bucket handed on")
         lead.kill()
         (new,) = wait_for(lambda: leaders([r for r in rs if r is not lead]), TTL_MS / 1000 + 5, "a new leader")
         refused = ask(new, "spent")
