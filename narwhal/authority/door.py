@@ -91,7 +91,8 @@ class LocalLease:
 
     def retry_now(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | object | None:
         """T05: the attempt on `engine` failed before response headers with a retryable
-        row; another eligible engine (or QUEUED for a decode slot), or None when there is
+        row (or a stream migration, after them); another eligible engine (or QUEUED for a
+        slot: a decode slot, or a unified engine's), or None when there is
         none to try."""
         a = self.a
         a.engine_failed(engine, row)
@@ -103,7 +104,9 @@ class LocalLease:
                 return None
             return self.decode_now()
         d = a.scheduler.retry_unified(self.t, at)
-        return None if d is None else Grant(d.engine, d.phase)
+        if d is None:
+            return None
+        return QUEUED if isinstance(d, Enqueued) else Grant(d.engine, d.phase)
 
     async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None:
         g = self.retry_now(engine, row, phase, at)

@@ -580,12 +580,15 @@ class Scheduler:
     def has_retry_decoder(self, t: Ticket) -> bool:
         return bool(self._decode_candidates(t.excluded))
 
-    def retry_unified(self, t: Ticket, now: float) -> Dispatch | None:
+    def retry_unified(self, t: Ticket, now: float) -> Dispatch | Enqueued | None:
         """T05 (and a stream migration's continuation, spec/tables/migration.yaml) on a
         unified fleet: another eligible unified engine with a free slot, at once — the one
         whose projected prefill is least, counting what its prefix cache is expected to
         hold of the request's prompt (as R10 projects); on a tie the one with the fewest
-        requests on it, so the streams of one failed engine spread over the others."""
+        requests on it, so the streams of one failed engine spread over the others. No
+        free slot: it waits in the queue of the eligible engine with the least queued work
+        (a slot frees at every first token; R12/R13 still bound the wait, the time it
+        waited before counted). None: no other eligible unified engine at all."""
         best: tuple[tuple[float, int, float], EngineState] | None = None
         n = float(t.work.prompt_tokens)
         for e in self._phase1:
@@ -603,7 +606,12 @@ class Scheduler:
                 if best is None or key < best[0]:
                     best = (key, e)
         if best is None:
-            return None
+            cands = [e for e in self._phase1 if e.role == "unified" and e.name not in t.excluded and self.eligible(e)]
+            if not cands:
+                return None
+            e = min(cands, key=lambda c: (c.queued_work_ms, len(c.queue)))
+            t.pred_prefill_ms = e.prefill.predict_ms(n)
+            return self._enqueue(t, e, now)
         t.pred_prefill_ms = best[0][2]
         return self._dispatch1(t, best[1], now)
 

@@ -240,3 +240,31 @@ def test_a_continuation_frees_its_prefill_slot_at_its_first_token_so_the_next_br
             assert b.done and read(b)[0] == uninterrupted(40)[0] and b.comments == ["x-narwhal-migrations 1"]
             decisions = {k: v for k, v in metric(rr, "narwhal_migrations_total").items() if v}
             assert decisions == {'cause="E06",decision="carry_on",worker="0"': 2.0}, decisions
+
+
+def test_with_no_free_slot_the_continuation_waits_for_one_instead_of_failing() -> None:
+    """u1's one prefill slot is taken by a slow prefill (1.5 s) when A breaks on u0: the
+    continuation waits in u1's queue until the slot frees and then carries A on (before:
+    G10 placement_refused, the error event)."""
+    import threading
+
+    from tests.helpers import wait_until
+
+    cfg = [MockConfig(dialect="vllm", role="unified", model=MODEL, name=f"u{i}", timing=Timing(time_scale=0.0), sequence_output=True) for i in range(2)]
+    with running_fleet(cfg) as ms:
+        conf = {"admission": {"mode": "open", "phase_concurrency": {"prefill": 1}, "prediction": {"profile_on_start": False}},
+                "monitoring": {"poll_interval_ms": 100}, "upstream": {"migration": {"max_attempts": 1}}}
+        with running_router(conf, [EngineSpec(m.config.name or "", m.url, "unified", "vllm", None, None) for m in ms]) as rr:
+            out: list[Any] = []
+            # A on u0 (both idle: the first in order), slow enough to still stream when B holds u1
+            ta = threading.Thread(target=lambda: out.append(sse(rr.url, body(60, mock={**DROP, "fault_after": 30, "tpot_ms": 30}))))
+            ta.start()
+            wait_until(lambda: httpx.get(ms[0].url + "/mock/stats", timeout=2).json()["in_flight"] == 1, timeout=10, what="A on u0")
+            tb = threading.Thread(target=lambda: sse(rr.url, body(4, mock={"prefill_ms": 1500})))
+            tb.start()  # u0's slot is A's until its first token, then free: B may land on either, so wait for u1
+            wait_until(lambda: httpx.get(ms[1].url + "/mock/stats", timeout=2).json()["in_flight"] == 1, timeout=10, what="B prefilling on u1")
+            ta.join(30)
+            tb.join(30)
+            (st,) = out
+            assert st.done and read(st)[0] == uninterrupted(60)[0] and st.comments == ["x-narwhal-migrations 1"]
+            assert [k for k, v in metric(rr, "narwhal_migrations_total").items() if v] == ['cause="E06",decision="carry_on",worker="0"']
