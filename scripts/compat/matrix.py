@@ -38,7 +38,7 @@ import peers  # noqa: E402  (scripts/compat/peers.py)
 
 from narwhal_conformance import SUITE_VERSION  # noqa: E402
 from narwhal_conformance.fleet import running_fleet  # noqa: E402
-from narwhal_conformance.profiles import get_profile, router_config  # noqa: E402
+from narwhal_conformance.profiles import RUN_KEY, get_profile, keys_file_entries, router_config  # noqa: E402
 
 NARWHAL = "narwhal"
 _TABLES = ("refusals", "failures", "assembly", "token_identity", "router_states", "accounting")
@@ -104,12 +104,15 @@ def _narwhal(profile: str, base: int, log: Path) -> Iterator[peers.PeerRun]:
     prof = get_profile(profile)
     listen = prof.listen(base)
     cfg = Path(tempfile.mkstemp(suffix=".yaml")[1])
-    cfg.write_text(yaml.safe_dump(router_config(prof, base), sort_keys=False))
+    keys = Path(tempfile.mkstemp(suffix=".yaml")[1])  # Narwhal as it runs: keys and tenants, stream migration on
+    keys.write_text(yaml.safe_dump(keys_file_entries(), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(router_config(prof, base, keys_file=str(keys), migration=True), sort_keys=False))
     env = {**os.environ, "NARWHAL_ADMIN_TOKEN": _ADMIN_TOKEN}
     with log.open("wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg), "--log-level", "warning"], stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
-        yield peers.PeerRun(NARWHAL, profile, f"http://{listen}", (), None, "narwhal serve --config <print-config>")
+        yield peers.PeerRun(NARWHAL, profile, f"http://{listen}", (f"Authorization: Bearer {RUN_KEY}",), None,
+                            "narwhal serve --config <print-config --capability tenants --capability migration>")
     finally:
         proc.terminate()
         try:
@@ -118,6 +121,7 @@ def _narwhal(profile: str, base: int, log: Path) -> Iterator[peers.PeerRun]:
             proc.kill()
             proc.wait(5)
         cfg.unlink(missing_ok=True)
+        keys.unlink(missing_ok=True)
 
 
 def _one(router: str, profile: str, raw: Path, timeout_s: float) -> Run:
