@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from narwhal_bench.stats import Result
 from narwhal_bench.tenants import add_arguments, outcome, run, tenant_summary
 
@@ -34,6 +36,7 @@ def test_summary_classes_and_goodput_over_offered() -> None:
     assert s["goodput"] == 1 / 6  # one of six offered answered within the budget
 
 
+@pytest.mark.skipif(os.environ.get("NARWHAL_BENCH_SMOKE") != "1", reason="the Narwhal arms of the bench (~35 s: two routers with profiling): NARWHAL_BENCH_SMOKE=1")
 def test_the_narwhal_arms_run_and_balance_their_books(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
