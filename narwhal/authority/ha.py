@@ -279,12 +279,12 @@ class Elector:
             return
         clock = self.a.clock
         levels = quota_state.levels(q, clock.now())
-        data = quota_state.export(q, clock.now(), time.time())
         if self._carried is not None and levels == self._carried_levels:
             return
         budget = min(self.cfg.request_timeout_ms / 1000.0, fence_at - clock.now())
         if budget <= 0:
             return
+        data = quota_state.encode(levels, time.time())
         try:
             if await self.etcd.put_if_held(self.key, lease, self.tenants_key, data, timeout_s=budget):
                 self._carried, self._carried_levels = data, levels

@@ -57,6 +57,17 @@ _BUCKET = DEPTH_BUCKET_OF  # queue depth -> margin bucket, for depths below _NB
 _NB = len(DEPTH_BUCKET_OF)
 
 
+
+def _expected_cached(idx: PrefixIndex, work: Work, n: float) -> float:
+    """The prompt tokens an engine's prefix cache is expected to hold (refusals.yaml R10
+    note: prefill is projected on the tokens it is expected not to hold; at least one is
+    computed). Token-keyed index: the engine computes at least the last token and reuses
+    whole blocks only, so at most the whole blocks of the first n - 1 tokens."""
+    if idx.token:
+        bt = idx.block_tokens or 1.0
+        return min((n - 1.0) // bt * bt, idx.match(work.token_prefix) * bt)
+    return min(n - 1.0, idx.match(work.prefix) * work.block_tokens)
+
 class Scheduler:
     def __init__(
         self,
@@ -238,15 +249,7 @@ class Scheduler:
             if caches:
                 idx = caches.get(e.name)
                 if idx is not None and idx.trusted:
-                    # refusals.yaml R10 note: prefill is projected on the tokens this engine
-                    # is expected not to hold (the prefix cache); at least one is computed
-                    if idx.token:
-                        # the engine computes at least the last token and reuses whole
-                        # blocks only: at most the whole blocks of the first n - 1 tokens
-                        bt = idx.block_tokens or 1.0
-                        cached = min((n - 1.0) // bt * bt, idx.match(work.token_prefix) * bt)
-                    else:
-                        cached = min(n - 1.0, idx.match(work.prefix) * work.block_tokens)
+                    cached = _expected_cached(idx, work, n)
                     if cached > 0.0:
                         u = (n - cached) / 1000.0
                         uu = u * u
@@ -593,14 +596,8 @@ class Scheduler:
         n = float(t.work.prompt_tokens)
         for e in self._phase1:
             if e.role == "unified" and e.name not in t.excluded and self.eligible(e) and e.phase1_free():
-                cached = 0.0
                 idx = self.prefix.get(e.name) if (t.work.prefix or t.work.token_prefix) else None
-                if idx is not None and idx.trusted:
-                    if idx.token:
-                        bt = idx.block_tokens or 1.0
-                        cached = min((n - 1.0) // bt * bt, idx.match(t.work.token_prefix) * bt)
-                    else:
-                        cached = min(n - 1.0, idx.match(t.work.prefix) * t.work.block_tokens)
+                cached = _expected_cached(idx, t.work, n) if idx is not None and idx.trusted else 0.0
                 ms = e.prefill.predict_ms(n - cached)
                 key = (round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms)  # within 10 ms: a tie
                 if best is None or key < best[0]:

@@ -52,9 +52,13 @@ class Bucket:
         self.level = capacity  # a tenant starts with a full bucket
         self.at = now
 
+    def level_at(self, now: float) -> float:
+        """The level at `now` (filled since it was last touched), without touching it."""
+        return min(self.capacity, self.level + (now - self.at) * self.rate) if now > self.at else self.level
+
     def _fill(self, now: float) -> None:
         if now > self.at:
-            self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+            self.level = self.level_at(now)
             self.at = now
 
     def wait_s(self, n: float, now: float) -> float:

@@ -31,7 +31,7 @@ from typing import Any
 
 from .quota import Bucket, Quotas
 
-__all__ = ["MAX_CARRIED", "export", "restore"]
+__all__ = ["MAX_CARRIED", "levels", "export", "encode", "restore"]
 
 MAX_CARRIED = 1024  # tenants whose buckets a leader hands on (≈ 50 bytes each)
 MAX_BYTES = 256 * 1024  # what a restore reads at most
@@ -40,7 +40,7 @@ MAX_BYTES = 256 * 1024  # what a restore reads at most
 def _level(b: Bucket | None, now: float) -> float | None:
     if b is None:
         return None
-    level = min(b.capacity, b.level + max(0.0, now - b.at) * b.rate)
+    level = b.level_at(now)
     return None if level >= b.capacity else round(level, 3)  # a full bucket is the default: not carried
 
 
@@ -62,7 +62,12 @@ def levels(q: Quotas, now: float) -> dict[str, list[float | None]]:
 def export(q: Quotas, now: float, wall: float) -> bytes:
     """The bytes a leader puts to etcd: the levels at `now` (the clock of the quotas),
     stamped with wall time `wall` so that another process can fill them for the gap."""
-    return json.dumps({"v": 1, "at": round(wall, 3), "tenants": levels(q, now)}, separators=(",", ":"), sort_keys=True).encode()
+    return encode(levels(q, now), wall)
+
+
+def encode(carried: dict[str, list[float | None]], wall: float) -> bytes:
+    """`levels`' answer as `export` writes it (for a caller that has them already)."""
+    return json.dumps({"v": 1, "at": round(wall, 3), "tenants": carried}, separators=(",", ":"), sort_keys=True).encode()
 
 
 def _number(x: Any) -> float | None:

@@ -462,10 +462,7 @@ class _Run:
         assert f.engine is not None
         rec = self.relay.recorder if self.relay is not None else None
         now = r.clock.now()
-        left = None if self.order.deadline_s is None else (self.order.deadline_s - (now - self.order.arrival)) * 1000.0
-        why = obstacle(req.route, self.body, migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left),
-                       max_attempts=self.max_migrations, token_ids=rec is not None and not rec.overflow,
-                       projected_ttft_ms=self.lease.projected_ttft_ms or 0.0)
+        why = self._obstacle(rec, now)
         cont = nxt = None
         if why is None:
             assert rec is not None
@@ -502,10 +499,15 @@ class _Run:
         rec = self.relay.recorder if self.relay is not None else None
         if not self.sink.headers_sent or rec is None:
             return False
-        now = self.r.clock.now()
+        return self._obstacle(rec, self.r.clock.now()) is None
+
+    def _obstacle(self, rec: Recorder | None, now: float) -> str | None:
+        """G01-G09 for this request now (core/migration.obstacle): the first reason its
+        decode leg may not be carried on, or None."""
         left = None if self.order.deadline_s is None else (self.order.deadline_s - (now - self.order.arrival)) * 1000.0
         return obstacle(self.req.route, self.body, migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left),
-                        max_attempts=self.max_migrations, token_ids=not rec.overflow, projected_ttft_ms=self.lease.projected_ttft_ms or 0.0) is None
+                        max_attempts=self.max_migrations, token_ids=rec is not None and not rec.overflow,
+                        projected_ttft_ms=self.lease.projected_ttft_ms or 0.0)
 
     def _marked(self, out: bytes) -> bytes:
         """The stream's last bytes with the migrations it took (an SSE comment before

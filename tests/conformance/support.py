@@ -115,6 +115,36 @@ def conformance_stack(names: tuple[str, ...] = tuple(PROFILES), *, timeout_s: fl
                     proc.wait(5)
 
 
+@contextlib.contextmanager
+def serving(profile: Profile, base: int, tmp: Path, configs: dict[str, tuple[str, dict[str, Any]]], *, timeout_s: float = 60.0) -> Iterator[dict[str, str]]:
+    """`narwhal serve` processes on the profile's fleet (already running at `base`):
+    configs name -> (listen, configuration); each written to tmp/NAME.yaml and logged to
+    tmp/NAME.log; yields name -> target URL once every one is ready; stopped by PID."""
+    procs: list[subprocess.Popen[bytes]] = []
+    targets: dict[str, str] = {}
+    env = {**os.environ, "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN}
+    try:
+        for name, (listen, cfg) in configs.items():
+            (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+            with (tmp / f"{name}.log").open("wb") as fh:
+                procs.append(subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / f"{name}.yaml"), "--log-level", "warning"],
+                                              stdout=fh, stderr=subprocess.STDOUT, env=env))
+            targets[name] = f"http://{listen}"
+        for name, t in targets.items():
+            problems = _wait_ready(t, profile, base, timeout_s)
+            assert not problems, f"{name}: {problems}\n{(tmp / f'{name}.log').read_text()[-3000:]}"
+        yield targets
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
 def run(target: str, profile: str, port_base: int, *extra: str) -> tuple[int, str]:
     """`narwhal conformance --target ...` in-process; (exit status, its output)."""
     p = argparse.ArgumentParser()

@@ -9,8 +9,6 @@ and the failure cases check the error event as before; declared against it, they
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -24,7 +22,13 @@ from narwhal_conformance.cases import load_cases, select_cases, spec_rows, untes
 from narwhal_conformance.cli import add_arguments
 from narwhal_conformance.fleet import running_fleet
 from narwhal_conformance.profiles import MIGRATION, get_profile, router_config
-from tests.conformance.support import ADMIN_TOKEN, _wait_ready, free_port_base, parse_results, run
+from tests.conformance.support import (
+    ADMIN_TOKEN,
+    free_port_base,
+    parse_results,
+    run,
+    serving,
+)
 
 # the failure cases a router that carries streams on answers otherwise (assertions marked
 # `unless: migration`): they run with the migration cases
@@ -70,21 +74,8 @@ def plain() -> Iterator[tuple[int, str]]:
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-migration-conformance-"))
     cfg = router_config(profile, base, listen=profile.listen(base))
     assert "migration" not in cfg["upstream"]
-    (tmp / "plain.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    with running_fleet([profile], base), (tmp / "plain.log").open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / "plain.yaml"), "--log-level", "warning"],
-                                stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN})
-        try:
-            problems = _wait_ready(f"http://{profile.listen(base)}", profile, base, 60)
-            assert not problems, f"{problems}\n{(tmp / 'plain.log').read_text()[-3000:]}"
-            yield base, f"http://{profile.listen(base)}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+    with running_fleet([profile], base), serving(profile, base, tmp, {"plain": (profile.listen(base), cfg)}) as targets:
+        yield base, targets["plain"]
 
 
 def test_without_migration_the_cases_are_na_and_the_failures_as_before(plain: tuple[int, str]) -> None:

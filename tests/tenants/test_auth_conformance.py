@@ -6,9 +6,6 @@ against Narwhal without auth, a run that gives a key gets them N/A too (never a 
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,7 @@ import yaml
 
 from narwhal_conformance.fleet import running_fleet
 from narwhal_conformance.profiles import get_profile, router_config
-from tests.conformance.support import ADMIN_TOKEN, _wait_ready, free_port_base, parse_results, run
+from tests.conformance.support import free_port_base, parse_results, run, serving
 
 KEY = "sk-conformance-auth-test-2b7e9c"
 AUTH_CASES = {"refusals/R15/1", "refusals/R15/2", "refusals/R16/1"}
@@ -32,32 +29,11 @@ def stack() -> Iterator[tuple[int, dict[str, str]]]:
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-auth-conformance-"))
     keys = tmp / "keys.yaml"
     keys.write_text(yaml.safe_dump([{"id": "conformance", "tenant": "vendor", "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]))
-    procs: list[subprocess.Popen[bytes]] = []
-    targets: dict[str, str] = {}
-    with running_fleet([profile], base):
-        try:
-            for name, listen in (("auth", profile.listen(base)), ("open", profile.listen(base + 7))):
-                cfg = router_config(profile, base, listen=listen)
-                if name == "auth":
-                    cfg["auth"] = {"keys_file": str(keys)}
-                (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-                with (tmp / f"{name}.log").open("wb") as fh:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / f"{name}.yaml"), "--log-level", "warning"],
-                                                  stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN}))
-                targets[name] = f"http://{listen}"
-            for name, t in targets.items():
-                problems = _wait_ready(t, profile, base, 60)
-                assert not problems, f"{name}: {problems}\n{(tmp / f'{name}.log').read_text()[-3000:]}"
-            yield base, targets
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+    keyed = router_config(profile, base, listen=profile.listen(base))
+    keyed["auth"] = {"keys_file": str(keys)}
+    configs = {"auth": (profile.listen(base), keyed), "open": (profile.listen(base + 7), router_config(profile, base, listen=profile.listen(base + 7)))}
+    with running_fleet([profile], base), serving(profile, base, tmp, configs) as targets:
+        yield base, targets
 
 
 @pytest.mark.parametrize("header", [f"Authorization: Bearer {KEY}", f"x-api-key: {KEY}"], ids=["bearer", "x-api-key"])

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -31,7 +29,7 @@ from narwhal_conformance.profiles import (
     keys_file_entries,
     router_config,
 )
-from tests.conformance.support import ADMIN_TOKEN, _wait_ready, free_port_base, parse_results, run
+from tests.conformance.support import ADMIN_TOKEN, free_port_base, parse_results, run, serving
 
 ROWS = ("refusals/R17", "refusals/R18", "refusals/R19", "refusals/R20")
 
@@ -71,32 +69,11 @@ def plain() -> Iterator[tuple[int, dict[str, str], str]]:
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-tenants-conformance-"))
     keys = tmp / "tenant-keys.yaml"  # not keys.yaml: the configuration of router "keys"
     keys.write_text(yaml.safe_dump(keys_file_entries()))
-    procs: list[subprocess.Popen[bytes]] = []
-    targets: dict[str, str] = {}
-    with running_fleet([profile], base):
-        try:
-            for name, listen in (("open", profile.listen(base)), ("keys", profile.listen(base + 7))):
-                cfg = router_config(profile, base, listen=listen)
-                if name == "keys":
-                    cfg["auth"] = {"keys_file": str(keys)}
-                (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-                with (tmp / f"{name}.log").open("wb") as fh:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / f"{name}.yaml"), "--log-level", "warning"],
-                                                  stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN}))
-                targets[name] = f"http://{listen}"
-            for name, t in targets.items():
-                problems = _wait_ready(t, profile, base, 60)
-                assert not problems, f"{name}: {problems}\n{(tmp / f'{name}.log').read_text()[-3000:]}"
-            yield base, targets, str(tmp)
-        finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+    keyed = router_config(profile, base, listen=profile.listen(base + 7))
+    keyed["auth"] = {"keys_file": str(keys)}
+    configs = {"open": (profile.listen(base), router_config(profile, base, listen=profile.listen(base))), "keys": (profile.listen(base + 7), keyed)}
+    with running_fleet([profile], base), serving(profile, base, tmp, configs) as targets:
+        yield base, targets, str(tmp)
 
 
 def test_without_tenants_the_cases_are_na(plain: tuple[int, dict[str, str], str]) -> None:
