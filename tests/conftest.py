@@ -1,8 +1,19 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+# serving.relay_path: the relay's hidden-path tests (token-ID checks, E02 bounds, send
+# stall, a client's disconnect cancelling its engine request) run on every path there is
+RELAY_PATHS = ("direct", "asgi")
+
+
+@pytest.fixture(scope="module", params=RELAY_PATHS)
+def relay_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield request.param
 
 settings.register_profile("ci", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, max_examples=100)

@@ -600,6 +600,12 @@ class Serving(BaseModel):
         ),
     ] = None
     server: Annotated[Literal['hypercorn'], Field(description='The ASGI server.')] = 'hypercorn'
+    relay_path: Annotated[
+        Literal['direct', 'asgi'],
+        Field(
+            description="How an engine's stream reaches the client. direct: each engine read is fed to the relay from the engine connection's own callback (no task switch per event), and for an HTTP/1.1 client its events are written straight to the client's connection, framed as the server frames them; the ASGI send path takes over whenever the client's connection has more than 64 KiB waiting (so send_stall_ms still applies), and for the response's start and end, HTTP/2 and anything but a stream's body. asgi: every event wakes the request's task and goes out through ASGI send. The same checks, strips and bounds run on both (docs/performance.md#relay-cost-narwhal-bench-relay)."
+        ),
+    ] = 'direct'
     read_timeout_ms: Annotated[
         StrictInt,
         Field(

@@ -83,10 +83,13 @@ class AsgiSink:
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now")
 
-    def __init__(self, send: Send, rid: str, stall_s: float) -> None:
+    def __init__(self, send: Send, rid: str, stall_s: float, direct: hyper.H1Direct | None = None) -> None:
         self._send = send
+        # HTTP/1.1 under hypercorn: body bytes straight to the transport while that is what
+        # ASGI would do (hyper.py item 11); the relay writes from the engine's reads with it
+        self.write_now = direct.write if direct is not None else None
         self.rid = rid
         self.headers_sent = False
         self.finished = False
@@ -312,7 +315,7 @@ class CompletionEndpoint:
                 r.telemetry.e2e.labels(ended).observe(r.clock.now() - arrival)
                 _end(rec, ended, r.clock.now())
             return
-        sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0)
+        sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0, scope["extensions"].get(hyper.DIRECT) if r.direct_relay else None)
         cls: str | None = None
         try:
             adm = r.config.admission

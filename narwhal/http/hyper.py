@@ -51,6 +51,17 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      the request are held for ever (1-byte chunked uploads left every request open).
      Fixed: when the queue is full at StreamClosed, the unread body messages are
      dropped (nobody will read them) and the disconnect is queued without waiting.
+  11. Not a defect but the relay's cost: every ASGI send of a stream's body goes through
+     hypercorn's app_send -> h11 framing -> the connection's send lock -> StreamWriter.write
+     -> drain, a third of the router's CPU per relayed event (docs/performance.md). For an
+     HTTP/1.1 response with chunked framing, `H1Direct` (scope extension DIRECT) writes a
+     body chunk straight to the connection's transport, framed as h11 frames it, from
+     any callback (no task, no await) -- but only while that is exactly what the ASGI path
+     would do: the stream is in its response body, h11 is sending a chunked body, nothing
+     else holds the send lock, and the transport's buffer is under DIRECT_BUFFER (past it
+     the ASGI path, whose drain waits, takes over: a client that reads nothing still
+     blocks its sender, and serving.send_stall_ms still drops it). The response start and
+     end always go through ASGI, so h11's state machine sees a whole, valid message.
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
@@ -71,16 +82,20 @@ import hypercorn.asyncio.run as _run
 import hypercorn.protocol as _protocol
 import hypercorn.protocol.h2 as _h2mod
 import hypercorn.protocol.h11 as _h11mod
+from h11._writers import (
+    ChunkedWriter,  # h11 0.16: how a chunked body is framed (H1Direct checks it)
+)
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.events import Closed, RawData, Updated
-from hypercorn.protocol.events import StreamClosed
+from hypercorn.protocol.events import Request, StreamClosed
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from narwhal_generated import errors as E
 
-__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector"]
+__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector",
+           "H1Direct", "DIRECT", "DIRECT_BUFFER"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,10 +315,53 @@ class HardenedH2Protocol(H2Protocol):
         await super().stream_send(event)
 
 
+DIRECT = "narwhal.h1_direct"  # the scope extension holding a stream's H1Direct (item 11)
+DIRECT_BUFFER = 64 * 1024  # bytes waiting in the transport past which H1Direct declines
+
+
+class H1Direct:
+    """Item 11: an HTTP/1.1 stream's body chunks written straight to its transport.
+
+    `write(data)` either writes `data` as one chunk, exactly as h11 would frame it, and
+    returns True, or writes nothing and returns False (the caller sends it through ASGI).
+    Synchronous: callable from a protocol callback."""
+
+    __slots__ = ("_stream", "_conn", "_server", "_transport")
+
+    def __init__(self, stream: HTTPStream, proto: H11Protocol, server: Any) -> None:
+        self._stream = stream
+        self._conn = proto.connection
+        self._server = server
+        self._transport = server.writer.transport
+
+    def write(self, data: bytes) -> bool:
+        t = self._transport
+        st = self._stream
+        c = self._conn
+        if (
+            st.state is not ASGIHTTPState.RESPONSE or st.closed
+            or c.our_state is not h11.SEND_BODY or type(c._writer) is not ChunkedWriter
+            or self._server.send_lock.locked() or t.is_closing() or t.get_write_buffer_size() > DIRECT_BUFFER
+        ):
+            return False
+        if data:
+            t.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+
 class HardenedHTTPStream(HTTPStream):
-    """Defect 10: StreamClosed never blocks on a full app queue."""
+    """Defect 10: StreamClosed never blocks on a full app queue. Item 11: an HTTP/1.1
+    request's scope carries its H1Direct under DIRECT."""
 
     async def handle(self, event: Any) -> None:
+        if isinstance(event, Request):
+            await super().handle(event)
+            # the app's task is spawned but has not run yet: it sees the extension
+            proto = getattr(self.send, "__self__", None)
+            server = getattr(getattr(proto, "send", None), "__self__", None)
+            if isinstance(proto, H11Protocol) and isinstance(server, TCPServer) and hasattr(self, "scope"):
+                self.scope["extensions"][DIRECT] = H1Direct(self, proto, server)
+            return
         if isinstance(event, StreamClosed) and self.app_put is not None:
             q = getattr(self.app_put, "__self__", None)
             if isinstance(q, asyncio.Queue) and q.full():

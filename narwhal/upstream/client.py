@@ -67,7 +67,7 @@ def _map(exc: H1Error) -> UpstreamError:
 class Upstream:
     """An open engine response: status and headers read, body not yet."""
 
-    __slots__ = ("_resp", "status", "next_raw")
+    __slots__ = ("_resp", "status", "next_raw", "direct")
 
     def __init__(self, resp: H1Response) -> None:
         self._resp = resp
@@ -75,6 +75,8 @@ class Upstream:
         # the relay loop's fast path: the connection's own reader, raising H1Error
         # (map it with `mapped`); b"" at the end of the body
         self.next_raw = resp.next_chunk
+        # the other: the body to a handler from the connection's callback (H1Response.direct)
+        self.direct = resp.direct
 
     @property
     def content_type(self) -> str:

@@ -19,6 +19,10 @@ Rules
     limit), all subclasses of `H1Error`. `str(error)` says what happened in words a client
     may read: never an address, never the engine's bytes. `error.detail` adds both, for
     the log.
+  * A consumer may take the body as it arrives instead (`H1Response.direct(handler)`): the
+    handler is called from `data_received` with each read's decoded bytes, in order, and
+    nothing queues; when it returns False (it wants its task), or raises, direct delivery
+    stops and the awaiting task wakes. Bytes that arrive after that queue as usual.
   * Bounded: the response head (status line and headers) and the trailers of a chunked
     body at _MAX_HEAD bytes, a chunk-size line at 1,024, the body `read` collects at its
     limit, and the decoded bytes waiting for the consumer at _HIGH_WATER (reading pauses).
@@ -36,6 +40,7 @@ import base64
 import os
 import socket
 from collections import deque
+from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -96,6 +101,7 @@ class _Conn(asyncio.Protocol):
         "key", "loop", "transport", "closed", "_buf", "_state", "_remaining", "_chunked",
         "_chunks", "_chunks_len", "_waiter", "_eof", "_error", "status", "headers", "keep_alive",
         "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter", "_release_to", "_head",
+        "_direct", "_direct_exc",
     )
 
     def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, idle_timeout: float) -> None:
@@ -107,6 +113,8 @@ class _Conn(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
         self._release_to: H1Pool | None = None  # release to this pool when the body ends
+        self._direct: Callable[[bytes], bool] | None = None  # the consumer's handler while direct
+        self._direct_exc: BaseException | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -173,7 +181,8 @@ class _Conn(asyncio.Protocol):
             else:
                 self._abort()
             return
-        self._wake()
+        if self._direct is None or self._chunks or self._error is not None or self._eof:
+            self._wake()  # (a handler that took this read keeps its task asleep)
 
     def eof_received(self) -> bool | None:
         return False
@@ -301,6 +310,15 @@ class _Conn(asyncio.Protocol):
 
     def _push(self, data: bytes) -> None:
         if data:
+            d = self._direct
+            if d is not None and not self._chunks:
+                try:
+                    if d(data):
+                        return
+                except Exception as e:  # noqa: BLE001 - the consumer's task raises it
+                    self._direct_exc = e
+                self._direct = None  # the data was the handler's; the task takes over
+                return
             self._chunks.append(data)
             self._chunks_len += len(data)
             if self._chunks_len > _HIGH_WATER and self.transport is not None and not self._paused:
@@ -399,6 +417,25 @@ class _Conn(asyncio.Protocol):
             await self._waiter
             self._waiter = None
 
+    async def direct(self, handler: Callable[[bytes], bool]) -> None:
+        """Deliver the body to `handler` from data_received until it returns False or
+        raises (raised here), an error or the end of the body comes, or bytes queue; then
+        return, and the caller reads on with next_chunk. Idle timeout as next_chunk's."""
+        if self._chunks or self._error is not None or self._eof or self.closed:
+            return
+        self._direct = handler
+        try:
+            while self._direct is not None and not self._chunks and self._error is None and not self._eof and not self.closed:
+                self._waiter = self.loop.create_future()
+                self._arm()
+                await self._waiter
+                self._waiter = None
+        finally:
+            self._direct = None
+        if self._direct_exc is not None:
+            e, self._direct_exc = self._direct_exc, None
+            raise e
+
     @property
     def reusable(self) -> bool:
         return self._state == "done" and self.keep_alive and not self.closed and not self._buf
@@ -428,6 +465,10 @@ class H1Response:
         if not data:
             self._done = True
         return data
+
+    def direct(self, handler: Callable[[bytes], bool]) -> Coroutine[Any, Any, None]:
+        """See _Conn.direct: the body to `handler` as it arrives, until it wants its task."""
+        return self._conn.direct(handler)
 
     async def read(self, limit: int = 16 << 20) -> bytes:
         """The whole body; BodyTooLarge past `limit` bytes (nothing past it is kept)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
@@ -26,6 +27,10 @@ class Sink(Protocol):
     headers_sent: bool
     extra_headers: list[tuple[bytes, bytes]]  # added to the response's headers (x-narwhal-projected-ttft-ms)
     row: str | None  # the row of the refusal or error answered, for the request's record
+    # Synchronous, from any callback: write these body bytes of a started stream now and
+    # return True, or write nothing and return False (then `write` them). None: the
+    # server has no such path (HTTP/2, granian); every body byte goes through `write`.
+    write_now: Callable[[bytes], bool] | None
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
 

@@ -55,6 +55,7 @@ from ..upstream.client import H1Error, UpstreamError
 from ..upstream.engines import EngineSpec
 from ..upstream.usage import USAGE_SOURCE_HEADER
 from . import migrate
+from .direct import DirectFeed
 from .migrate import Cont
 from .plane import DataPlane
 from .records import admitted
@@ -267,21 +268,29 @@ class _Run:
             # a continuation's own first token frees the slot admission gave it (the
             # scheduler's first_token), as any first token does; the relay has started long ago
             awaiting = relay.token_count if rejoin is not None else None
+            # serving.relay_path direct (worker/direct.py): reads fed from the connection's
+            # callback; a streaming client's only once its headers are out
+            fast = DirectFeed(relay, now_fn, sink.write_now) if r.direct_relay and rejoin is None and (assembler is not None or sink.write_now is not None) else None
             while True:
-                try:
-                    chunk = await next_raw()
-                except H1Error as x:
-                    raise up.mapped(x) from None
-                if not chunk:
-                    raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
-                if rejoin is not None:  # a continuation: in the client's stream's shape first
-                    chunk = rejoin.feed(chunk)
-                    if rejoin.too_large:
-                        raise _Failed("E02", f"engine {e.name}: an event or line longer than upstream.max_event_bytes", engine=e)
+                if fast is not None and fast.pending is None and (assembler is not None or sink.headers_sent):
+                    await up.direct(fast.take)
+                if fast is not None and fast.pending is not None:
+                    (step, now), fast.pending = fast.pending, None
+                else:
+                    try:
+                        chunk = await next_raw()
+                    except H1Error as x:
+                        raise up.mapped(x) from None
                     if not chunk:
-                        continue
-                now = now_fn()
-                step = feed(chunk, now)
+                        raise _Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
+                    if rejoin is not None:  # a continuation: in the client's stream's shape first
+                        chunk = rejoin.feed(chunk)
+                        if rejoin.too_large:
+                            raise _Failed("E02", f"engine {e.name}: an event or line longer than upstream.max_event_bytes", engine=e)
+                        if not chunk:
+                            continue
+                    now = now_fn()
+                    step = feed(chunk, now)
                 if step.failure is not None:
                     row, detail = step.failure
                     if sink.headers_sent and step.out:

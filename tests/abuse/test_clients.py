@@ -42,11 +42,11 @@ READ_MS, STALL_MS, PENALTY_MS = 600, 600, 1500
 
 
 @pytest.fixture(scope="module")
-def rr() -> Iterator[tuple[RunningRouter, Any]]:
+def rr(relay_path: str) -> Iterator[tuple[RunningRouter, Any]]:
     with running_fleet([MockConfig(dialect="vllm", role="unified", name="u0", timing=Timing(time_scale=0.25))]) as mocks:
         specs = [EngineSpec(m.name, m.url, "unified", "vllm", None, None) for m in mocks]
         cfg = {
-            "serving": {"read_timeout_ms": READ_MS, "send_stall_ms": STALL_MS, "keep_alive_ms": 3000, "max_streams_per_connection": 4,
+            "serving": {"relay_path": relay_path, "read_timeout_ms": READ_MS, "send_stall_ms": STALL_MS, "keep_alive_ms": 3000, "max_streams_per_connection": 4,
                         "h2_control_frames_per_second": 50, "abuse_penalty_ms": PENALTY_MS},
             "admission": {"mode": "open", "http_retention_limit": 8, "prediction": {"profile_on_start": False}},
             "monitoring": {"poll_interval_ms": 200, "stale_after_ms": 60000},

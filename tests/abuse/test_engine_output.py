@@ -38,8 +38,9 @@ PIECE = 64 * 1024
 PEAK = 8 << 20  # the most Python memory a request may take meanwhile (tracemalloc peak)
 
 
-def config(**upstream: Any) -> dict[str, Any]:
+def config(relay_path: str = "direct", **upstream: Any) -> dict[str, Any]:
     return {
+        "serving": {"relay_path": relay_path},
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
         "monitoring": {"poll_interval_ms": 500, "stale_after_ms": 60000, "breaker_failures": 1000},
         "upstream": {"idle_timeout_ms": 5000, "max_event_bytes": LIMIT, **upstream},
@@ -104,8 +105,8 @@ def memory() -> Iterator[None]:
         tracemalloc.stop()
 
 
-def _router(eng: RawEngine) -> Any:
-    return running_router(config(), [EngineSpec("u0", eng.url, "unified", "vllm", None, None)])
+def _router(eng: RawEngine, relay_path: str = "direct") -> Any:
+    return running_router(config(relay_path), [EngineSpec("u0", eng.url, "unified", "vllm", None, None)])
 
 
 def body(stream: bool) -> dict[str, Any]:
@@ -120,12 +121,12 @@ SHAPES = [
 
 
 @pytest.mark.parametrize(("shape", "slow"), SHAPES)
-def test_endless_engine_output_non_streaming_is_E02(memory: None, shape: str, slow: bool) -> None:
+def test_endless_engine_output_non_streaming_is_E02(memory: None, shape: str, slow: bool, relay_path: str) -> None:
     """Non-streaming client: 502 malformed_engine_output naming the bound; the engine is
     cut off long before its flood ends, and the router's memory stays bounded."""
     flood = Flood()
     ans = flood.line(first_token=False, slow=slow) if shape == "line" else flood.data_lines(first_token=False)
-    with raw_engine(ans) as eng, _router(eng) as rr:
+    with raw_engine(ans) as eng, _router(eng, relay_path) as rr:
         tracemalloc.reset_peak()
         t0 = time.monotonic()
         r = httpx.post(rr.url + "/v1/chat/completions", json=body(False), timeout=30)
@@ -141,12 +142,12 @@ def test_endless_engine_output_non_streaming_is_E02(memory: None, shape: str, sl
 
 
 @pytest.mark.parametrize(("shape", "slow"), SHAPES)
-def test_endless_engine_output_mid_stream_is_an_E02_event(memory: None, shape: str, slow: bool) -> None:
+def test_endless_engine_output_mid_stream_is_an_E02_event(memory: None, shape: str, slow: bool, relay_path: str) -> None:
     """Streaming client, after the first token: the token, then an error event
     malformed_engine_output, then [DONE]."""
     flood = Flood()
     ans = flood.line(first_token=True, slow=slow) if shape == "line" else flood.data_lines(first_token=True)
-    with raw_engine(ans) as eng, _router(eng) as rr:
+    with raw_engine(ans) as eng, _router(eng, relay_path) as rr:
         tracemalloc.reset_peak()
         s = sse(rr.url, body(True))
         _, peak = tracemalloc.get_traced_memory()
@@ -305,14 +306,14 @@ class Events:
             pass
 
 
-def test_an_endless_answer_for_a_non_streaming_client_is_E02(memory: None) -> None:
+def test_an_endless_answer_for_a_non_streaming_client_is_E02(memory: None, relay_path: str) -> None:
     """An engine that answers a non-streaming client with event after small event and
     never ends: without a bound on the whole answer the router assembled all of it (16 MiB
     of events here) and answered 200. Now: 502 malformed_engine_output naming
     upstream.max_answer_bytes once the events add up past it; the engine cut off long
     before its flood ends; memory bounded; the books balanced (class failed)."""
     ans = Events(FLOOD)
-    with raw_engine(ans) as eng, running_router(config(max_answer_bytes=ANSWER_LIMIT), [EngineSpec("u0", eng.url, "unified", "vllm", None, None)]) as rr:
+    with raw_engine(ans) as eng, running_router(config(relay_path, max_answer_bytes=ANSWER_LIMIT), [EngineSpec("u0", eng.url, "unified", "vllm", None, None)]) as rr:
         tracemalloc.reset_peak()
         r = httpx.post(rr.url + "/v1/chat/completions", json=body(False), timeout=30)
         _, peak = tracemalloc.get_traced_memory()

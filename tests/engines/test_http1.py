@@ -224,3 +224,108 @@ def test_a_cancel_while_connecting_is_never_lost() -> None:
         return lost
 
     assert asyncio.run(main()) == []
+
+
+# -- direct delivery (serving.relay_path direct: the body to a handler from data_received) --
+
+
+def _streaming(pieces: list[bytes], gap_s: float = 0.01, end: bool = True) -> Handler:
+    """An engine answering with chunked pieces, one write each, `gap_s` apart."""
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await w.drain()
+            await asyncio.sleep(0.05)  # the consumer arms direct delivery after the head
+            for p in pieces:
+                w.write(b"%x\r\n%b\r\n" % (len(p), p))
+                await w.drain()
+                await asyncio.sleep(gap_s)
+            if end:
+                w.write(b"0\r\n\r\n")
+                await w.drain()
+            await asyncio.sleep(0.2)
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+
+    return h
+
+
+@pytest.mark.parametrize("hand_back_at", [None, 0, 2, 4])
+def test_direct_delivery_keeps_order_across_a_hand_back(hand_back_at: int | None) -> None:
+    """Every byte reaches the consumer once, in order: by the handler until it hands the
+    task a piece (returns False), then queued for next_chunk; the task is not woken for
+    the pieces the handler took."""
+    pieces = [b"p%d;" % i for i in range(6)]
+
+    async def main() -> None:
+        srv, url = await serve(_streaming(pieces))
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            r = await pool.request("POST", url + "/x", body=b"{}")
+            seen: list[bytes] = []
+
+            def take(data: bytes) -> bool:
+                seen.append(data)
+                return not (hand_back_at is not None and len(seen) > hand_back_at)
+
+            await r.direct(take)
+            handled = b"".join(seen)
+            rest = await r.read()
+            assert handled + rest == b"".join(pieces)
+            if hand_back_at is not None:
+                assert len(seen) == hand_back_at + 1  # nothing after the hand-back went to the handler
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_direct_delivery_raises_the_handlers_error_in_the_task() -> None:
+    async def main() -> None:
+        srv, url = await serve(_streaming([b"a", b"b"]))
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            r = await pool.request("POST", url + "/x", body=b"{}")
+
+            def take(data: bytes) -> bool:
+                raise ValueError("router bug")
+
+            with pytest.raises(ValueError, match="router bug"):
+                await r.direct(take)
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_direct_delivery_ends_with_the_body_and_keeps_the_idle_timeout() -> None:
+    """The end of the body returns (next_chunk then says b""); an engine that goes quiet
+    mid-body raises ReadTimeout from next_chunk after direct delivery returns."""
+    async def main() -> None:
+        srv, url = await serve(_streaming([b"x", b"y"]))
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            r = await pool.request("POST", url + "/x", body=b"{}")
+            seen: list[bytes] = []
+            await r.direct(lambda d: seen.append(d) is None)
+            assert b"".join(seen) == b"xy" and await r.next_chunk() == b""
+        finally:
+            srv.close()
+        srv, url = await serve(_streaming([b"x"], gap_s=3.0, end=False))
+        pool2 = H1Pool(idle_timeout_s=0.3)
+        try:
+            r = await pool2.request("POST", url + "/x", body=b"{}")
+            await r.direct(lambda d: True)
+            with pytest.raises(ReadTimeout):
+                await r.next_chunk()
+        finally:
+            pool.close()
+            pool2.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))

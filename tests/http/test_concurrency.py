@@ -55,7 +55,7 @@ async def client(url: str, i: int, rnd: random.Random, results: dict[str, int], 
     results[kind] = results.get(kind, 0) + 1
 
 
-def test_books_balance_under_load_disconnects_and_faults() -> None:
+def test_books_balance_under_load_disconnects_and_faults(relay_path: str) -> None:
     t = Timing(time_scale=0.3)
     cfgs = [MockConfig(dialect="vllm", role="prefill", name="p0", timing=t), MockConfig(dialect="vllm", role="decode", name="d0", timing=t), MockConfig(dialect="vllm", role="decode", name="d1", timing=t)]
     with running_fleet(cfgs) as mocks:
@@ -63,6 +63,7 @@ def test_books_balance_under_load_disconnects_and_faults() -> None:
         # and one decode engine that is not there at all
         specs.append(EngineSpec("d-dead", f"http://127.0.0.1:{free_port()}", "decode", "vllm", None, None))
         config = {
+            "serving": {"relay_path": relay_path},
             "admission": {"mode": "open", "queue_limit": 64, "max_wait_ms": 5000, "phase_concurrency": {"prefill": 4, "decode": 16}, "prediction": {"profile_on_start": False}},
             "monitoring": {"poll_interval_ms": 100, "stale_after_ms": 60000},
             "upstream": {"idle_timeout_ms": 700},

@@ -1,6 +1,7 @@
 """Streaming relay and non-streaming assembly over real HTTP, against mock engines of each
 dialect: the engine's shape when streaming, one assembled answer otherwise, token
-identity (T01-T12), and the engine-failure rows E01-E07."""
+identity (T01-T12), and the engine-failure rows E01-E07; each on every serving.relay_path
+(tests/conftest.py `relay_path`)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ MODEL = "narwhal-demo"
 FAST = Timing(time_scale=0.25)
 
 
-def base_config() -> dict[str, Any]:
+def base_config(relay_path: str = "direct") -> dict[str, Any]:
     return {
+        "serving": {"relay_path": relay_path},
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
         "monitoring": {"poll_interval_ms": 200, "stale_after_ms": 60000, "breaker_failures": 1000},
         "upstream": {"idle_timeout_ms": 1500},
@@ -39,27 +41,27 @@ class Fleet:
             m.clear_requests()
 
 
-def _fleet(dialect: str, names: tuple[str, ...] = ("u0",)) -> Iterator[Fleet]:
+def _fleet(dialect: str, names: tuple[str, ...] = ("u0",), relay_path: str = "direct") -> Iterator[Fleet]:
     cfgs = [MockConfig(dialect=dialect, role="unified", name=n, timing=FAST) for n in names]
     with running_fleet(cfgs) as mocks:
         specs = [EngineSpec(m.name, m.url, "unified", dialect, None, None) for m in mocks]
-        with running_router(base_config(), specs) as rr:
+        with running_router(base_config(relay_path), specs) as rr:
             yield Fleet(rr, mocks)
 
 
 @pytest.fixture(scope="module")
-def vllm() -> Iterator[Fleet]:
-    yield from _fleet("vllm", ("u0", "u1"))
+def vllm(relay_path: str) -> Iterator[Fleet]:
+    yield from _fleet("vllm", ("u0", "u1"), relay_path)
 
 
 @pytest.fixture(scope="module")
-def sglang() -> Iterator[Fleet]:
-    yield from _fleet("sglang")
+def sglang(relay_path: str) -> Iterator[Fleet]:
+    yield from _fleet("sglang", relay_path=relay_path)
 
 
 @pytest.fixture(scope="module")
-def openai_fleet() -> Iterator[Fleet]:
-    yield from _fleet("openai")
+def openai_fleet(relay_path: str) -> Iterator[Fleet]:
+    yield from _fleet("openai", relay_path=relay_path)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,192 @@
+"""serving.relay_path (issue 25): the direct path writes what the ASGI path would, and only
+when it would; the relay step is the same on both. The relay's behaviour tests run on both
+paths (tests/conftest.py `relay_path`); these test the pieces and that each path is the one
+taken."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import h11
+import httpx
+import orjson
+import pytest
+from hypercorn.protocol.http_stream import ASGIHTTPState
+
+from narwhal.core.relay import StreamRelay
+from narwhal.http import hyper
+from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream import http1
+from narwhal.upstream.engines import EngineSpec
+from narwhal.worker.direct import DirectFeed
+from tests.helpers import running_router, sse
+
+# -- H1Direct: h11's framing, and nothing when the ASGI path would not write ---------------
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.buffered = 0
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+def _direct(http_version: bytes = b"1.1", content_length: bool = False) -> tuple[hyper.H1Direct, Any, h11.Connection, _Transport]:
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"POST / HTTP/%b\r\nhost: x\r\ncontent-length: 0\r\n\r\n" % http_version)
+    while not isinstance(conn.next_event(), h11.Request):
+        pass
+    conn.next_event()  # EndOfMessage
+    headers = [(b"content-length", b"10")] if content_length else []
+    conn.send(h11.Response(status_code=200, headers=headers))
+    t = _Transport()
+    server = SimpleNamespace(writer=SimpleNamespace(transport=t), send_lock=asyncio.Lock())
+    stream = SimpleNamespace(state=ASGIHTTPState.RESPONSE, closed=False)
+    proto = SimpleNamespace(connection=conn)
+    return hyper.H1Direct(stream, proto, server), stream, conn, t  # type: ignore[arg-type]
+
+
+def test_h1direct_frames_a_chunk_as_h11_does() -> None:
+    d, _, conn, t = _direct()
+    assert d.write(b"data: x\n\n")
+    assert t.out == [conn.send(h11.Data(data=b"data: x\n\n"))]
+
+
+@pytest.mark.parametrize("why", ["not_in_response", "closed", "buffer_full", "closing", "lock_held", "http10", "content_length"])
+def test_h1direct_declines_whenever_asgi_would_not_write_the_same(why: str) -> None:
+    d, stream, _, t = _direct(http_version=b"1.0" if why == "http10" else b"1.1", content_length=why == "content_length")
+    if why == "not_in_response":
+        stream.state = ASGIHTTPState.CLOSED
+    elif why == "closed":
+        stream.closed = True
+    elif why == "buffer_full":
+        t.buffered = hyper.DIRECT_BUFFER + 1
+    elif why == "closing":
+        t.closing = True
+    elif why == "lock_held":
+        d._server.send_lock._locked = True
+    assert d.write(b"data: x\n\n") is False
+    assert t.out == []
+
+
+# -- DirectFeed: a step is handled once, by the callback or by the task ------------------
+
+
+def _event(ids: list[int], text: str = "a", finish: str | None = None) -> bytes:
+    c = {"index": 0, "delta": {"content": text}, "token_ids": ids, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [c]}) + b"\n\n"
+
+
+def _relay() -> StreamRelay:
+    return StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
+
+
+def test_direct_feed_hands_the_first_token_the_end_and_failures_to_the_task() -> None:
+    written: list[bytes] = []
+    f = DirectFeed(_relay(), lambda: 1.0, lambda b: written.append(b) is None)
+    assert f.take(_event([1])) is False and f.pending is not None and f.pending[0].first_token  # the first token
+    f.pending = None
+    assert f.take(_event([2])) is True and f.pending is None
+    assert written and b"token_ids" not in written[0]  # T10: stripped on this path too
+    assert f.take(b"data: {not json}\n\n") is False and f.pending is not None and f.pending[0].failure == ("E02", "an engine event is not JSON")
+
+
+def test_direct_feed_checks_token_ids_T03() -> None:
+    f = DirectFeed(_relay(), lambda: 1.0, lambda b: True)
+    f.take(_event([1]))
+    f.pending = None
+    assert f.take(_event([-5])) is False
+    assert f.pending is not None and f.pending[0].failure is not None and f.pending[0].failure[0] == "E03"
+
+
+def test_direct_feed_hands_over_a_write_the_sink_declines() -> None:
+    f = DirectFeed(_relay(), lambda: 1.0, lambda b: False)
+    f.take(_event([1]))
+    f.pending = None
+    assert f.take(_event([2])) is False
+    step = f.pending[0] if f.pending else None
+    assert step is not None and step.out and step.failure is None  # the task writes it through ASGI
+
+
+def test_direct_feed_for_an_assembling_relay_writes_nothing() -> None:
+    from narwhal.core.assembly import Assembler
+
+    relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False, assembler=Assembler("chat"))
+    f = DirectFeed(relay, lambda: 1.0, None)
+    f.take(_event([1]))
+    f.pending = None
+    assert f.take(_event([2])) is True
+    assert f.take(_event([3], finish="stop") + b"data: [DONE]\n\n") is False and f.pending is not None and f.pending[0].done
+
+
+# -- the path taken, over real HTTP -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def routed(relay_path: str) -> Iterator[tuple[str, str]]:
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="u0", timing=Timing(time_scale=0.25))]) as mocks:
+        specs = [EngineSpec(m.name, m.url, "unified", "vllm", None, None) for m in mocks]
+        cfg = {"serving": {"relay_path": relay_path}, "admission": {"mode": "open", "prediction": {"profile_on_start": False}}}
+        with running_router(cfg, specs) as rr:
+            yield rr.url, relay_path
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    n = {"direct_writes": 0, "direct_reads": 0}
+    write, push = hyper.H1Direct.write, http1._Conn._push
+
+    def counting_write(self: hyper.H1Direct, data: bytes) -> bool:
+        ok = write(self, data)
+        n["direct_writes"] += ok
+        return ok
+
+    def counting_push(self: Any, data: bytes) -> None:
+        n["direct_reads"] += self._direct is not None
+        push(self, data)
+
+    monkeypatch.setattr(hyper.H1Direct, "write", counting_write)
+    monkeypatch.setattr(http1._Conn, "_push", counting_push)
+    return n
+
+
+def _chat(stream: bool, n: int = 12) -> dict[str, Any]:
+    return {"model": "narwhal-demo", "messages": [{"role": "user", "content": "hi"}], "stream": stream, "max_tokens": n, "mock": {"tpot_ms": 5}}
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_the_path_each_request_takes(routed: tuple[str, str], counted: dict[str, int], http2: bool) -> None:
+    """direct: an HTTP/1.1 stream's engine reads after its first token are fed from the
+    engine connection's callback and their events written straight to the client's
+    connection; a non-streaming answer's reads are fed there too, over either protocol
+    (an HTTP/2 stream's events go through ASGI send, so its reads wake its task). asgi:
+    none of it. The answers are the same."""
+    url, path = routed
+    with httpx.Client(http2=http2, http1=not http2, timeout=30) as c:
+        s = sse(url, _chat(True), client=c)
+        assert s.status == 200 and s.done and len(s.chunks) == 13
+        streamed, writes = counted["direct_reads"], counted["direct_writes"]
+        r = c.post(url + "/v1/chat/completions", json=_chat(False))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    assembled = counted["direct_reads"] - streamed
+    if path == "asgi":
+        assert (streamed, writes, assembled) == (0, 0, 0)
+    elif http2:
+        assert (streamed, writes) == (0, 0) and assembled >= 3
+    else:
+        # 12 token events 1.25 ms apart: the first token's read and the last one's go to
+        # the task; on a busy machine reads coalesce events (hence no more than 3 asked)
+        assert streamed >= 3 and streamed - 2 <= writes <= streamed
+        assert assembled >= 3
