@@ -303,7 +303,9 @@ def write_doc(runs: list[Run], out: Path, raw: Path, argv: list[str]) -> None:
         "baseline: a plain proxy that adds nothing. Reproduce (installs the pinned peers into throwaway venvs under",
         "`.venvs/peers/`, then runs every pair; loopback only):",
         "",
-        "    python scripts/compat/matrix.py " + " ".join(argv),
+        "    python scripts/compat/matrix.py",
+        "",
+        "This page: `python scripts/compat/matrix.py" + "".join(" " + a for a in argv) + "`.",
         "",
         f"Raw JUnit files, console output and run records (router logs stay local, git-ignored): [`{rel}/`]({rel}/).",
         f"Measured {time.strftime('%Y-%m-%d')} on the project's machine kind (2 cores)"
