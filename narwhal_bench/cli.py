@@ -1,10 +1,11 @@
 """`narwhal bench`: the load generator and the experiments of docs/performance.md.
 
     narwhal bench load --url URL [--rate R | --trace conv|code|FILE] [--duration S] [--http 1|2] ...
-    narwhal bench overhead [--rate 200] [--duration 10] [--rounds 2] [--http 1,2] [--servers hypercorn,granian]
-    narwhal bench relay [--streams 200] [--interval-ms 20] [--window 15] [--profile 10] [--servers ...]
-    narwhal bench memory [--streams 5000]
-    narwhal bench peers [--peers narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy] [--rates 20,200]
+    narwhal bench overhead [--rate 200] [--duration 10] [--rounds 2] [--http 1,2] [--servers hypercorn,granian] [--routers narwhal,smg,vllm-router,envoy]
+    narwhal bench relay [--streams 200] [--interval-ms 20] [--window 15] [--profile 10] [--servers ...] [--routers ...]
+    narwhal bench memory [--streams 5000] [--routers ...]
+    narwhal bench versus [--routers narwhal,smg,vllm-router,envoy] [--runs 3] [--parts relay,ttft,memory] [--mem-streams 20000]
+    narwhal bench peers [--peers narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy,smg,envoy] [--rates 20,200]
     narwhal bench overload [--scenario prefill|decode] [--loads 0.5,1,1.5,2,3,4] [--peers ...]
     narwhal bench abuse [--attacks slow-body,h2-no-read,...] [--duration 15] [--rate 20]
     narwhal bench prediction --engine URL --model NAME [--dialect openai] [--max-concurrency 1]
@@ -25,6 +26,16 @@ import sys
 from pathlib import Path
 
 __all__ = ["add_arguments", "run"]
+
+
+_ROUTERS_HELP = ("routers through the same harness, comma-separated (default narwhal): narwhal (once per --servers), narwhal-granian, smg, "
+                 "vllm-router, envoy, litellm, xpyd-proxy")
+
+
+def _peers() -> tuple[str, ...]:
+    from .harness import PEERS
+
+    return PEERS
 
 
 def _floats(s: str) -> list[float]:
@@ -71,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     oh.add_argument("--rounds", type=int, default=2)
     oh.add_argument("--http", default="1,2", help="protocols, comma-separated (default 1,2)")
     oh.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated)")
+    oh.add_argument("--routers", default="narwhal", help=_ROUTERS_HELP)
     oh.add_argument("--output-tokens", type=int, default=16)
     oh.add_argument("--tpot-ms", type=float, default=10.0)
     oh.add_argument("--no-stream", action="store_true")
@@ -82,7 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rl.add_argument("--warm", type=float, default=4.0)
     rl.add_argument("--window", type=float, default=15.0)
     rl.add_argument("--profile", type=float, default=0.0, help="then profile the router with py-spy for this many seconds")
-    rl.add_argument("--servers", default="hypercorn")
+    rl.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated)")
+    rl.add_argument("--routers", default="narwhal", help=_ROUTERS_HELP)
+    rl.add_argument("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)")
     rl.add_argument("--http", default="1", choices=["1", "2"])
     rl.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode (default open: measure the relay alone)")
     rl.add_argument("--tracing", default="", help="comma-separated observability.sample_ratio arms, e.g. off,0.01,1 (issue 23: spans to an OTLP sink in the load's process)")
@@ -109,10 +123,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mm.add_argument("--interval-ms", type=float, default=2000.0)
     mm.add_argument("--ramp", type=float, default=15.0)
     mm.add_argument("--hold", type=float, default=5.0)
-    mm.add_argument("--servers", default="hypercorn")
+    mm.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated)")
+    mm.add_argument("--routers", default="narwhal", help=_ROUTERS_HELP)
+    mm.add_argument("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)")
 
     pr = sub.add_parser("peers", help="the same load through Narwhal and each peer router, in front of the same mock engine")
-    pr.add_argument("--peers", default="narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy")
+    pr.add_argument("--peers", default="narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy,smg,envoy", help="comma-separated, of: " + ", ".join(_peers()))
     pr.add_argument("--rates", default="20,200")
     pr.add_argument("--duration", type=float, default=10.0)
     pr.add_argument("--output-tokens", type=int, default=16)
@@ -179,6 +195,7 @@ _DELEGATED = (
     ("tenants", "narwhal_bench.tenants", "one tenant's overload: two tenants of equal weight at 2x the mock fleet's capacity, the noisy one 10x the quiet one, through Narwhal, SMG 1.13 and LiteLLM"),
     ("prefix-model", "narwhal_bench.prefix_model", "a queueing model of the prefix bench: what any placement rule could get on its workload (seconds, no processes)"),
     ("migration", "narwhal_bench.migration", "stream migration under load: engines killed every few seconds (migration off vs on) and replaced one by one (drain wait vs migrate)"),
+    ("versus", "narwhal_bench.versus", "Narwhal side by side with SMG, vllm-router and Envoy in one run (issue 25): relayed events per router CPU-s, added TTFT p50/p99 at 200 req/s, memory per open stream"),
 )
 
 
@@ -219,13 +236,14 @@ def run(args: argparse.Namespace) -> int:
 
         if cmd == "overhead":
             X.overhead(rate=args.rate, duration_s=args.duration, rounds=args.rounds, protocols=_names(args.http), servers=_names(args.servers),
-                       output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, stream=not args.no_stream, out=out)
+                       output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, stream=not args.no_stream, out=out, routers=_names(args.routers))
         elif cmd == "relay":
             X.relay(streams=args.streams, interval_ms=args.interval_ms, tokens=args.tokens, warm_s=args.warm, window_s=args.window, servers=_names(args.servers),
                     http=args.http, profile_s=args.profile, mode=args.mode, out=out, tracing=_names(args.tracing) if args.tracing else (),
-                    alternations=args.alternations)
+                    alternations=args.alternations, routers=_names(args.routers), workers=args.workers)
         elif cmd == "memory":
-            X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=_names(args.servers), out=out)
+            X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=_names(args.servers), out=out,
+                     routers=_names(args.routers), workers=args.workers)
         elif cmd == "peers":
             X.peers(names=_names(args.peers), rates=_floats(args.rates), duration_s=args.duration, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, out=out,
                     img=Path(args.img) if args.img else None)

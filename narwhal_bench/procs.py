@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["Proc", "cpu_seconds", "rss_bytes", "descendants", "layout", "pin_self", "free_port", "wait_http", "log_dir"]
+__all__ = ["Proc", "cpu_seconds", "rss_bytes", "descendants", "layout", "pin_self", "free_port", "wait_http", "log_dir", "raise_nofile"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -49,6 +49,20 @@ def layout() -> tuple[set[int] | None, set[int] | None]:
     if len(cpus) < 2:
         return None, None
     return {cpus[0]}, set(cpus[1:])
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (a process may; raising
+    the hard limit needs CAP_SYS_RESOURCE); (soft, hard) after. Every Proc child does the
+    same before it starts, so a router or engine holding many connections gets the most
+    descriptors the machine grants."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:  # soft is never above hard
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
 def pin_self(cpus: set[int] | None) -> None:
@@ -148,6 +162,7 @@ class Proc:
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
 
         def pre() -> None:
+            raise_nofile()
             if cpus:
                 os.sched_setaffinity(0, cpus)
 

@@ -219,24 +219,19 @@ def _start_narwhal(fleet: list[H.Engine], budget_ms: float, cpus: set[int] | Non
 
 
 def _start_smg(fleet: list[H.Engine], share_rps: float, cpus: set[int] | None, classes: dict[str, str] | None = None) -> tuple[H.Started, dict[str, Any]]:
-    exe = H._venv_exe("smg", "smg")
     rpm = max(1, round(share_rps * 60))
     rl = {"default_policy": {"tokens_per_minute": 100_000_000, "requests_per_minute": 1_000_000},
           "tenants": [{"tenant_key": f"auth:{t}", "tokens_per_minute": 100_000_000, "requests_per_minute": rpm} for t in KEYS]}
     ps = {"tenant_policies": {f"auth:{t}": {"max_class": (classes or {}).get(t, "default")} for t in KEYS}}
     rl_path = H._write("smg-tenant-rate-limit", ".yaml", rl)
     ps_path = H._write("smg-priority", ".yaml", ps)
-    port = free_port()
-    argv = [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[e.url for e in fleet], "--policy", "round_robin",
-            "--retry-max-retries", "1", "--request-timeout-secs", "120", "--log-level", "warn",
-            "--tenant-rate-limit-enabled", "--tenant-rate-limit-config", str(rl_path),
-            "--priority-scheduler-enabled", "--priority-scheduler-config", str(ps_path)]
+    extra = ["--retry-max-retries", "1", "--request-timeout-secs", "120",
+             "--tenant-rate-limit-enabled", "--tenant-rate-limit-config", str(rl_path),
+             "--priority-scheduler-enabled", "--priority-scheduler-config", str(ps_path)]
     for t, k in KEYS.items():
-        argv += ["--tenant-api-key", f"{t}:{k}"]
-    p = Proc("smg-tenants", argv, cpus=cpus).start()
-    url = f"http://127.0.0.1:{port}"
-    st = H._started("smg", p, url, "/health", 60.0, protocols=("1",), notes=f"smg {H._version('smg', 'smg')} (Rust), round_robin")
-    return st, {"argv": argv[1:], "tenant_rate_limit": rl, "priority_scheduler": ps}
+        extra += ["--tenant-api-key", f"{t}:{k}"]
+    st = H.start_smg(fleet, cpus=cpus, name="smg-tenants", extra=extra, timeout_s=60.0)
+    return st, {"argv": st.proc.argv[1:], "tenant_rate_limit": rl, "priority_scheduler": ps}
 
 
 _LITELLM_AUTH = '''"""LiteLLM custom_auth for narwhal bench tenants: two keys, each its tenant's rpm_limit

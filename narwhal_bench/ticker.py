@@ -8,7 +8,8 @@ SSE chunks straight to an asyncio transport (a few us per event).
 
 Rules
   * HTTP/1.1 keep-alive, one request at a time per connection; GET /health, GET
-    /v1/models, POST /v1/chat/completions and /v1/completions.
+    /v1/models, POST /v1/chat/completions and /v1/completions; request bodies with
+    Content-Length or chunked (a relay may stream the body on: SMG with retries off).
   * Output length: `mock.tokens` (body field or `[[mock {"tokens": N}]]` in the prompt
     text), else max_tokens, else --tokens. One token per event, `interval_ms` apart
     (`mock.tpot_ms` overrides), the first after `mock.prefill_ms` (default 0). Every event
@@ -59,6 +60,30 @@ def _opts(body: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _dechunk(buf: bytes, i: int) -> tuple[bytes, int] | None:
+    """A chunked request body starting at buf[i]: (body, index after it), or None while
+    incomplete (trailers are skipped)."""
+    parts = []
+    while True:
+        eol = buf.find(b"\r\n", i)
+        if eol < 0:
+            return None
+        size = int(buf[i:eol].split(b";", 1)[0], 16)
+        i = eol + 2
+        if size == 0:
+            while True:  # trailer lines, up to an empty one
+                eol = buf.find(b"\r\n", i)
+                if eol < 0:
+                    return None
+                line, i = buf[i:eol], eol + 2
+                if not line:
+                    return b"".join(parts), i
+        if len(buf) < i + size + 2:
+            return None
+        parts.append(buf[i:i + size])
+        i += size + 2
+
+
 class _Stream:
     __slots__ = ("conn", "left", "i", "interval", "handle", "chat", "ids", "usage", "head", "tail", "prompt", "total", "stream", "rid", "due")
 
@@ -88,14 +113,25 @@ class _Conn(asyncio.Protocol):
                 return
             head = self.buf[:end].split(b"\r\n")
             n = 0
+            chunked = False
             for ln in head[1:]:
                 k, _, v = ln.partition(b":")
-                if k.strip().lower() == b"content-length":
+                k = k.strip().lower()
+                if k == b"content-length":
                     n = int(v)
-            if len(self.buf) < end + 4 + n:
-                return
-            body = self.buf[end + 4:end + 4 + n]
-            self.buf = self.buf[end + 4 + n:]
+                elif k == b"transfer-encoding" and b"chunked" in v.lower():
+                    chunked = True
+            if chunked:  # a relay that streams the body on (SMG with retries off)
+                got = _dechunk(self.buf, end + 4)
+                if got is None:
+                    return
+                body, stop = got
+                self.buf = self.buf[stop:]
+            else:
+                if len(self.buf) < end + 4 + n:
+                    return
+                body = self.buf[end + 4:end + 4 + n]
+                self.buf = self.buf[end + 4 + n:]
             parts = head[0].split(b" ")
             self._handle(parts[0], parts[1].split(b"?")[0] if len(parts) > 1 else b"/", body)
 
