@@ -8,6 +8,8 @@ Rules
   * SMG 1.13 and vLLM's router (Rust) and Envoy 1.40 (C++, the baseline that adds
     nothing) run as plain relays: no retries, no circuit breaker, no health polling, no
     concurrency cap where the peer has a flag for it (SMG_RELAY_FLAGS, envoy.config).
+    SMG's prefill/decode: vLLM's two phases, the engines from its discovery file
+    (smg_workers_file); Envoy has none (PeerUnavailable).
   * A peer that cannot run here raises `PeerUnavailable` with the exact reason (missing
     venv: run scripts/peers/install.sh; a start failure: the tail of its log).
   * Peer venvs: .venvs/peers/<name> in the repository ($NARWHAL_PEERS_DIR overrides).
@@ -27,7 +29,7 @@ from .procs import Proc, free_port, log_dir, python, wait_http
 
 __all__ = [
     "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
-    "Started", "PeerUnavailable", "start_peer", "PEERS", "RUST_PEERS", "router_names", "smg_argv", "start_smg", "SMG_RELAY_FLAGS",
+    "Started", "PeerUnavailable", "start_peer", "PEERS", "RUST_PEERS", "router_names", "smg_argv", "smg_workers_file", "start_smg", "SMG_RELAY_FLAGS",
     "start_envoy",
 ]
 
@@ -236,10 +238,7 @@ def start_peer(name: str, engines: list[Engine], *, model: str = "narwhal-demo",
         p = Proc("xpyd-proxy", [str(exe), "proxy", "--config", str(path)], cpus=cpus, env=env).start()
         return _started("xpyd-proxy", p, url, "/health", timeout_s, protocols=("1",), notes=f"xpyd-proxy {_version('xpyd-proxy', 'xpyd-proxy')} (Python), loadbalanced")
     if name == "smg":
-        if not unified:
-            raise PeerUnavailable("smg 1.13 has no vLLM two-phase prefill/decode over HTTP: its --pd-disaggregation is SGLang's bootstrap protocol "
-                                  "(the request sent to prefill and decode at once); vLLM P/D only with gRPC workers (`vllm serve --grpc`)")
-        return start_smg(unified, cpus=cpus, extra=SMG_RELAY_FLAGS, timeout_s=timeout_s)
+        return start_smg(engines, cpus=cpus, extra=SMG_RELAY_FLAGS, timeout_s=timeout_s)
     if name == "envoy":
         return start_envoy(engines, cpus=cpus, timeout_s=timeout_s)
     raise ValueError(f"unknown peer {name!r} (known: {', '.join(PEERS)})")
@@ -259,19 +258,43 @@ def router_names(routers: Sequence[str], servers: Sequence[str] = ("hypercorn",)
     return list(dict.fromkeys(out))
 
 
-def smg_argv(exe: Path | str, port: int, engines: Sequence[Engine], *, policy: str = "round_robin", log_level: str = "warn", extra: Sequence[str] = ()) -> list[str]:
-    """`smg launch` in front of unified HTTP engines on 127.0.0.1:port; its Prometheus
-    listener on a free loopback port (its default, 0.0.0.0:29000, is one per machine)."""
-    return [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[e.url for e in engines], "--policy", policy,
+def smg_argv(exe: Path | str, port: int, engines: Sequence[Engine], *, policy: str = "round_robin", log_level: str = "warn", extra: Sequence[str] = (),
+             discovery_file: Path | None = None) -> list[str]:
+    """`smg launch` on 127.0.0.1:port; its Prometheus listener on a free loopback port (its
+    default, 0.0.0.0:29000, is one per machine). Unified engines as --worker-urls; prefill
+    and decode engines (vLLM's two phases) through `discovery_file` (smg_workers_file)."""
+    if any(e.role != "unified" for e in engines):
+        if discovery_file is None:
+            raise ValueError("smg with prefill/decode engines needs their discovery file (smg_workers_file)")
+        where = ["--pd-disaggregation", "--discovery-provider", "file", "--discovery-file", str(discovery_file), "--no-remove-unhealthy-workers"]
+    else:
+        where = ["--worker-urls", *[e.url for e in engines]]
+    return [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port), *where, "--policy", policy,
             "--log-level", log_level, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--shutdown-grace-period-secs", "1", *extra]
+
+
+def smg_workers_file(engines: Sequence[Engine]) -> dict[str, Any]:
+    """SMG's discovery file for prefill/decode engines. Only there can a worker carry
+    `kv_connector`; with NixlConnector its HTTP P/D router runs vLLM's two phases (the
+    prefill with max_tokens 1 and kv_transfer_params.do_remote_decode, then the decode with
+    the prefill's kv_transfer_params). With --prefill/--decode it sends neither phase any
+    kv_transfer_params (SGLang's bootstrap protocol instead)."""
+    return {"version": 1, "workers": [{"url": e.url, "worker_type": e.role, "kv_connector": "NixlConnector"} for e in engines]}
 
 
 def start_smg(engines: Sequence[Engine], *, cpus: set[int] | None = None, name: str = "smg", policy: str = "round_robin", extra: Sequence[str] = (),
               timeout_s: float = 60.0) -> Started:
-    """SMG 1.13 (`smg launch`, Rust in a Python launcher: the process tree is measured)."""
+    """SMG 1.13 (`smg launch`, Rust in a Python launcher: the process tree is measured),
+    unified or prefill/decode (vLLM's two phases, smg_workers_file)."""
+    import json
+
     exe = _venv_exe("smg", "smg")
     port = free_port()
-    argv = smg_argv(exe, port, engines, policy=policy, extra=extra)
+    disc = None
+    if any(e.role != "unified" for e in engines):
+        disc = log_dir() / f"{name}-workers.json"
+        disc.write_text(json.dumps(smg_workers_file(engines)))
+    argv = smg_argv(exe, port, engines, policy=policy, extra=extra, discovery_file=disc)
     p = Proc(name, argv, cpus=cpus).start()
     st = _started(name, p, f"http://127.0.0.1:{port}", "/health", timeout_s, protocols=("1",), notes=f"smg {_version('smg', 'smg')} (Rust), {policy}")
     _wait_smg_workers(st, len(engines), timeout_s)

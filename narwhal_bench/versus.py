@@ -80,7 +80,7 @@ from .load import RequestShape, fixed_rate
 from .procs import command_line, layout, pin_self
 from .stats import fmt_ms, markdown_table, summarize
 
-__all__ = ["add_arguments", "run", "main", "versus", "runs_order", "median", "summary", "verdict", "tables", "estimate_s", "PARTS", "ROUTERS", "TARGETS"]
+__all__ = ["add_arguments", "run", "main", "versus", "command", "runs_order", "median", "summary", "verdict", "tables", "estimate_s", "PARTS", "ROUTERS", "TARGETS"]
 
 PARTS = ("relay", "ttft", "memory")
 ROUTERS = ("narwhal", "smg", "vllm-router", "envoy")
@@ -116,6 +116,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-json", default=None, help="print the tables of a saved versus.json again (no run)")
 
 
+def command(args: argparse.Namespace) -> str:
+    """The exact command line when run as `narwhal bench versus` or `python -m
+    narwhal_bench.versus`; else (called from Python, e.g. a test) the `narwhal bench versus`
+    line that repeats the run: every option that differs from its default."""
+    if sys.argv and (Path(sys.argv[0]).name == "narwhal" or sys.argv[0].endswith("versus.py")):
+        return command_line("narwhal_bench.versus")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = ["narwhal bench versus"]
+    for act in p._actions:
+        if not act.option_strings or act.dest in ("help", "from_json"):
+            continue
+        v = getattr(args, act.dest, act.default)
+        if v != act.default:
+            out.append(f"{act.option_strings[0]} {v:g}" if isinstance(v, float) else f"{act.option_strings[0]} {v}")
+    return " ".join(out)
+
+
 def _names(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -135,12 +153,14 @@ def median(xs: Iterable[float | None]) -> float | None:
 
 def estimate_s(parts: Sequence[str], n_routers: int, runs: int, *, warm: float = 4.0, window: float = 15.0, ttft_duration: float = 10.0, mem_ramp: float = 15.0,
                mem_hold: float = 5.0, mem_streams: int = 20_000) -> float:
-    """Expected wall time of a run (seconds): per router and part its start (~3 s), warm-ups,
-    measured spans and the stop; the memory part's cancel of its streams grows with them."""
+    """Expected wall time of a run (seconds) on a quiet machine: per router and part its start
+    and stop (~1.5 s; Narwhal's is the longest), the quiet check (0.5 s), warm-ups, the
+    measured spans; the memory part's cancel of its streams grows with them (as measured
+    here: 1 run of the three parts in ~27 s per router at smoke size, 9,800 streams in ~27 s)."""
     per = {
-        "relay": 3 + warm + window + 2,
-        "ttft": 3 + 3 + 2 * ttft_duration + 2,
-        "memory": 3 + 2 + mem_ramp + 3 + mem_hold + 4 + mem_streams / 2000,
+        "relay": 2 + warm + window + 1.5,
+        "ttft": 2 + 3.5 + 2 * ttft_duration + 1,
+        "memory": 2 + 2 + mem_ramp + 1 + mem_hold + 4 + mem_streams / 5000,
     }
     return 10 + runs * n_routers * sum(per[p] for p in parts if p in per)
 
@@ -350,7 +370,7 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
     est = estimate_s(parts, len(routers), a.runs, warm=a.warm, window=a.window, ttft_duration=a.ttft_duration, mem_ramp=a.mem_ramp, mem_hold=a.mem_hold, mem_streams=a.mem_streams)
     t_start = time.monotonic()
     data: dict[str, Any] = {
-        "command": command_line("narwhal_bench.versus"), "routers": routers, "runs": a.runs, "parts": parts, "mode": a.mode, "mem_streams": a.mem_streams,
+        "command": command(a), "routers": routers, "runs": a.runs, "parts": parts, "mode": a.mode, "mem_streams": a.mem_streams,
         "settings": {k: getattr(a, k) for k in ("streams", "tokens", "interval_ms", "warm", "window", "rate", "ttft_duration", "prompt_tokens", "output_tokens", "tpot_ms",
                                                  "mem_interval_ms", "mem_ramp", "mem_hold", "quiet_wait", "workers")},
         "pinning": _pinning_note(rcpu, lcpu), "nofile": pre["nofile"], "preflight": pre, "estimate_s": est, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

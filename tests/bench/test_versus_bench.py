@@ -173,10 +173,20 @@ def test_smg_argv_as_a_plain_relay() -> None:
     assert argv[argv.index("--max-concurrent-requests") + 1] == "0"
 
 
-def test_peers_without_vllm_two_phase_say_why() -> None:
+def test_smg_two_phase_through_its_discovery_file() -> None:
     pd = [H.Engine("p0", "prefill", "http://127.0.0.1:9001", None), H.Engine("d0", "decode", "http://127.0.0.1:9002", None)]  # type: ignore[arg-type]
-    with pytest.raises(H.PeerUnavailable, match="SGLang's bootstrap"):
-        H.start_peer("smg", pd)
+    # only a discovery-file worker can carry kv_connector: with it SMG's HTTP P/D runs vLLM's two phases
+    assert H.smg_workers_file(pd) == {"version": 1, "workers": [
+        {"url": "http://127.0.0.1:9001", "worker_type": "prefill", "kv_connector": "NixlConnector"},
+        {"url": "http://127.0.0.1:9002", "worker_type": "decode", "kv_connector": "NixlConnector"}]}
+    argv = H.smg_argv("/x/smg", 18000, pd, discovery_file=Path("/tmp/w.json"))
+    assert "--pd-disaggregation" in argv and argv[argv.index("--discovery-file") + 1] == "/tmp/w.json" and "--worker-urls" not in argv
+    with pytest.raises(ValueError, match="discovery file"):
+        H.smg_argv("/x/smg", 18000, pd)
+
+
+def test_envoy_has_no_two_phase_mode() -> None:
+    pd = [H.Engine("p0", "prefill", "http://127.0.0.1:9001", None), H.Engine("d0", "decode", "http://127.0.0.1:9002", None)]  # type: ignore[arg-type]
     with pytest.raises(H.PeerUnavailable, match="plain L7 proxy"):
         H.start_peer("envoy", pd)
 
@@ -227,6 +237,13 @@ def test_the_command_parses() -> None:
     assert r.routers == "narwhal,smg,envoy" and r.servers == "hypercorn"
     assert p.parse_args(["memory", "--routers", "envoy", "--streams", "100"]).routers == "envoy"
     assert p.parse_args(["overhead", "--routers", "vllm-router"]).routers == "vllm-router"
+
+
+def test_the_command_line_repeats_the_run() -> None:
+    p = argparse.ArgumentParser()
+    V.add_arguments(p)
+    a = p.parse_args(["--runs", "1", "--mem-streams", "200", "--window", "3", "--out", "/tmp/x"])
+    assert V.command(a) == "narwhal bench versus --runs 1 --window 3 --mem-streams 200 --out /tmp/x"  # pytest's own argv is not the run's
 
 
 def _missing_peers() -> list[str]:
