@@ -78,18 +78,19 @@ class _TooLarge(Exception):
 class AsgiSink:
     """pipeline.Sink over ASGI send. Every send is bounded by serving.send_stall_ms: a
     client that accepts no bytes for that long (HTTP/1.1: the TCP window; HTTP/2: the
-    flow-control window, see hyper.py defect 1) is dropped by `_watch_stall`, which
+    flow-control window, see hyper.py defect 1) is dropped by `Stalls`, which
     cancels the request (its engine request is cancelled, its slots freed; class
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now", "ending")
 
     def __init__(self, send: Send, rid: str, stall_s: float, direct: hyper.H1Direct | None = None) -> None:
         self._send = send
         # HTTP/1.1 under hypercorn: body bytes straight to the transport while that is what
         # ASGI would do (hyper.py item 11); the relay writes from the engine's reads with it
         self.write_now = direct.write if direct is not None else None
+        self.ending = False  # the response's last message is being sent: its stream closing is its end
         self.rid = rid
         self.headers_sent = False
         self.finished = False
@@ -112,6 +113,7 @@ class AsgiSink:
         self.status = status
         self.body_bytes = len(body)
         await self._out({"type": "http.response.start", "status": status, "headers": h})
+        self.ending = True
         await self._out({"type": "http.response.body", "body": body, "more_body": False})
         self.finished = True
 
@@ -124,6 +126,7 @@ class AsgiSink:
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self) -> None:
+        self.ending = True
         await self._out({"type": "http.response.body", "body": b"", "more_body": False})
         self.finished = True
 
@@ -174,24 +177,77 @@ class _Disconnected(Exception):
     pass
 
 
-async def _watch_stall(sink: AsgiSink, task: asyncio.Future[str]) -> None:
-    """serving.send_stall_ms: cancel the request once one send has waited that long."""
-    while not task.done():
-        await asyncio.sleep(sink.stall_s / 4)
-        since = sink.sending_since
-        if since and _monotonic() - since > sink.stall_s:
-            log.info("request %s: the client accepted no bytes for %.0f ms; dropped", sink.rid, sink.stall_s * 1000)
-            task.cancel()
-            return
+class Stalls:
+    """serving.send_stall_ms for every request of an endpoint: one task, waking every
+    stall_s / 4 while any request is watched, cancels each request whose pending send
+    began more than stall_s ago (a task per request cost 1.4 KiB per open stream)."""
+
+    __slots__ = ("watched", "_task")
+
+    def __init__(self) -> None:
+        self.watched: dict[AsgiSink, asyncio.Future[str]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(self, sink: AsgiSink, task: asyncio.Future[str]) -> None:
+        self.watched[sink] = task
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    def unwatch(self, sink: AsgiSink) -> None:
+        self.watched.pop(sink, None)
+        if not self.watched and self._task is not None:  # nothing left: no task outlives the requests
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while self.watched:
+            await asyncio.sleep(min(4.0, next(iter(self.watched)).stall_s / 4))
+            now = _monotonic()
+            for sink, task in list(self.watched.items()):
+                since = sink.sending_since
+                if since and now - since > sink.stall_s:
+                    log.info("request %s: the client accepted no bytes for %.0f ms; dropped", sink.rid, sink.stall_s * 1000)
+                    del self.watched[sink]
+                    task.cancel()
 
 
-async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink) -> str:
+async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink, hook: hyper.CloseHook | None, stalls: Stalls) -> str:
     """Run the request; if the client disconnects first, or stops reading for
     serving.send_stall_ms, cancel it (which closes the engine connections and frees
     every slot) and report the class `cancelled`.
 
-    hypercorn reports a disconnect only through receive(); a send() to a gone client is
-    silently dropped, so without this watcher a stream would run on to its end."""
+    hypercorn reports a disconnect only through receive(), and a send() to a gone client
+    is silently dropped: without a watcher a stream would run on to its end. Under
+    hypercorn the stream's CloseHook (hyper.py) cancels the request when the stream
+    closes; under any other server a task waits on receive()."""
+    if hook is None:
+        return await _until_received_disconnect(work, receive, sink, stalls)
+    if hook.closed:  # reset right after it was sent (HTTP/2 rapid reset): no engine sees it
+        work.close()
+        return "cancelled"
+    task = asyncio.ensure_future(work)
+
+    def gone() -> None:  # the stream closed: the client went away, unless it was the answer's end
+        if not sink.ending:
+            task.cancel()
+
+    hook.cb = gone
+    stalls.watch(sink, task)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            return "cancelled"  # the client went away, or stalled
+        raise
+    finally:
+        hook.cb = None
+        stalls.unwatch(sink)
+        if not task.done():
+            task.cancel()
+
+
+async def _until_received_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink, stalls: Stalls) -> str:
+    """_until_disconnect for a server without CloseHooks: a task waits on receive()."""
     watch = asyncio.ensure_future(receive())
     # a client that reset its stream right after sending it (HTTP/2 rapid reset) has its
     # disconnect queued already: one turn of the loop lets the watcher see it, and the
@@ -201,7 +257,7 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, si
         work.close()
         return "cancelled"
     task = asyncio.ensure_future(work)
-    stall = asyncio.ensure_future(_watch_stall(sink, task))
+    stalls.watch(sink, task)
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -221,7 +277,7 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, si
             pass
         return "cancelled"
     finally:
-        stall.cancel()
+        stalls.unwatch(sink)
         if not watch.done():
             watch.cancel()
         if not task.done():
@@ -262,6 +318,7 @@ class CompletionEndpoint:
     def __init__(self, plane: DataPlane, route: str) -> None:
         self.plane = plane
         self.route = route
+        self.stalls = Stalls()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         r = self.plane
@@ -404,7 +461,8 @@ class CompletionEndpoint:
                 tenant=None if who is None else who.tenant,
                 key_id=None if who is None else who.key_id,
             )
-            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid, rec), receive, sink)
+            del body  # the parsed request holds what the rest needs; a long prompt's bytes go now
+            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid, rec), receive, sink, scope["extensions"].get(hyper.CLOSE), self.stalls)
         except asyncio.CancelledError:
             cls = "cancelled"
             raise

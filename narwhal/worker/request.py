@@ -90,6 +90,10 @@ class _Failed(Exception):
 class _Run:
     """State of one request across its legs and attempts."""
 
+    __slots__ = ("r", "req", "order", "lease", "sink", "rid", "headers", "prefill_prompt_tokens", "first_token_at", "body", "ok_engine", "tpot",
+                 "output_tokens", "finish_reason", "reported_prompt", "cached_tokens", "max_migrations", "relay", "migrations", "rec", "trace", "leg",
+                 "events", "client_tp", "tracestate")
+
     def __init__(self, plane: DataPlane, req: ParsedRequest, order: Order, lease: Lease, sink: Sink, rid: str, rec: RequestRecord | None = None) -> None:
         self.r = plane
         self.req = req

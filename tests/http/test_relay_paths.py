@@ -76,7 +76,7 @@ def test_h1direct_declines_whenever_asgi_would_not_write_the_same(why: str) -> N
     elif why == "closing":
         t.closing = True
     elif why == "lock_held":
-        d._server.send_lock._locked = True
+        d._lock._locked = True
     assert d.write(b"data: x\n\n") is False
     assert t.out == []
 

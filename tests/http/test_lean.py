@@ -1,0 +1,107 @@
+"""narwhal/http/lean.py: LeanQueue and LeanEvent behave as asyncio.Queue and hypercorn's
+EventWrapper do (hyper.py item 12 swaps them in for memory per open stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from narwhal.http.lean import LeanEvent, LeanQueue
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+@pytest.mark.parametrize("make", [lambda n: asyncio.Queue(n), lambda n: LeanQueue(n)], ids=["asyncio", "lean"])
+def test_same_behaviour_as_asyncio_queue(make: Any) -> None:
+    """FIFO, the bound (put waits while full), nowait errors, a waiting get woken by a put."""
+    async def main() -> list[Any]:
+        q = make(2)
+        seen: list[Any] = [q.empty(), q.full()]
+        q.put_nowait(1)
+        await q.put(2)
+        seen += [q.full(), q.qsize()]
+        with pytest.raises(asyncio.QueueFull):
+            q.put_nowait(3)
+        blocked = asyncio.ensure_future(q.put(3))
+        await asyncio.sleep(0.01)
+        seen.append(blocked.done())
+        seen.append(await q.get())  # makes room: the waiting put goes in
+        await asyncio.wait_for(blocked, 1)
+        seen += [q.get_nowait(), await q.get()]
+        with pytest.raises(asyncio.QueueEmpty):
+            q.get_nowait()
+        getter = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0.01)
+        q.put_nowait("late")
+        seen.append(await asyncio.wait_for(getter, 1))
+        return seen
+
+    assert run(main()) == [True, False, True, 2, False, 1, 2, 3, "late"]
+
+
+def test_a_cancelled_getter_passes_its_wake_up_on() -> None:
+    """Two getters wait; the first is woken and cancelled in the same turn: the item goes
+    to the second, as asyncio.Queue does."""
+    async def main() -> Any:
+        q = LeanQueue(10)
+        g1 = asyncio.ensure_future(q.get())
+        g2 = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0.01)
+        q.put_nowait("x")
+        g1.cancel()
+        return await asyncio.wait_for(g2, 1)
+
+    assert run(main()) == "x"
+
+
+def test_a_cancelled_putter_leaves_no_waiter_behind() -> None:
+    async def main() -> int:
+        q = LeanQueue(1)
+        q.put_nowait(1)
+        p = asyncio.ensure_future(q.put(2))
+        await asyncio.sleep(0.01)
+        p.cancel()
+        await asyncio.sleep(0)
+        assert q.get_nowait() == 1
+        return len(q._putters or [])
+
+    assert run(main()) == 0
+
+
+def test_lean_event() -> None:
+    async def main() -> list[Any]:
+        e = LeanEvent()
+        w = asyncio.ensure_future(e.wait())
+        await asyncio.sleep(0.01)
+        out: list[Any] = [e.is_set(), w.done()]
+        await e.set()
+        await asyncio.wait_for(w, 1)
+        out.append(e.is_set())
+        await e.wait()  # set: returns at once
+        await e.clear()
+        out.append(e.is_set())
+        return out
+
+    assert run(main()) == [False, False, True, False]
+
+
+def test_they_are_lean() -> None:
+    """What they are for: a fraction of asyncio's allocation before anything waits."""
+    def size(make: Any) -> int:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            keep = [make() for _ in range(200)]
+            n = tracemalloc.get_traced_memory()[0] - before
+            del keep
+            return n
+        finally:
+            tracemalloc.stop()
+
+    assert size(lambda: LeanQueue(10)) * 4 < size(lambda: asyncio.Queue(10))
+    assert size(LeanEvent) * 2 < size(asyncio.Event)
