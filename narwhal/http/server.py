@@ -89,7 +89,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def hypercorn_config(listen: str, *, certfile: str | None = None, keyfile: str | None = None, log_level: str = "warning",
                      keep_alive_ms: int = 5000, max_streams: int = 100, grace_ms: int = 30000) -> HyperConfig:
-    c = HyperConfig()
+    c = hyper.ServerConfig()  # hyper.py item 13
     c.bind = [listen]
     c.keep_alive_max_requests = 1 << 40
     # serving.keep_alive_ms: an idle connection (or one whose request head is still

@@ -145,3 +145,21 @@ def test_T11_token_arrivals_give_the_same_tpot_in_constant_memory() -> None:
     one = TokenArrivals()
     one.add(0.0, 1)
     assert one.tpot() is None
+
+
+# -- _Window: the sorted copy kept as values come and go ---------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from narwhal.core.prediction import _quantile, _Window  # noqa: E402
+
+
+@given(size=st.integers(1, 20), values=st.lists(st.floats(-1e6, 1e6, allow_nan=False), max_size=80), q=st.floats(0, 1))
+def test_window_quantile_equals_a_sort_of_the_last_values(size: int, values: list[float], q: float) -> None:
+    w = _Window(size)
+    for v in values:
+        w.add(v)
+    last = values[-size:]
+    assert w.quantile(q) == _quantile(sorted(last), q)
+    assert len(w) == len(last)
