@@ -83,12 +83,13 @@ class AsgiSink:
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now", "ending")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now", "ending", "_direct")
 
     def __init__(self, send: Send, rid: str, stall_s: float, direct: hyper.H1Direct | None = None) -> None:
         self._send = send
         # HTTP/1.1 under hypercorn: body bytes straight to the transport while that is what
         # ASGI would do (hyper.py item 11); the relay writes from the engine's reads with it
+        self._direct = direct
         self.write_now = direct.write if direct is not None else None
         self.ending = False  # the response's last message is being sent: its stream closing is its end
         self.rid = rid
@@ -120,7 +121,10 @@ class AsgiSink:
     async def start_stream(self) -> None:
         self.headers_sent = True
         self.status = 200
-        await self._out({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]})
+        h = [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]
+        if self._direct is not None and self._direct.start(200, h):  # HTTP/1.1: straight out (hyper.py item 11)
+            return
+        await self._out({"type": "http.response.start", "status": 200, "headers": h})
 
     async def write(self, data: bytes) -> None:
         await self._out({"type": "http.response.body", "body": data, "more_body": True})

@@ -361,13 +361,38 @@ class H1Direct:
     returns True, or writes nothing and returns False (the caller sends it through ASGI).
     Synchronous: callable from a protocol callback."""
 
-    __slots__ = ("_stream", "_conn", "_lock", "_transport")
+    __slots__ = ("_stream", "_proto", "_conn", "_lock", "_transport")
 
     def __init__(self, stream: HTTPStream, proto: H11Protocol, server: Any) -> None:
         self._stream = stream
+        self._proto = proto
         self._conn = proto.connection
         self._lock = server.send_lock
         self._transport = server.writer.transport
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        """The response head, as ASGI's http.response.start would send it (hypercorn's
+        headers added, h11's state moved on), written now; False: nothing was done (send
+        it through ASGI). h11 is told the headers are parsed: the app's names are its own
+        constants and a value with CR, LF or NUL (which h11 would refuse) declines here."""
+        st = self._stream
+        t = self._transport
+        proto = self._proto
+        if (
+            st.state is not _REQUEST or st.closed or self._conn.our_state is not _SEND_RESPONSE or self._lock._locked or t.is_closing()
+            or proto.keep_alive_requests >= proto.config.keep_alive_max_requests  # hypercorn would add connection: close
+        ):
+            return False
+        for _, v in headers:
+            if b"\r" in v or b"\n" in v or b"\0" in v:
+                return False
+        hs = [*headers, *proto.config.response_headers("h11")]
+        data = self._conn.send(h11.Response(status_code=status, headers=hs, _parsed=True))
+        st.response = {"type": "http.response.start", "status": status, "headers": hs}
+        st.state = _RESPONSE
+        if data:
+            t.write(data)
+        return True
 
     def write(self, data: bytes) -> bool:
         t = self._transport
@@ -383,7 +408,9 @@ class H1Direct:
         return True
 
 
+_REQUEST = ASGIHTTPState.REQUEST
 _RESPONSE = ASGIHTTPState.RESPONSE
+_SEND_RESPONSE = h11.SEND_RESPONSE
 _SEND_BODY = h11.SEND_BODY
 
 

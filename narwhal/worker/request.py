@@ -303,20 +303,22 @@ class _Run:
                         raise _Failed(row, f"engine {e.name}: {detail}", engine=e, event=step.engine_error)
                     log.warning("request %s: engine %s: %s %s%s", self.rid, e.name, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
                     raise _Failed(row, f"engine {e.name}: {detail}", engine=e)
-                if step.first_token:
-                    self._first_token(now)
-                elif awaiting is not None and relay.token_count > awaiting:
+                if awaiting is not None and relay.token_count > awaiting:
                     awaiting = None
                     self.lease.first_token(now)
-                if assembler is None:
-                    if sink.headers_sent:
-                        if step.out:
-                            await sink.write(self._marked(step.out) if step.done and self.migrations else step.out)
-                    else:
-                        if step.out:
-                            buffered.append(step.out)
-                        if relay.started or step.done:
-                            await self._start(buffered)
+                try:
+                    if assembler is None:
+                        if sink.headers_sent:
+                            if step.out:
+                                await sink.write(self._marked(step.out) if step.done and self.migrations else step.out)
+                        else:
+                            if step.out:
+                                buffered.append(step.out)
+                            if relay.started or step.done:
+                                await self._start(buffered)
+                finally:
+                    if step.first_token:  # its books after its bytes are out: they are not on the client's TTFT
+                        self._first_token(now)
                 if step.done:
                     complete = True
                     break
@@ -379,10 +381,13 @@ class _Run:
         return n, "estimate"
 
     async def _start(self, buffered: list[bytes]) -> None:
-        await self.sink.start_stream()
+        sink = self.sink
+        await sink.start_stream()
         if buffered:
-            await self.sink.write(b"".join(buffered))
+            data = b"".join(buffered)
             buffered.clear()
+            if sink.write_now is None or not sink.write_now(data):  # relay_path direct: no ASGI send
+                await sink.write(data)
 
     def _first_token(self, now: float) -> None:
         if self.first_token_at is not None:

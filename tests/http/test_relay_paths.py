@@ -81,6 +81,53 @@ def test_h1direct_declines_whenever_asgi_would_not_write_the_same(why: str) -> N
     assert t.out == []
 
 
+def _fresh() -> tuple[hyper.H1Direct, Any, h11.Connection, _Transport]:
+    """An H1Direct on a connection whose request is in and whose response has not begun."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    while not isinstance(conn.next_event(), h11.Request):
+        pass
+    conn.next_event()
+    t = _Transport()
+    server = SimpleNamespace(writer=SimpleNamespace(transport=t), send_lock=asyncio.Lock())
+    stream = SimpleNamespace(state=ASGIHTTPState.REQUEST, closed=False)
+    cfg = SimpleNamespace(keep_alive_max_requests=1 << 40, response_headers=lambda proto: [(b"date", b"Thu, 03 Dec 2026 00:00:00 GMT")])
+    proto = SimpleNamespace(connection=conn, config=cfg, keep_alive_requests=1)
+    return hyper.H1Direct(stream, proto, server), stream, conn, t  # type: ignore[arg-type]
+
+
+def test_h1direct_start_writes_the_head_h11_would_and_moves_the_states_on() -> None:
+    d, stream, conn, t = _fresh()
+    headers = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"abc")]
+    assert d.start(200, headers)
+    ref = h11.Connection(h11.SERVER)
+    ref.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    ref.next_event(), ref.next_event()
+    assert t.out == [ref.send(h11.Response(status_code=200, headers=[*headers, (b"date", b"Thu, 03 Dec 2026 00:00:00 GMT")]))]
+    assert stream.state is ASGIHTTPState.RESPONSE and stream.response["status"] == 200
+    assert conn.our_state is h11.SEND_BODY
+    assert d.write(b"data: x\n\n")  # and the body goes on as chunks
+
+
+@pytest.mark.parametrize("why", ["crlf_in_a_value", "nul_in_a_value", "already_started", "lock_held", "closing", "last_keep_alive_request"])
+def test_h1direct_start_declines_what_asgi_must_send(why: str) -> None:
+    d, stream, _, t = _fresh()
+    headers = [(b"content-type", b"text/event-stream")]
+    if why == "crlf_in_a_value":
+        headers.append((b"x-request-id", b"a\r\nset-cookie: x"))
+    elif why == "nul_in_a_value":
+        headers.append((b"x-request-id", b"a\0b"))
+    elif why == "already_started":
+        stream.state = ASGIHTTPState.RESPONSE
+    elif why == "lock_held":
+        d._lock._locked = True
+    elif why == "closing":
+        t.closing = True
+    elif why == "last_keep_alive_request":
+        d._proto.keep_alive_requests = d._proto.config.keep_alive_max_requests
+    assert d.start(200, headers) is False and t.out == []
+
+
 # -- DirectFeed: a step is handled once, by the callback or by the task ------------------
 
 
