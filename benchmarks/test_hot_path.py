@@ -170,3 +170,59 @@ def test_admission_decision_predictive_1000_queued_by_engine_count(benchmark: An
     s = _fleet(engines=engines)
     _admit_and_undo(benchmark, s)
     benchmark.extra_info.update(queued=1000, engines=engines, decisions_per_round=1)
+
+
+# -- the direct path (serving.relay_path direct, issue 25) -------------------------------
+
+
+def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any) -> None:
+    """All of Narwhal's Python per relayed event on the direct path, without the sockets:
+    the engine connection's data_received (HTTP/1.1 chunked framing) -> DirectFeed.take
+    (the relay step: SSE split, orjson parse, T02-T04, T10 strip, re-serialise) ->
+    H1Direct.write (h11's chunk framing) onto a transport that keeps nothing. What is left
+    of a relayed event's CPU is the event loop and the kernel (two syscalls and a wake-up)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import h11
+    from hypercorn.protocol.http_stream import ASGIHTTPState
+
+    from narwhal.http.hyper import H1Direct
+    from narwhal.upstream.http1 import _Conn
+    from narwhal.worker.direct import DirectFeed
+
+    class _Sink:
+        def write(self, data: bytes) -> None:
+            pass
+
+        def is_closing(self) -> bool:
+            return False
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    loop = asyncio.new_event_loop()
+    try:
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        conn.next_event(), conn.next_event()
+        conn.send(h11.Response(status_code=200, headers=[]))
+        t = _Sink()
+        server = SimpleNamespace(writer=SimpleNamespace(transport=t), send_lock=asyncio.Lock())
+        direct = H1Direct(SimpleNamespace(state=ASGIHTTPState.RESPONSE, closed=False), SimpleNamespace(connection=conn), server)  # type: ignore[arg-type]
+        relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
+        feed = DirectFeed(relay, loop.time, direct.write)
+        up = _Conn(("127.0.0.1", 1), loop, 30.0)
+        up._state, up._chunked, up._remaining = "body", True, 0
+        up._direct = feed.take
+        first = sse(vllm_chunk(0))
+        up.data_received(b"%x\r\n%b\r\n" % (len(first), first))  # the first token: handed to the task
+        feed.pending = None
+        up._direct = feed.take
+        ev = sse(vllm_chunk(7))
+        chunk = b"%x\r\n%b\r\n" % (len(ev), ev)
+        benchmark(up.data_received, chunk)
+        assert up._direct is not None and feed.pending is None and relay.token_count > 1
+        benchmark.extra_info["events_per_round"] = 1
+    finally:
+        loop.close()
