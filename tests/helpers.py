@@ -40,6 +40,7 @@ class RunningRouter:
         self.url = url
         self.router = router
         self.loop = loop
+        self.app: Any = None
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run fn(*args) on the router's loop (for state the loop owns) and return its result."""
@@ -90,7 +91,7 @@ def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = No
         stop = asyncio.Event()
         router = build_router(cfg, engines)
         holder["router"] = router.control
-        app = router.app(manage=False)
+        app = holder["app"] = router.app(manage=False)
         if start:
             await router.start()
         from hypercorn.asyncio import serve
@@ -124,6 +125,7 @@ def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = No
     if "error" in holder:
         raise holder["error"]
     rr = RunningRouter(f"http://{listen}", holder["router"], loop)
+    rr.app = holder["app"]  # the ASGI app itself, for calls without hypercorn (another server's scope)
     try:
         yield rr
     finally:

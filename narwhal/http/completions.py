@@ -376,7 +376,7 @@ class CompletionEndpoint:
                 r.telemetry.e2e.labels(ended).observe(r.clock.now() - arrival)
                 _end(rec, ended, r.clock.now())
             return
-        sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0, scope["extensions"].get(hyper.DIRECT) if r.direct_relay else None)
+        sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0, (scope.get("extensions") or {}).get(hyper.DIRECT) if r.direct_relay else None)
         cls: str | None = None
         try:
             adm = r.config.admission
@@ -466,7 +466,7 @@ class CompletionEndpoint:
                 key_id=None if who is None else who.key_id,
             )
             del body  # the parsed request holds what the rest needs; a long prompt's bytes go now
-            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid, rec), receive, sink, scope["extensions"].get(hyper.CLOSE), self.stalls)
+            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid, rec), receive, sink, (scope.get("extensions") or {}).get(hyper.CLOSE), self.stalls)
         except asyncio.CancelledError:
             cls = "cancelled"
             raise

@@ -181,12 +181,16 @@ def test_direct_feed_for_an_assembling_relay_writes_nothing() -> None:
 # -- the path taken, over real HTTP -----------------------------------------------------
 
 
+_ROUTERS: dict[str, Any] = {}
+
+
 @pytest.fixture(scope="module")
 def routed(relay_path: str) -> Iterator[tuple[str, str]]:
     with running_fleet([MockConfig(dialect="vllm", role="unified", name="u0", timing=Timing(time_scale=0.25))]) as mocks:
         specs = [EngineSpec(m.name, m.url, "unified", "vllm", None, None) for m in mocks]
         cfg = {"serving": {"relay_path": relay_path}, "admission": {"mode": "open", "prediction": {"profile_on_start": False}}}
         with running_router(cfg, specs) as rr:
+            _ROUTERS[relay_path] = rr
             yield rr.url, relay_path
 
 
@@ -237,3 +241,48 @@ def test_the_path_each_request_takes(routed: tuple[str, str], counted: dict[str,
         # the task; on a busy machine reads coalesce events (hence no more than 3 asked)
         assert streamed >= 3 and streamed - 2 <= writes <= streamed
         assert assembled >= 3
+
+
+# -- another ASGI server's scope: no extensions, the receive() watcher and ASGI send -----
+
+
+def _asgi_call(rr: Any, body: dict[str, Any], *, disconnect_after: int | None = None) -> list[dict[str, Any]]:
+    """Call the app on the router's loop with a plain ASGI scope (no `extensions`, as
+    granian gives it); the client disconnects after `disconnect_after` body messages."""
+    raw = orjson.dumps(body)
+
+    async def go() -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+        gone = asyncio.Event()
+        msgs = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if msgs:
+                return msgs.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(m: dict[str, Any]) -> None:
+            sent.append(m)
+            if disconnect_after is not None and sum(1 for x in sent if x["type"] == "http.response.body") >= disconnect_after:
+                gone.set()
+
+        scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "scheme": "http", "root_path": ""}
+        await asyncio.wait_for(rr.app(scope, receive, send), 20)
+        return sent
+
+    return asyncio.run_coroutine_threadsafe(go(), rr.loop).result(timeout=30)
+
+
+def test_a_scope_without_extensions_streams_and_is_cancelled_by_its_disconnect(routed: tuple[str, str]) -> None:
+    _, path = routed
+    rr = _ROUTERS[path]
+    sent = _asgi_call(rr, _chat(True, n=6))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert sent[0]["status"] == 200 and body.endswith(b"data: [DONE]\n\n") and body.count(b"data: ") == 8
+    before = rr.books()["terminal"]["cancelled"]
+    _asgi_call(rr, _chat(True, n=400), disconnect_after=3)
+    rr.balanced()
+    assert rr.books()["terminal"]["cancelled"] == before + 1
