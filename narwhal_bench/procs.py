@@ -20,10 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Proc", "cpu_seconds", "rss_bytes", "descendants", "layout", "pin_self", "free_port", "wait_http", "log_dir", "raise_nofile"]
+__all__ = ["run_bench", "Proc", "cpu_seconds", "rss_bytes", "descendants", "layout", "pin_self", "free_port", "wait_http", "log_dir", "raise_nofile"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -220,3 +221,24 @@ def running(procs: Sequence[Proc]) -> Iterator[Sequence[Proc]]:
 
 def python() -> str:
     return sys.executable
+
+
+def run_bench(name: str, work: Callable[[], Any]) -> tuple[int, Any]:
+    """Run a whole bench: SIGTERM unwinds it like ^C (every process it started is stopped
+    by its own cleanup); (0, work's result), or (130, None) when interrupted, or (1, None)
+    with the reason printed when it could not run."""
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return 0, work()
+    except KeyboardInterrupt:
+        print(f"narwhal bench {name}: interrupted", file=sys.stderr)
+        return 130, None
+    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
+        print(f"narwhal bench {name}: {e}", file=sys.stderr)
+        return 1, None
+    finally:
+        signal.signal(signal.SIGTERM, previous)

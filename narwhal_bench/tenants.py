@@ -84,7 +84,7 @@ from . import harness as H
 from .client import make_client
 from .experiments import _burst, _cleanup, _pinning_note, _prefill_ms, _run, _wait_idle, capacity
 from .load import Arrival, RequestShape, fixed_rate, run_open_loop
-from .procs import Proc, command_line, free_port, layout, log_dir, pin_self
+from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
 from .stats import Result, fmt_ms, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "ARMS"]
@@ -452,27 +452,14 @@ def tables(data: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         verdict(data)
         print(tables(data))
         return 0
-    previous = signal.signal(signal.SIGTERM, on_term)  # unwind: every process started here is stopped
-    try:
-        data = tenants(args)
-    except KeyboardInterrupt:
-        print("narwhal bench tenants: interrupted", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
-        print(f"narwhal bench tenants: {e}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    rc, data = run_bench("tenants", lambda: tenants(args))
+    if rc:
+        return rc
     md = tables(data)
     print()
     print(md)

@@ -77,7 +77,7 @@ from .experiments import (
     relay_one,
 )
 from .load import RequestShape, fixed_rate
-from .procs import command_line, layout, pin_self
+from .procs import command_line, layout, pin_self, run_bench
 from .stats import fmt_ms, markdown_table, summarize
 
 __all__ = ["add_arguments", "run", "main", "versus", "command", "runs_order", "median", "summary", "verdict", "tables", "estimate_s", "PARTS", "ROUTERS", "TARGETS"]
@@ -435,26 +435,13 @@ def _progress(m: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         print(tables(data))
         return 0
-    previous = signal.signal(signal.SIGTERM, on_term)  # unwind: every process started here is stopped
-    try:
-        data = versus(args)
-    except KeyboardInterrupt:
-        print("narwhal bench versus: interrupted", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
-        print(f"narwhal bench versus: {e}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    rc, data = run_bench("versus", lambda: versus(args))
+    if rc:
+        return rc
     data["summary"] = summary(data["measurements"], data["routers"])
     data["verdict"] = verdict(data["summary"], mem_streams=data["mem_streams"] if "memory" in data["parts"] else None, rate=data["settings"]["rate"])
     rep = Report("versus: Narwhal, SMG, vllm-router and Envoy side by side")

@@ -116,6 +116,28 @@ def _common_missing(adm: dict[str, Any], mon: dict[str, Any]) -> list[str]:
     return out
 
 
+def _sglang_family_bounds(cfg: dict[str, Any], health_path: str, argv: list[str], done: list[str], *, cb_success: bool) -> None:
+    """The flags vllm-router and SMG share (both grew from the SGLang router): the whole
+    request's bound, health checks, the breaker and retries. `cb_success`: SMG's
+    --cb-success-threshold (vllm-router has none)."""
+    mon = cfg["monitoring"]
+    argv += ["--request-timeout-secs", str(WHOLE_REQUEST_TIMEOUT_S)]
+    done.append(f"upstream.idle_timeout_ms {cfg['upstream']['idle_timeout_ms']} -> --request-timeout-secs {WHOLE_REQUEST_TIMEOUT_S}"
+                " (whole request; no idle timeout)")
+    iv, to = _secs(mon["poll_interval_ms"]), _secs(mon["poll_timeout_ms"])
+    argv += ["--health-check-endpoint", health_path, "--health-check-interval-secs", str(iv), "--health-check-timeout-secs", str(to),
+             "--health-failure-threshold", "1", "--health-success-threshold", "1"]
+    done.append(f"poll_interval_ms {mon['poll_interval_ms']} -> --health-check-interval-secs {iv} (whole seconds, at least 1);"
+                f" poll_timeout_ms {mon['poll_timeout_ms']} -> --health-check-timeout-secs {to}; GET {health_path}, one poll decides")
+    cd = _secs(mon["breaker_cooldown_ms"])
+    argv += ["--cb-failure-threshold", str(mon["breaker_failures"]), "--cb-timeout-duration-secs", str(cd)]
+    if cb_success:
+        argv += ["--cb-success-threshold", "1"]
+    argv += ["--retry-max-retries", "2"]
+    done.append(f"breaker_failures {mon['breaker_failures']} -> --cb-failure-threshold; breaker_cooldown_ms {mon['breaker_cooldown_ms']}"
+                f" -> --cb-timeout-duration-secs {cd}{', --cb-success-threshold 1' if cb_success else ''}; --retry-max-retries 2 (two attempts: one retry, as Narwhal)")
+
+
 def _vllm_router(pd: bool) -> Builder:
     def build(cfg: dict[str, Any], venv: Path, tmp: Path) -> _Launch:
         host, port = _listen(cfg)
@@ -145,18 +167,7 @@ def _vllm_router(pd: bool) -> Builder:
         argv += ["--queue-size", str(adm["queue_limit"]), "--queue-timeout-secs", str(_secs(adm["max_wait_ms"]))]
         done.append(f"queue_limit {adm['queue_limit']} -> --queue-size; max_wait_ms {adm['max_wait_ms']} -> --queue-timeout-secs"
                     f" {_secs(adm['max_wait_ms'])} (the queue only acts when the bucket is dry)")
-        argv += ["--request-timeout-secs", str(WHOLE_REQUEST_TIMEOUT_S)]
-        done.append(f"upstream.idle_timeout_ms {cfg['upstream']['idle_timeout_ms']} -> --request-timeout-secs {WHOLE_REQUEST_TIMEOUT_S}"
-                    " (whole request; no idle timeout)")
-        iv, to = _secs(mon["poll_interval_ms"]), _secs(mon["poll_timeout_ms"])
-        argv += ["--health-check-endpoint", health_path, "--health-check-interval-secs", str(iv), "--health-check-timeout-secs", str(to),
-                 "--health-failure-threshold", "1", "--health-success-threshold", "1"]
-        done.append(f"poll_interval_ms {mon['poll_interval_ms']} -> --health-check-interval-secs {iv} (whole seconds);"
-                    f" poll_timeout_ms {mon['poll_timeout_ms']} -> --health-check-timeout-secs {to}; GET {health_path}, one poll decides")
-        cd = _secs(mon["breaker_cooldown_ms"])
-        argv += ["--cb-failure-threshold", str(mon["breaker_failures"]), "--cb-timeout-duration-secs", str(cd), "--retry-max-retries", "2"]
-        done.append(f"breaker_failures {mon['breaker_failures']} -> --cb-failure-threshold; breaker_cooldown_ms {mon['breaker_cooldown_ms']}"
-                    f" -> --cb-timeout-duration-secs {cd}; --retry-max-retries 2 (one retry, as Narwhal)")
+        _sglang_family_bounds(cfg, health_path, argv, done, cb_success=False)
         extra = [f"policy round_robin; metrics on {host}:{port + 5}; ready /readiness; unknown GET paths are relayed to an engine"]
         if pd:
             extra.append("P/D: its own x-request-id (both legs' addresses) goes to the engines")
@@ -280,19 +291,7 @@ def _smg(pd: bool) -> Builder:
                            " mode; its overload protection reads the engine's own waiting queue)")
         if adm.get("mode") == "predictive":
             missing.append(f"predictive admission (ttft_budget_ms {adm['ttft_budget_ms']}, tpot_budget_ms {adm['prediction']['tpot_budget_ms']})")
-        argv += ["--request-timeout-secs", str(WHOLE_REQUEST_TIMEOUT_S)]
-        done.append(f"upstream.idle_timeout_ms {cfg['upstream']['idle_timeout_ms']} -> --request-timeout-secs {WHOLE_REQUEST_TIMEOUT_S}"
-                    " (whole request; no idle timeout)")
-        iv, to = _secs(mon["poll_interval_ms"]), _secs(mon["poll_timeout_ms"])
-        argv += ["--health-check-endpoint", health_path, "--health-check-interval-secs", str(iv), "--health-check-timeout-secs", str(to),
-                 "--health-failure-threshold", "1", "--health-success-threshold", "1"]
-        done.append(f"poll_interval_ms {mon['poll_interval_ms']} -> --health-check-interval-secs {iv} (whole seconds, at least 1);"
-                    f" poll_timeout_ms {mon['poll_timeout_ms']} -> --health-check-timeout-secs {to}; GET {health_path}, one poll decides")
-        cd = _secs(mon["breaker_cooldown_ms"])
-        argv += ["--cb-failure-threshold", str(mon["breaker_failures"]), "--cb-timeout-duration-secs", str(cd), "--cb-success-threshold", "1",
-                 "--retry-max-retries", "2"]
-        done.append(f"breaker_failures {mon['breaker_failures']} -> --cb-failure-threshold; breaker_cooldown_ms {mon['breaker_cooldown_ms']}"
-                    f" -> --cb-timeout-duration-secs {cd}, --cb-success-threshold 1; --retry-max-retries 2 (two attempts: one retry, as Narwhal)")
+        _sglang_family_bounds(cfg, health_path, argv, done, cb_success=True)
         extra = [f"policy round_robin; metrics on {host}:{port + 5}; ready /readiness; no tokenizer given (none needed to relay)"]
         if pd:
             extra.append("P/D: --pd-disaggregation, engines from its discovery file with kv_connector NixlConnector (vLLM's two phases:"
