@@ -83,7 +83,17 @@ from .fleet import Admin, Mock, active, classify, gone, wait_fleet
 from .ha import Attempt, Request, _arun, _commit, books_at_rest
 from .harness import Engine, narwhal_config, start_narwhal
 from .load import open_loop
-from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
+from .procs import (
+    Proc,
+    command_line,
+    free_port,
+    layout,
+    log_dir,
+    pin_self,
+    python,
+    run_bench,
+    wait_http,
+)
 from .stats import Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "ARMS", "MReq", "MigRec", "KillRecord", "RollStep", "expected_ids", "request_body",
@@ -771,23 +781,12 @@ def verdict(res: dict[str, Any]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # unwind: every process started here is stopped
-
     if getattr(args, "from_json", None):
         print(_markdown(json.loads(Path(args.from_json).read_text())))
         return 0
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        res = run_arms(args)
-    except KeyboardInterrupt:
-        print("narwhal bench migration: interrupted", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, FileNotFoundError, OSError, ValueError) as e:
-        print(f"narwhal bench migration: {e}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    rc, res = run_bench("migration", lambda: run_arms(args))
+    if rc:
+        return rc
     md = _markdown(res)
     print(md)
     if args.out:

@@ -237,7 +237,7 @@ def run_bench(name: str, work: Callable[[], Any]) -> tuple[int, Any]:
     except KeyboardInterrupt:
         print(f"narwhal bench {name}: interrupted", file=sys.stderr)
         return 130, None
-    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
+    except (RuntimeError, TimeoutError, OSError, ValueError) as e:
         print(f"narwhal bench {name}: {e}", file=sys.stderr)
         return 1, None
     finally:

@@ -105,14 +105,19 @@ def conformance_stack(names: tuple[str, ...] = tuple(PROFILES), *, timeout_s: fl
                     raise RuntimeError(f"router for profile {p.name} not ready: {problems}\n{stack.log(p.name)}")
             yield stack
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            _stop(procs)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the routers started here, by PID: terminate, then kill after 10 s."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 @contextlib.contextmanager
@@ -135,14 +140,7 @@ def serving(profile: Profile, base: int, tmp: Path, configs: dict[str, tuple[str
             assert not problems, f"{name}: {problems}\n{(tmp / f'{name}.log').read_text()[-3000:]}"
         yield targets
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        _stop(procs)
 
 
 def run(target: str, profile: str, port_base: int, *extra: str) -> tuple[int, str]:
