@@ -69,6 +69,10 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
   13. Not a defect: every response's head gets hypercorn's Date header, formatted anew
      each time (wsgiref's format_date_time, 3 % of the router's CPU at 200 short requests
      a second). `ServerConfig` keeps the headers of the current second per protocol.
+  14. Not a defect: hypercorn's keep-alive timer is a task (wait_for inside it makes a
+     second) stopped when each request starts and restarted when it ends, each time
+     cancelled and awaited: loop turns on every request's path before the app runs.
+     `lean.LeanIdle` is the same rule as one loop timer (HardenedTCPServer.idle_task).
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
@@ -107,7 +111,7 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from narwhal_generated import errors as E
 
-from .lean import LeanEvent, LeanQueue
+from .lean import LeanEvent, LeanIdle, LeanQueue
 
 __all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector",
            "H1Direct", "DIRECT", "DIRECT_BUFFER", "CloseHook", "CLOSE", "LeanTaskGroup", "ServerConfig"]
@@ -465,7 +469,13 @@ CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
 
 
 class HardenedTCPServer(TCPServer):
-    """Defects 5, 6 and 8, and the connection counts."""
+    """Defects 5, 6 and 8, item 14, and the connection counts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        terminated = self.context.terminated
+        if isinstance(terminated, LeanEvent):  # item 14 (with install()'s event_class)
+            self.idle_task = LeanIdle(self, terminated)  # type: ignore[assignment]
 
     async def run(self) -> None:
         peer = self.writer.get_extra_info("peername")

@@ -11,15 +11,22 @@ the same semantics with nothing allocated until a waiter exists:
     first served, a cancelled waiter passing its wake-up on, as asyncio.Queue does.
     Items in a list: the bound is small (hypercorn's max_app_queue_size, 10).
   * `LeanEvent`: hypercorn's EventWrapper API (async set and clear, wait, is_set) over a
-    flag and a lazily made list of waiters.
+    flag and a lazily made list of waiters; `hook(key, cb)` runs cb once at set().
+  * `LeanIdle`: hypercorn's keep-alive timer (AsyncioSingleTask running
+    TCPServer._idle_timeout) as one loop timer. hypercorn stops the timer when a request
+    starts and restarts it when the response ends, each time cancelling a task (and the
+    task wait_for makes inside it) and awaiting it: two to four loop turns on every
+    request's path before the app runs, and two tasks made per request. Same rule: a
+    connection idle for keep_alive_timeout, or idle when the server stops, is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LeanQueue", "LeanEvent"]
+__all__ = ["LeanQueue", "LeanEvent", "LeanIdle"]
 
 
 def _wake_first(waiters: list[asyncio.Future[None]] | None) -> None:
@@ -97,11 +104,22 @@ class LeanQueue:
 
 
 class LeanEvent:
-    __slots__ = ("_flag", "_waiters")
+    __slots__ = ("_flag", "_waiters", "_hooks")
 
     def __init__(self) -> None:
         self._flag = False
         self._waiters: list[asyncio.Future[None]] | None = None
+        self._hooks: dict[object, Callable[[], object]] | None = None
+
+    def hook(self, key: object, cb: Callable[[], object]) -> None:
+        """cb() once, at the next set() (a key hooks one callback; unhook(key) drops it)."""
+        if self._hooks is None:
+            self._hooks = {}
+        self._hooks[key] = cb
+
+    def unhook(self, key: object) -> None:
+        if self._hooks is not None:
+            self._hooks.pop(key, None)
 
     def is_set(self) -> bool:
         return self._flag
@@ -113,6 +131,9 @@ class LeanEvent:
             for w in ws or ():
                 if not w.done():
                     w.set_result(None)
+            hooks, self._hooks = self._hooks, None
+            for cb in (hooks or {}).values():
+                cb()
 
     async def clear(self) -> None:
         self._flag = False
@@ -129,3 +150,47 @@ class LeanEvent:
         finally:
             if self._waiters is not None and fut in self._waiters:
                 self._waiters.remove(fut)
+
+
+class LeanIdle:
+    """The keep-alive timer of one hypercorn TCPServer (its `idle_task`): `restart` arms a
+    loop timer of config.keep_alive_timeout, `stop` disarms it; neither suspends. When it
+    fires, or the worker's `terminated` event is set while it is armed (the server is
+    stopping), the connection is closed as hypercorn's _idle_timeout closes it
+    (`_initiate_server_close`, as a task of the connection's task group). Invariant: once
+    stop() returns, the timer closes nothing; a close already begun runs on, as hypercorn's
+    shielded one does."""
+
+    __slots__ = ("_server", "_terminated", "_handle", "_group", "_closing")
+
+    def __init__(self, server: Any, terminated: LeanEvent) -> None:
+        self._server = server
+        self._terminated = terminated
+        self._handle: asyncio.TimerHandle | None = None
+        self._group: Any = None
+        self._closing: asyncio.Task[None] | None = None
+
+    async def restart(self, task_group: Any, action: object = None) -> None:
+        """`action` (hypercorn passes its _idle_timeout) is what `_fire` does."""
+        self._disarm()
+        self._group = task_group
+        if self._terminated.is_set():
+            self._fire()
+            return
+        s = self._server
+        self._handle = s.loop.call_later(s.config.keep_alive_timeout, self._fire)
+        self._terminated.hook(self, self._fire)
+
+    async def stop(self) -> None:
+        self._disarm()
+
+    def _disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+            self._terminated.unhook(self)
+
+    def _fire(self) -> None:
+        self._disarm()
+        if self._closing is None and self._group is not None:
+            self._closing = self._group._task_group.create_task(self._server._initiate_server_close())

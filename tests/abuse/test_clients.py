@@ -487,3 +487,20 @@ def test_metrics_show_open_client_connections_by_state(rr: tuple[RunningRouter, 
         idle = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith('narwhal_client_connections{') and 'state="idle"' in line)
         assert idle >= 1, text
     assert "narwhal_h2_refused_streams_total" in text and "narwhal_client_connections_h2" in text
+
+
+def test_an_idle_keep_alive_connection_closes_after_keep_alive_ms(rr: tuple[RunningRouter, Any]) -> None:
+    """hyper.py item 14 (the keep-alive timer as a loop timer): a request on the connection
+    stops the timer and its response's end starts it anew; idle keep_alive_ms (3 s), the
+    router closes the connection."""
+    router, _ = rr
+    with socket.create_connection(_addr(router)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert _recv_all(s, 0.5).startswith(b"HTTP/1.1 200")
+        time.sleep(2.0)  # idle, under keep_alive_ms: the connection stays
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert _recv_all(s, 0.5).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        s.settimeout(8.0)
+        assert s.recv(100) == b""  # the router's FIN, keep_alive_ms after the last answer
+        assert time.monotonic() - t0 > 1.5  # not the first answer's timer (it was restarted)

@@ -1,5 +1,6 @@
 """narwhal/http/lean.py: LeanQueue and LeanEvent behave as asyncio.Queue and hypercorn's
-EventWrapper do (hyper.py item 12 swaps them in for memory per open stream)."""
+EventWrapper do (hyper.py item 12 swaps them in for memory per open stream); LeanIdle
+closes as hypercorn's keep-alive task does (item 14)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,88 @@ def test_they_are_lean() -> None:
 
     assert size(lambda: LeanQueue(10)) * 4 < size(lambda: asyncio.Queue(10))
     assert size(LeanEvent) * 2 < size(asyncio.Event)
+
+
+class _Server:
+    """What LeanIdle uses of hypercorn's TCPServer."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.config = type("C", (), {"keep_alive_timeout": timeout_s})()
+        self.closes = 0
+
+    async def _initiate_server_close(self) -> None:
+        self.closes += 1
+
+
+class _Group:
+    def __init__(self, tg: asyncio.TaskGroup) -> None:
+        self._task_group = tg
+
+
+@pytest.mark.parametrize(
+    ("steps", "closes"),
+    [
+        (["restart", "sleep_past"], 1),  # idle past keep_alive_timeout: closed once
+        (["restart", "stop", "sleep_past"], 0),  # a request began: nothing is closed
+        (["restart", "restart", "sleep_past"], 1),  # restarted: one timer, one close
+        (["restart", "sleep_half", "restart", "sleep_half", "stop", "sleep_past"], 0),  # restart moves the deadline on
+        (["restart", "terminate"], 1),  # the server stops: an idle connection closes at once
+        (["terminate", "restart"], 1),  # idle after the server began stopping: at once
+        (["restart", "stop", "terminate", "sleep_past"], 0),  # busy when the server stops: not by the timer
+    ],
+    ids=["fires", "stopped", "restarted", "deadline_moves", "terminated_while_idle", "idle_after_terminated", "busy_at_terminate"],
+)
+def test_lean_idle_closes_as_hypercorns_idle_task(steps: list[str], closes: int) -> None:
+    """hyper.py item 14: the keep-alive timer's rule, without a task per request."""
+    from narwhal.http.lean import LeanIdle
+
+    async def main() -> tuple[int, int]:
+        srv = _Server(0.1)
+        term = LeanEvent()
+        async with asyncio.TaskGroup() as tg:
+            idle = LeanIdle(srv, term)
+            for s in steps:
+                if s == "restart":
+                    await idle.restart(_Group(tg), None)
+                elif s == "stop":
+                    await idle.stop()
+                elif s == "terminate":
+                    await term.set()
+                    await asyncio.sleep(0.01)
+                elif s == "sleep_past":
+                    await asyncio.sleep(0.25)
+                elif s == "sleep_half":
+                    await asyncio.sleep(0.06)
+            hooked = len(term._hooks or {})
+        return srv.closes, hooked
+
+    got, hooked = run(main())
+    assert got == closes
+    assert hooked == 0  # in every case the timer ends stopped or fired: nothing left hooked
+
+
+def test_lean_idle_makes_no_task_per_request() -> None:
+    """A request's stop and the response's restart run without suspending (no loop turn on
+    the request's path) and without making a task."""
+    from narwhal.http.lean import LeanIdle
+
+    async def main() -> int:
+        srv = _Server(5.0)
+        term = LeanEvent()
+        async with asyncio.TaskGroup() as tg:
+            idle = LeanIdle(srv, term)
+            before = len(asyncio.all_tasks())
+            for _ in range(100):
+                await idle.restart(_Group(tg), None)
+                c = idle.stop()
+                try:
+                    c.send(None)
+                except StopIteration:
+                    pass
+                else:
+                    raise AssertionError("stop() suspended")
+            made = len(asyncio.all_tasks()) - before
+        return made
+
+    assert run(main()) == 0
