@@ -83,7 +83,7 @@ class AsgiSink:
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now", "ending", "_direct")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now", "start_now", "ending", "_direct")
 
     def __init__(self, send: Send, rid: str, stall_s: float, direct: hyper.H1Direct | None = None) -> None:
         self._send = send
@@ -91,6 +91,7 @@ class AsgiSink:
         # ASGI would do (hyper.py item 11); the relay writes from the engine's reads with it
         self._direct = direct
         self.write_now = direct.write if direct is not None else None
+        self.start_now = self._start_now if direct is not None else None
         self.ending = False  # the response's last message is being sent: its stream closing is its end
         self.rid = rid
         self.headers_sent = False
@@ -118,13 +119,25 @@ class AsgiSink:
         await self._out({"type": "http.response.body", "body": body, "more_body": False})
         self.finished = True
 
-    async def start_stream(self) -> None:
+    def _head(self) -> list[tuple[bytes, bytes]]:
+        return [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]
+
+    def _start_now(self, first: bytes) -> bool:
+        """The stream's head and its first bytes written now (hyper.py items 11, 15), or
+        nothing (False)."""
+        assert self._direct is not None
+        if not self._direct.start(200, self._head(), first):
+            return False
         self.headers_sent = True
         self.status = 200
-        h = [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]
-        if self._direct is not None and self._direct.start(200, h):  # HTTP/1.1: straight out (hyper.py item 11)
+        return True
+
+    async def start_stream(self) -> None:
+        if self._direct is not None and self._start_now(b""):  # HTTP/1.1: straight out (hyper.py item 11)
             return
-        await self._out({"type": "http.response.start", "status": 200, "headers": h})
+        self.headers_sent = True
+        self.status = 200
+        await self._out({"type": "http.response.start", "status": 200, "headers": self._head()})
 
     async def write(self, data: bytes) -> None:
         await self._out({"type": "http.response.body", "body": data, "more_body": True})

@@ -73,6 +73,11 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      second) stopped when each request starts and restarted when it ends, each time
      cancelled and awaited: loop turns on every request's path before the app runs.
      `lean.LeanIdle` is the same rule as one loop timer (HardenedTCPServer.idle_task).
+  15. Not a defect: h11 rebuilds every response head it sends (content-length dropped,
+     transfer-encoding set, each a pass over all headers with its regexes, and a third
+     when the Response is made again). `H1Direct.start` builds the SSE head as h11 would
+     leave it and sends it through `PreparedH11` as built, with the first event in the
+     same write (one segment to the client, not two).
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
@@ -114,7 +119,7 @@ from narwhal_generated import errors as E
 from .lean import LeanEvent, LeanIdle, LeanQueue
 
 __all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector",
-           "H1Direct", "DIRECT", "DIRECT_BUFFER", "CloseHook", "CLOSE", "LeanTaskGroup", "ServerConfig"]
+           "H1Direct", "PreparedH11", "DIRECT", "DIRECT_BUFFER", "CloseHook", "CLOSE", "LeanTaskGroup", "ServerConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,16 +379,18 @@ class H1Direct:
         self._lock = server.send_lock
         self._transport = server.writer.transport
 
-    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
         """The response head, as ASGI's http.response.start would send it (hypercorn's
-        headers added, h11's state moved on), written now; False: nothing was done (send
-        it through ASGI). h11 is told the headers are parsed: the app's names are its own
-        constants and a value with CR, LF or NUL (which h11 would refuse) declines here."""
+        headers added, h11's state moved on), and `first` body bytes as its first chunk,
+        written now in one write; False: nothing was done (send it through ASGI). h11 is
+        told the headers are parsed: the app's names are its own lower-case constants and a
+        value with CR, LF or NUL (which h11 would refuse) declines here."""
         st = self._stream
         t = self._transport
         proto = self._proto
+        conn = self._conn
         if (
-            st.state is not _REQUEST or st.closed or self._conn.our_state is not _SEND_RESPONSE or self._lock._locked or t.is_closing()
+            st.state is not _REQUEST or st.closed or conn.our_state is not _SEND_RESPONSE or self._lock._locked or t.is_closing()
             or proto.keep_alive_requests >= proto.config.keep_alive_max_requests  # hypercorn would add connection: close
         ):
             return False
@@ -391,9 +398,20 @@ class H1Direct:
             if b"\r" in v or b"\n" in v or b"\0" in v:
                 return False
         hs = [*headers, *proto.config.response_headers("h11")]
-        data = self._conn.send(h11.Response(status_code=status, headers=hs, _parsed=True))
+        if type(conn) is PreparedH11 and conn.their_http_version == b"1.1" and conn._cstate.keep_alive:
+            # item 15: the head h11's clean-up would make (a chunked body: its framing header
+            # last, title-cased, as set_comma_header appends it), built once
+            ev = h11.Response(status_code=status, headers=[*hs, _CHUNKED], _parsed=True)
+            conn.prepared = ev
+        else:
+            ev = h11.Response(status_code=status, headers=hs, _parsed=True)
+        data = conn.send(ev)
         st.response = {"type": "http.response.start", "status": status, "headers": hs}
         st.state = _RESPONSE
+        if first and type(conn._writer) is ChunkedWriter:
+            data = (data or b"") + b"%x\r\n%b\r\n" % (len(first), first)
+        elif first:  # not chunked after all (an HTTP/1.0 client): the body as ASGI sends it
+            data = (data or b"") + (conn.send(h11.Data(data=first)) or b"")
         if data:
             t.write(data)
         return True
@@ -410,6 +428,25 @@ class H1Direct:
         if data:
             t.write(b"%x\r\n%b\r\n" % (len(data), data))
         return True
+
+
+_CHUNKED = (b"Transfer-Encoding", b"chunked")
+
+
+class PreparedH11(h11.Connection):
+    """Item 15: h11's server connection, except that a Response H1Direct built whole (the
+    headers h11's clean-up would give it) is sent as built: h11 rebuilds a response's headers
+    twice and validates them three times (~25 us of the first token's path). Anything
+    else is h11's own path. HardenedH11Protocol's connection is one of these."""
+
+    prepared: h11.Response | None = None
+
+    def _clean_up_response_headers_for_sending(self, response: h11.Response) -> h11.Response:
+        if response is self.prepared:
+            self.prepared = None
+            return response
+        self.prepared = None
+        return super()._clean_up_response_headers_for_sending(response)  # type: ignore[misc]
 
 
 _REQUEST = ASGIHTTPState.REQUEST
@@ -452,7 +489,13 @@ class HardenedHTTPStream(HTTPStream):
 
 
 class HardenedH11Protocol(H11Protocol):
-    """Defect 7: the server's own refusals carry the error envelope (H08, H09)."""
+    """Defect 7: the server's own refusals carry the error envelope (H08, H09). Item 15:
+    its connection is a PreparedH11."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if type(self.connection) is h11.Connection:
+            self.connection.__class__ = PreparedH11  # the same object, one method more
 
     async def _send_error_response(self, status_code: int) -> None:
         row = E.H09 if status_code == 431 else E.H08

@@ -7,13 +7,19 @@ inside the upstream protocol's `data_received`:
 
   * the relay step is the same `StreamRelay.feed` (parse, T01-T12 checks, strips, E02
     bounds, assembly): nothing is skipped, only where it runs changes;
-  * a step that needs nothing but its bytes written (no failure, not the end, not the
-    first token) is written with the sink's `write_now` (HTTP/1.1 under hypercorn: straight
-    to the client's transport), or for a non-streaming client just assembled;
-  * anything else -- a failure, the end, the first token, an engine error event, a write
-    the sink declines (the client's connection has 64 KiB waiting: the ASGI path's drain
-    then waits, and serving.send_stall_ms applies) -- is kept as `pending` and the task
-    wakes and handles that step exactly as it handles one it fed itself.
+  * a step that needs nothing but its bytes written (no failure, not the end) is written
+    with the sink's `write_now` (HTTP/1.1 under hypercorn: straight to the client's
+    transport), or for a non-streaming client just assembled;
+  * before the client's head is out, output that is not yet a start (events before the
+    first token) is held in the task's own buffer, and the step that starts the stream
+    writes the head and everything held in one write (`start_now`), as the task's
+    `_start` would send them;
+  * a first token, once its bytes are out, has its books kept here (`first_token`, after
+    the write: they are not on the client's time to first token);
+  * anything else -- a failure, the end, an engine error event, a head or a write the
+    sink declines (the client's connection has 64 KiB waiting: the ASGI path's drain then
+    waits, and serving.send_stall_ms applies) -- is kept as `pending` and the task wakes
+    and handles that step exactly as it handles one it fed itself (its bytes not held).
 
 Order is kept: after a hand-over, later reads queue on the connection until the task
 arms direct delivery again. Invariant: a step is handled once, by the callback or by the
@@ -25,29 +31,51 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..core.relay import Step, StreamRelay
+from .replies import Sink
 
 __all__ = ["DirectFeed"]
 
 
 class DirectFeed:
     """One decode leg's callback-side relay. `pending`: the step (and its time) the task
-    must handle before it reads on."""
+    must handle before it reads on. `sink`: a streaming client's (its write_now and
+    start_now set), None for a non-streaming one; `held`: the task's buffer of output
+    before the head; `first_token(now)`: the first token's books."""
 
-    __slots__ = ("_feed", "_now", "_write", "pending")
+    __slots__ = ("_feed", "_relay", "_now", "_sink", "_held", "_first", "pending")
 
-    def __init__(self, relay: StreamRelay, now: Callable[[], float], write_now: Callable[[bytes], bool] | None) -> None:
+    def __init__(self, relay: StreamRelay, now: Callable[[], float], sink: Sink | None, held: list[bytes], first_token: Callable[[float], None]) -> None:
         self._feed = relay.feed
+        self._relay = relay
         self._now = now
-        self._write = write_now  # None: a non-streaming client (nothing is written per event)
+        self._sink = sink
+        self._held = held
+        self._first = first_token
         self.pending: tuple[Step, float] | None = None
 
     def take(self, data: bytes) -> bool:
         """Feed one engine read; True when it was handled whole here."""
         now = self._now()
         step = self._feed(data, now)
-        if step.failure is None and not step.done and not step.first_token:
-            w = self._write
-            if w is None or not step.out or w(step.out):
+        if step.failure is None and not step.done:
+            sink = self._sink
+            out = step.out
+            if sink is None:  # assembled: nothing to write
+                ok = True
+            elif sink.headers_sent:
+                ok = not out or sink.write_now(out)  # type: ignore[misc]
+            elif not self._relay.started:  # not a start yet: held, as the task holds it
+                if out:
+                    self._held.append(out)
+                ok = True
+            else:
+                held = self._held
+                ok = sink.start_now(b"".join(held) + out if held else out)  # type: ignore[misc]
+                if ok:
+                    held.clear()
+            if ok:
+                if step.first_token:
+                    self._first(now)
                 return True
         self.pending = (step, now)
         return False

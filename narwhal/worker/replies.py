@@ -31,6 +31,9 @@ class Sink(Protocol):
     # return True, or write nothing and return False (then `write` them). None: the
     # server has no such path (HTTP/2, granian); every body byte goes through `write`.
     write_now: Callable[[bytes], bool] | None
+    # Synchronous, likewise: the stream's head and these first body bytes written now (True),
+    # or nothing (False: then start_stream and write). None where write_now is None.
+    start_now: Callable[[bytes], bool] | None
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
 

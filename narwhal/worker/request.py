@@ -273,10 +273,12 @@ class _Run:
             # scheduler's first_token), as any first token does; the relay has started long ago
             awaiting = relay.token_count if rejoin is not None else None
             # serving.relay_path direct (worker/direct.py): reads fed from the connection's
-            # callback; a streaming client's only once its headers are out
-            fast = DirectFeed(relay, now_fn, sink.write_now) if r.direct_relay and rejoin is None and (assembler is not None or sink.write_now is not None) else None
+            # callback, a streaming client's head and first token included
+            fast = None
+            if r.direct_relay and rejoin is None and (assembler is not None or (sink.write_now is not None and sink.start_now is not None)):
+                fast = DirectFeed(relay, now_fn, None if assembler is not None else sink, buffered, self._first_token)
             while True:
-                if fast is not None and fast.pending is None and (assembler is not None or sink.headers_sent):
+                if fast is not None and fast.pending is None:
                     await up.direct(fast.take)
                 if fast is not None and fast.pending is not None:
                     (step, now), fast.pending = fast.pending, None

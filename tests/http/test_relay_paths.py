@@ -81,10 +81,10 @@ def test_h1direct_declines_whenever_asgi_would_not_write_the_same(why: str) -> N
     assert t.out == []
 
 
-def _fresh() -> tuple[hyper.H1Direct, Any, h11.Connection, _Transport]:
+def _fresh(cls: type[h11.Connection] = h11.Connection, request: bytes = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n") -> tuple[hyper.H1Direct, Any, h11.Connection, _Transport]:
     """An H1Direct on a connection whose request is in and whose response has not begun."""
-    conn = h11.Connection(h11.SERVER)
-    conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    conn = cls(h11.SERVER)
+    conn.receive_data(request)
     while not isinstance(conn.next_event(), h11.Request):
         pass
     conn.next_event()
@@ -107,6 +107,47 @@ def test_h1direct_start_writes_the_head_h11_would_and_moves_the_states_on() -> N
     assert stream.state is ASGIHTTPState.RESPONSE and stream.response["status"] == 200
     assert conn.our_state is h11.SEND_BODY
     assert d.write(b"data: x\n\n")  # and the body goes on as chunks
+
+
+_REQUESTS = {
+    "keep_alive": b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n",
+    "connection_close": b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+    "http10": b"POST / HTTP/1.0\r\ncontent-length: 0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("first", [b"", b"data: {}\n\n"], ids=["head_only", "with_first_event"])
+@pytest.mark.parametrize("request_kind", list(_REQUESTS))
+@pytest.mark.parametrize("cls", [h11.Connection, hyper.PreparedH11], ids=["h11", "prepared"])
+def test_h1direct_start_writes_byte_for_byte_what_h11_writes(cls: type[h11.Connection], request_kind: str, first: bytes) -> None:
+    """Item 15: the head built as h11 would leave it (PreparedH11), or h11's own clean-up
+    (a client that asked to close, HTTP/1.0): the same bytes and states as h11 sending the
+    Response and then the first Data, in one write."""
+    d, _, conn, t = _fresh(cls, _REQUESTS[request_kind])
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-request-id", b"abc")]
+    assert d.start(200, headers, first)
+    ref = h11.Connection(h11.SERVER)
+    ref.receive_data(_REQUESTS[request_kind])
+    ref.next_event(), ref.next_event()
+    want = ref.send(h11.Response(status_code=200, headers=[*headers, (b"date", b"Thu, 03 Dec 2026 00:00:00 GMT")])) or b""
+    if first:
+        want += ref.send(h11.Data(data=first)) or b""
+    assert t.out == [want]
+    assert conn.our_state is ref.our_state and type(conn._writer) is type(ref._writer)
+    assert getattr(conn, "prepared", None) is None  # nothing left to mistake for a later response
+    assert conn.send(h11.EndOfMessage()) == ref.send(h11.EndOfMessage())
+
+
+def test_prepared_h11_builds_any_other_response_as_h11_does() -> None:
+    """A Response not built by H1Direct (a refusal's head, with content-length) takes h11's
+    own clean-up."""
+    conn, ref = hyper.PreparedH11(h11.SERVER), h11.Connection(h11.SERVER)
+    for c in (conn, ref):
+        c.receive_data(_REQUESTS["keep_alive"])
+        c.next_event(), c.next_event()
+    hs = [(b"content-type", b"application/json"), (b"content-length", b"2")]
+    assert conn.send(h11.Response(status_code=429, headers=hs)) == ref.send(h11.Response(status_code=429, headers=hs))
+    assert conn.send(h11.Data(data=b"{}")) == ref.send(h11.Data(data=b"{}"))
 
 
 @pytest.mark.parametrize("why", ["crlf_in_a_value", "nul_in_a_value", "already_started", "lock_held", "closing", "last_keep_alive_request"])
@@ -140,29 +181,72 @@ def _relay() -> StreamRelay:
     return StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
 
 
-def test_direct_feed_hands_the_first_token_the_end_and_failures_to_the_task() -> None:
-    written: list[bytes] = []
-    f = DirectFeed(_relay(), lambda: 1.0, lambda b: written.append(b) is None)
-    assert f.take(_event([1])) is False and f.pending is not None and f.pending[0].first_token  # the first token
-    f.pending = None
-    assert f.take(_event([2])) is True and f.pending is None
-    assert written and b"token_ids" not in written[0]  # T10: stripped on this path too
+class _Sink:
+    """What DirectFeed uses of a streaming client's sink."""
+
+    def __init__(self, *, head: bool = True, write: bool = True, started: bool = True) -> None:
+        self.headers_sent = started
+        self.out: list[bytes] = []
+        self._head, self._write = head, write
+
+    def write_now(self, data: bytes) -> bool:
+        assert self.headers_sent
+        if self._write:
+            self.out.append(data)
+        return self._write
+
+    def start_now(self, first: bytes) -> bool:
+        assert not self.headers_sent
+        if self._head:
+            self.headers_sent = True
+            self.out.append(b"HEAD|" + first)
+        return self._head
+
+
+def _feed(relay: StreamRelay | None = None, sink: _Sink | None = None, held: list[bytes] | None = None) -> tuple[DirectFeed, list[float]]:
+    firsts: list[float] = []
+    return DirectFeed(relay or _relay(), lambda: 1.0, sink, [] if held is None else held, firsts.append), firsts
+
+
+def test_direct_feed_starts_the_stream_with_its_first_token_and_hands_the_end_and_failures_to_the_task() -> None:
+    sink = _Sink(started=False)
+    f, firsts = _feed(sink=sink)
+    assert f.take(_event([1])) is True and f.pending is None  # head and first token in one write
+    assert len(sink.out) == 1 and sink.out[0].startswith(b"HEAD|data: ") and firsts == [1.0]  # its books after its bytes
+    assert f.take(_event([2])) is True and f.pending is None and firsts == [1.0]
+    assert b"token_ids" not in sink.out[1]  # T10: stripped on this path too
     assert f.take(b"data: {not json}\n\n") is False and f.pending is not None and f.pending[0].failure == ("E02", "an engine event is not JSON")
+    assert f.take(_event([3], finish="stop") + b"data: [DONE]\n\n") is False and f.pending[0].done  # type: ignore[index]
+
+
+def test_direct_feed_holds_what_comes_before_the_first_token_and_writes_it_with_the_head() -> None:
+    sink = _Sink(started=False)
+    held: list[bytes] = []
+    f, _ = _feed(sink=sink, held=held)
+    role = b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + b"\n\n"
+    assert f.take(role) is True and sink.out == [] and len(held) == 1  # the task's own buffer
+    assert f.take(_event([1])) is True and held == []
+    assert len(sink.out) == 1 and sink.out[0].count(b"data: ") == 2  # one write: head, role event, first token
+
+
+def test_direct_feed_hands_a_declined_head_to_the_task_without_holding_its_bytes() -> None:
+    sink = _Sink(started=False, head=False)
+    held: list[bytes] = []
+    f, firsts = _feed(sink=sink, held=held)
+    assert f.take(_event([1])) is False and f.pending is not None and f.pending[0].first_token
+    assert held == [] and firsts == []  # the task appends the step's bytes and starts through ASGI, then keeps the books
 
 
 def test_direct_feed_checks_token_ids_T03() -> None:
-    f = DirectFeed(_relay(), lambda: 1.0, lambda b: True)
+    f, _ = _feed(sink=_Sink())
     f.take(_event([1]))
-    f.pending = None
     assert f.take(_event([-5])) is False
     assert f.pending is not None and f.pending[0].failure is not None and f.pending[0].failure[0] == "E03"
 
 
 def test_direct_feed_hands_over_a_write_the_sink_declines() -> None:
-    f = DirectFeed(_relay(), lambda: 1.0, lambda b: False)
-    f.take(_event([1]))
-    f.pending = None
-    assert f.take(_event([2])) is False
+    f, _ = _feed(sink=_Sink(write=False))
+    assert f.take(_event([1])) is False
     step = f.pending[0] if f.pending else None
     assert step is not None and step.out and step.failure is None  # the task writes it through ASGI
 
@@ -171,9 +255,8 @@ def test_direct_feed_for_an_assembling_relay_writes_nothing() -> None:
     from narwhal.core.assembly import Assembler
 
     relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False, assembler=Assembler("chat"))
-    f = DirectFeed(relay, lambda: 1.0, None)
-    f.take(_event([1]))
-    f.pending = None
+    f, firsts = _feed(relay=relay)
+    assert f.take(_event([1])) is True and firsts == [1.0]
     assert f.take(_event([2])) is True
     assert f.take(_event([3], finish="stop") + b"data: [DONE]\n\n") is False and f.pending is not None and f.pending[0].done
 
@@ -196,8 +279,13 @@ def routed(relay_path: str) -> Iterator[tuple[str, str]]:
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    n = {"direct_writes": 0, "direct_reads": 0}
-    write, push = hyper.H1Direct.write, http1._Conn._push
+    n = {"direct_writes": 0, "direct_reads": 0, "direct_starts": 0}
+    write, start, push = hyper.H1Direct.write, hyper.H1Direct.start, http1._Conn._push
+
+    def counting_start(self: hyper.H1Direct, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
+        ok = start(self, status, headers, first)
+        n["direct_starts"] += ok and bool(first)
+        return ok
 
     def counting_write(self: hyper.H1Direct, data: bytes) -> bool:
         ok = write(self, data)
@@ -209,6 +297,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         push(self, data)
 
     monkeypatch.setattr(hyper.H1Direct, "write", counting_write)
+    monkeypatch.setattr(hyper.H1Direct, "start", counting_start)
     monkeypatch.setattr(http1._Conn, "_push", counting_push)
     return n
 
@@ -219,27 +308,29 @@ def _chat(stream: bool, n: int = 12) -> dict[str, Any]:
 
 @pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
 def test_the_path_each_request_takes(routed: tuple[str, str], counted: dict[str, int], http2: bool) -> None:
-    """direct: an HTTP/1.1 stream's engine reads after its first token are fed from the
-    engine connection's callback and their events written straight to the client's
-    connection; a non-streaming answer's reads are fed there too, over either protocol
+    """direct: an HTTP/1.1 stream's engine reads are fed from the engine connection's
+    callback, its head written with its first token and the events after it straight to
+    the client's connection; a non-streaming answer's reads are fed there too, over either protocol
     (an HTTP/2 stream's events go through ASGI send, so its reads wake its task). asgi:
     none of it. The answers are the same."""
     url, path = routed
     with httpx.Client(http2=http2, http1=not http2, timeout=30) as c:
         s = sse(url, _chat(True), client=c)
         assert s.status == 200 and s.done and len(s.chunks) == 13
-        streamed, writes = counted["direct_reads"], counted["direct_writes"]
+        streamed, writes, starts = counted["direct_reads"], counted["direct_writes"], counted["direct_starts"]
         r = c.post(url + "/v1/chat/completions", json=_chat(False))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
     assembled = counted["direct_reads"] - streamed
     if path == "asgi":
-        assert (streamed, writes, assembled) == (0, 0, 0)
+        assert (streamed, writes, starts, assembled) == (0, 0, 0, 0)
     elif http2:
-        assert (streamed, writes) == (0, 0) and assembled >= 3
+        assert (streamed, writes, starts) == (0, 0, 0) and assembled >= 3
     else:
-        # 12 token events 1.25 ms apart: the first token's read and the last one's go to
-        # the task; on a busy machine reads coalesce events (hence no more than 3 asked)
-        assert streamed >= 3 and streamed - 2 <= writes <= streamed
+        # 12 token events 1.25 ms apart: the role event's read is held, the first token's
+        # starts the stream, the last one's goes to the task; on a busy machine reads
+        # coalesce events (hence no more than 3 asked)
+        assert starts == 1
+        assert streamed >= 3 and streamed - 3 <= writes + starts <= streamed
         assert assembled >= 3
 
 
