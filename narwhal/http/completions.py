@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
@@ -194,6 +194,10 @@ class _Disconnected(Exception):
     pass
 
 
+class _Cancellable(Protocol):
+    def cancel(self) -> object: ...
+
+
 class Stalls:
     """serving.send_stall_ms for every request of an endpoint: one task, waking every
     stall_s / 4 while any request is watched, cancels each request whose pending send
@@ -202,10 +206,10 @@ class Stalls:
     __slots__ = ("watched", "_task")
 
     def __init__(self) -> None:
-        self.watched: dict[AsgiSink, asyncio.Future[str]] = {}
+        self.watched: dict[AsgiSink, _Cancellable] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def watch(self, sink: AsgiSink, task: asyncio.Future[str]) -> None:
+    def watch(self, sink: AsgiSink, task: _Cancellable) -> None:
         self.watched[sink] = task
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
@@ -228,6 +232,27 @@ class Stalls:
                     task.cancel()
 
 
+class _Cut:
+    """Cancels the request's own task for its client (gone, or stalled) and remembers it
+    did: that cancellation is the class `cancelled`, any other one goes on up."""
+
+    __slots__ = ("task", "sink", "fired")
+
+    def __init__(self, task: asyncio.Task[Any], sink: AsgiSink) -> None:
+        self.task = task
+        self.sink = sink
+        self.fired = False
+
+    def cancel(self) -> None:  # Stalls: the client accepted nothing for send_stall_ms
+        if not self.fired:
+            self.fired = True
+            self.task.cancel()
+
+    def gone(self) -> None:  # the stream closed: the client went away, unless it was the answer's end
+        if not self.sink.ending:
+            self.cancel()
+
+
 async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink, hook: hyper.CloseHook | None, stalls: Stalls) -> str:
     """Run the request; if the client disconnects first, or stops reading for
     serving.send_stall_ms, cancel it (which closes the engine connections and frees
@@ -235,32 +260,32 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, si
 
     hypercorn reports a disconnect only through receive(), and a send() to a gone client
     is silently dropped: without a watcher a stream would run on to its end. Under
-    hypercorn the stream's CloseHook (hyper.py) cancels the request when the stream
-    closes; under any other server a task waits on receive()."""
+    hypercorn the stream's CloseHook (hyper.py) cancels the request -- run here, in the
+    app's own task (a task of its own cost a loop turn before the engine saw the request,
+    and memory per open stream) -- when the stream closes; under any other server a task
+    waits on receive()."""
     if hook is None:
         return await _until_received_disconnect(work, receive, sink, stalls)
     if hook.closed:  # reset right after it was sent (HTTP/2 rapid reset): no engine sees it
         work.close()
         return "cancelled"
-    task = asyncio.ensure_future(work)
-
-    def gone() -> None:  # the stream closed: the client went away, unless it was the answer's end
-        if not sink.ending:
-            task.cancel()
-
-    hook.cb = gone
-    stalls.watch(sink, task)
+    me = asyncio.current_task()
+    assert me is not None
+    cut = _Cut(me, sink)
+    hook.cb = cut.gone
+    stalls.watch(sink, cut)
     try:
-        return await task
+        got = await work
     except asyncio.CancelledError:
-        if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
-            return "cancelled"  # the client went away, or stalled
+        if cut.fired and me.uncancel() == 0:  # only the client's cut: the request's end
+            return "cancelled"
         raise
     finally:
         hook.cb = None
         stalls.unwatch(sink)
-        if not task.done():
-            task.cancel()
+    if cut.fired:  # cut as it ended, and the work let the cancellation pass: it is not pending
+        me.uncancel()
+    return got
 
 
 async def _until_received_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink, stalls: Stalls) -> str:

@@ -1,6 +1,8 @@
 """hypercorn 0.18, hardened: the upstream defects a public router cannot live with, fixed
-at the layer they live in, in this one file. `install(limits)` swaps the subclasses in
-before serving; everything else is hypercorn's own code.
+at the layer they live in, in this one file (the pieces of items 11, 12 and 15 the app
+uses live in h1fast.py, the lean primitives of items 12 and 14 in lean.py).
+`install(limits)` swaps the subclasses in before serving; everything else is hypercorn's
+own code.
 
 Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 4.x):
   1. h2 flow control: `H2Protocol._send_data` pops min(window, frame size) bytes; with a
@@ -86,7 +88,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -103,9 +104,6 @@ import hypercorn.asyncio.worker_context as _worker_context
 import hypercorn.protocol as _protocol
 import hypercorn.protocol.h2 as _h2mod
 import hypercorn.protocol.h11 as _h11mod
-from h11._writers import (
-    ChunkedWriter,  # h11 0.16: how a chunked body is framed (H1Direct checks it)
-)
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, RawData, Updated
@@ -116,6 +114,7 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from narwhal_generated import errors as E
 
+from .h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, H1Direct, PreparedH11
 from .lean import LeanEvent, LeanIdle, LeanQueue
 
 __all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector",
@@ -339,120 +338,6 @@ class HardenedH2Protocol(H2Protocol):
         await super().stream_send(event)
 
 
-DIRECT = "narwhal.h1_direct"  # the scope extension holding a stream's H1Direct (item 11)
-CLOSE = "narwhal.close"  # the scope extension holding a stream's CloseHook (item 12)
-
-
-class CloseHook:
-    """Item 12: the app learns that its stream closed (the client went away, or the
-    connection closed) without a task waiting on receive() (1.4 KiB per open stream):
-    `closed` once it has, and `cb` is called then if set."""
-
-    __slots__ = ("closed", "cb")
-
-    def __init__(self) -> None:
-        self.closed = False
-        self.cb: Callable[[], object] | None = None
-
-    def fire(self) -> None:
-        if not self.closed:
-            self.closed = True
-            cb, self.cb = self.cb, None
-            if cb is not None:
-                cb()
-DIRECT_BUFFER = 64 * 1024  # bytes waiting in the transport past which H1Direct declines
-
-
-class H1Direct:
-    """Item 11: an HTTP/1.1 stream's body chunks written straight to its transport.
-
-    `write(data)` either writes `data` as one chunk, exactly as h11 would frame it, and
-    returns True, or writes nothing and returns False (the caller sends it through ASGI).
-    Synchronous: callable from a protocol callback."""
-
-    __slots__ = ("_stream", "_proto", "_conn", "_lock", "_transport")
-
-    def __init__(self, stream: HTTPStream, proto: H11Protocol, server: Any) -> None:
-        self._stream = stream
-        self._proto = proto
-        self._conn = proto.connection
-        self._lock = server.send_lock
-        self._transport = server.writer.transport
-
-    def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
-        """The response head, as ASGI's http.response.start would send it (hypercorn's
-        headers added, h11's state moved on), and `first` body bytes as its first chunk,
-        written now in one write; False: nothing was done (send it through ASGI). h11 is
-        told the headers are parsed: the app's names are its own lower-case constants and a
-        value with CR, LF or NUL (which h11 would refuse) declines here."""
-        st = self._stream
-        t = self._transport
-        proto = self._proto
-        conn = self._conn
-        if (
-            st.state is not _REQUEST or st.closed or conn.our_state is not _SEND_RESPONSE or self._lock._locked or t.is_closing()
-            or proto.keep_alive_requests >= proto.config.keep_alive_max_requests  # hypercorn would add connection: close
-        ):
-            return False
-        for _, v in headers:
-            if b"\r" in v or b"\n" in v or b"\0" in v:
-                return False
-        hs = [*headers, *proto.config.response_headers("h11")]
-        if type(conn) is PreparedH11 and conn.their_http_version == b"1.1" and conn._cstate.keep_alive:
-            # item 15: the head h11's clean-up would make (a chunked body: its framing header
-            # last, title-cased, as set_comma_header appends it), built once
-            ev = h11.Response(status_code=status, headers=[*hs, _CHUNKED], _parsed=True)
-            conn.prepared = ev
-        else:
-            ev = h11.Response(status_code=status, headers=hs, _parsed=True)
-        data = conn.send(ev)
-        st.response = {"type": "http.response.start", "status": status, "headers": hs}
-        st.state = _RESPONSE
-        if first and type(conn._writer) is ChunkedWriter:
-            data = (data or b"") + b"%x\r\n%b\r\n" % (len(first), first)
-        elif first:  # not chunked after all (an HTTP/1.0 client): the body as ASGI sends it
-            data = (data or b"") + (conn.send(h11.Data(data=first)) or b"")
-        if data:
-            t.write(data)
-        return True
-
-    def write(self, data: bytes) -> bool:
-        t = self._transport
-        st = self._stream
-        c = self._conn
-        if (
-            st.state is not _RESPONSE or st.closed or c.our_state is not _SEND_BODY or type(c._writer) is not ChunkedWriter
-            or self._lock._locked or t.is_closing() or t.get_write_buffer_size() > DIRECT_BUFFER
-        ):
-            return False
-        if data:
-            t.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return True
-
-
-_CHUNKED = (b"Transfer-Encoding", b"chunked")
-
-
-class PreparedH11(h11.Connection):
-    """Item 15: h11's server connection, except that a Response H1Direct built whole (the
-    headers h11's clean-up would give it) is sent as built: h11 rebuilds a response's headers
-    twice and validates them three times (~25 us of the first token's path). Anything
-    else is h11's own path. HardenedH11Protocol's connection is one of these."""
-
-    prepared: h11.Response | None = None
-
-    def _clean_up_response_headers_for_sending(self, response: h11.Response) -> h11.Response:
-        if response is self.prepared:
-            self.prepared = None
-            return response
-        self.prepared = None
-        return super()._clean_up_response_headers_for_sending(response)  # type: ignore[misc]
-
-
-_REQUEST = ASGIHTTPState.REQUEST
-_RESPONSE = ASGIHTTPState.RESPONSE
-_SEND_RESPONSE = h11.SEND_RESPONSE
-_SEND_BODY = h11.SEND_BODY
 
 
 class HardenedHTTPStream(HTTPStream):
@@ -576,13 +461,25 @@ class LeanTaskGroup(_task_group.TaskGroup):
 
     async def spawn_app(self, app: Any, config: Any, scope: Any, send: Any) -> Any:
         app_queue = LeanQueue(config.max_app_queue_size)
-        loop = self._loop
+        sync_spawn, call_soon = _loop_helpers(self._loop)
+        self.spawn(_task_group._handle, app, config, scope, app_queue.get, send, sync_spawn, call_soon)
+        return app_queue.put
+
+
+_HELPERS: tuple[Any, Any, Any] | None = None  # (loop, sync_spawn, call_soon): one loop per process
+
+
+def _loop_helpers(loop: asyncio.AbstractEventLoop) -> tuple[Any, Any]:
+    """hypercorn's per-request sync_spawn and call_soon depend on the loop alone: made once
+    per loop, not per request (0.5 KiB per open stream)."""
+    global _HELPERS
+    if _HELPERS is None or _HELPERS[0] is not loop:
 
         def _call_soon(func: Any, *args: Any) -> Any:
             return asyncio.run_coroutine_threadsafe(func(*args), loop).result()
 
-        self.spawn(_task_group._handle, app, config, scope, app_queue.get, send, partial(loop.run_in_executor, None), _call_soon)
-        return app_queue.put
+        _HELPERS = (loop, partial(loop.run_in_executor, None), _call_soon)
+    return _HELPERS[1], _HELPERS[2]
 
 
 def penalise(scope: dict[str, Any]) -> None:

@@ -1,0 +1,141 @@
+"""HTTP/1.1 straight to the client's connection (hyper.py items 11, 12 and 15): the pieces
+the app uses through the scope's extensions, kept beside hyper.py so that file stays the
+server's hardening. hyper.py documents each item and re-exports these names.
+
+  * `H1Direct` (scope extension DIRECT): a response's head and body chunks written to the
+    connection's transport from any callback, byte for byte as hypercorn and h11 would
+    write them, or nothing (False) whenever the ASGI path would not write the same.
+  * `PreparedH11`: h11's server connection that sends a head H1Direct built whole as built.
+  * `CloseHook` (scope extension CLOSE): the app learns that its stream closed without a
+    task waiting on receive().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import h11
+from h11._writers import (
+    ChunkedWriter,  # h11 0.16: how a chunked body is framed (H1Direct checks it)
+)
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+
+__all__ = ["DIRECT", "CLOSE", "DIRECT_BUFFER", "CloseHook", "H1Direct", "PreparedH11"]
+
+
+DIRECT = "narwhal.h1_direct"  # the scope extension holding a stream's H1Direct (item 11)
+CLOSE = "narwhal.close"  # the scope extension holding a stream's CloseHook (item 12)
+
+
+class CloseHook:
+    """Item 12: the app learns that its stream closed (the client went away, or the
+    connection closed) without a task waiting on receive() (1.4 KiB per open stream):
+    `closed` once it has, and `cb` is called then if set."""
+
+    __slots__ = ("closed", "cb")
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.cb: Callable[[], object] | None = None
+
+    def fire(self) -> None:
+        if not self.closed:
+            self.closed = True
+            cb, self.cb = self.cb, None
+            if cb is not None:
+                cb()
+DIRECT_BUFFER = 64 * 1024  # bytes waiting in the transport past which H1Direct declines
+
+
+class H1Direct:
+    """Item 11: an HTTP/1.1 stream's body chunks written straight to its transport.
+
+    `write(data)` either writes `data` as one chunk, exactly as h11 would frame it, and
+    returns True, or writes nothing and returns False (the caller sends it through ASGI).
+    Synchronous: callable from a protocol callback."""
+
+    __slots__ = ("_stream", "_proto", "_conn", "_lock", "_transport")
+
+    def __init__(self, stream: HTTPStream, proto: H11Protocol, server: Any) -> None:
+        self._stream = stream
+        self._proto = proto
+        self._conn = proto.connection
+        self._lock = server.send_lock
+        self._transport = server.writer.transport
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
+        """The response head, as ASGI's http.response.start would send it (hypercorn's
+        headers added, h11's state moved on), and `first` body bytes as its first chunk,
+        written now in one write; False: nothing was done (send it through ASGI). h11 is
+        told the headers are parsed: the app's names are its own lower-case constants and a
+        value with CR, LF or NUL (which h11 would refuse) declines here."""
+        st = self._stream
+        t = self._transport
+        proto = self._proto
+        conn = self._conn
+        if (
+            st.state is not _REQUEST or st.closed or conn.our_state is not _SEND_RESPONSE or self._lock._locked or t.is_closing()
+            or proto.keep_alive_requests >= proto.config.keep_alive_max_requests  # hypercorn would add connection: close
+        ):
+            return False
+        for _, v in headers:
+            if b"\r" in v or b"\n" in v or b"\0" in v:
+                return False
+        hs = [*headers, *proto.config.response_headers("h11")]
+        if type(conn) is PreparedH11 and conn.their_http_version == b"1.1" and conn._cstate.keep_alive:
+            # item 15: the head h11's clean-up would make (a chunked body: its framing header
+            # last, title-cased, as set_comma_header appends it), built once
+            ev = h11.Response(status_code=status, headers=[*hs, _CHUNKED], _parsed=True)
+            conn.prepared = ev
+        else:
+            ev = h11.Response(status_code=status, headers=hs, _parsed=True)
+        data = conn.send(ev)
+        st.response = {"type": "http.response.start", "status": status, "headers": hs}
+        st.state = _RESPONSE
+        if first and type(conn._writer) is ChunkedWriter:
+            data = (data or b"") + b"%x\r\n%b\r\n" % (len(first), first)
+        elif first:  # not chunked after all (an HTTP/1.0 client): the body as ASGI sends it
+            data = (data or b"") + (conn.send(h11.Data(data=first)) or b"")
+        if data:
+            t.write(data)
+        return True
+
+    def write(self, data: bytes) -> bool:
+        t = self._transport
+        st = self._stream
+        c = self._conn
+        if (
+            st.state is not _RESPONSE or st.closed or c.our_state is not _SEND_BODY or type(c._writer) is not ChunkedWriter
+            or self._lock._locked or t.is_closing() or t.get_write_buffer_size() > DIRECT_BUFFER
+        ):
+            return False
+        if data:
+            t.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+
+_CHUNKED = (b"Transfer-Encoding", b"chunked")
+
+
+class PreparedH11(h11.Connection):
+    """Item 15: h11's server connection, except that a Response H1Direct built whole (the
+    headers h11's clean-up would give it) is sent as built: h11 rebuilds a response's headers
+    twice and validates them three times (~25 us of the first token's path). Anything
+    else is h11's own path. HardenedH11Protocol's connection is one of these."""
+
+    prepared: h11.Response | None = None
+
+    def _clean_up_response_headers_for_sending(self, response: h11.Response) -> h11.Response:
+        if response is self.prepared:
+            self.prepared = None
+            return response
+        self.prepared = None
+        return super()._clean_up_response_headers_for_sending(response)  # type: ignore[misc]
+
+
+_REQUEST = ASGIHTTPState.REQUEST
+_RESPONSE = ASGIHTTPState.RESPONSE
+_SEND_RESPONSE = h11.SEND_RESPONSE
+_SEND_BODY = h11.SEND_BODY
