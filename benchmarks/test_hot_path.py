@@ -11,13 +11,13 @@ import pytest
 
 from benchmarks.conftest import sse, vllm_chunk
 from narwhal.core.admission import Scheduler
-from narwhal.core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 from narwhal.core.assembly import Assembler
 from narwhal.core.fleet import EngineState
 from narwhal.core.prediction import Margin
 from narwhal.core.relay import StreamRelay
 from narwhal.core.requests import parse_request
 from narwhal.core.sse import SSEParser
+from narwhal.core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 from narwhal.core.tokens import check_token_ids
 
 # -- assembly --------------------------------------------------------------------------
@@ -211,14 +211,14 @@ def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any) -> No
         server = SimpleNamespace(writer=SimpleNamespace(transport=t), send_lock=asyncio.Lock())
         direct = H1Direct(SimpleNamespace(state=ASGIHTTPState.RESPONSE, closed=False), SimpleNamespace(connection=conn), server)  # type: ignore[arg-type]
         relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
-        feed = DirectFeed(relay, loop.time, direct.write)
+        sink = SimpleNamespace(headers_sent=True, write_now=direct.write, start_now=None)  # the head is out
+        feed = DirectFeed(relay, loop.time, sink, [], lambda now: None)  # type: ignore[arg-type]
         up = _Conn(("127.0.0.1", 1), loop, 30.0)
         up._state, up._chunked, up._remaining = "body", True, 0
         up._direct = feed.take
         first = sse(vllm_chunk(0))
-        up.data_received(b"%x\r\n%b\r\n" % (len(first), first))  # the first token: handed to the task
-        feed.pending = None
-        up._direct = feed.take
+        up.data_received(b"%x\r\n%b\r\n" % (len(first), first))  # the first token, its books kept here
+        assert feed.pending is None
         ev = sse(vllm_chunk(7))
         chunk = b"%x\r\n%b\r\n" % (len(ev), ev)
         benchmark(up.data_received, chunk)
