@@ -280,6 +280,10 @@ async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, si
         if cut.fired and me.uncancel() == 0:  # only the client's cut: the request's end
             return "cancelled"
         raise
+    except BaseException:
+        if cut.fired:  # cut, and the work ended with an error of its own: that goes on up alone
+            me.uncancel()
+        raise
     finally:
         hook.cb = None
         stalls.unwatch(sink)

@@ -44,6 +44,8 @@ async def _scenario(what: str) -> tuple[str, int, bool]:
             return "ok"
         except asyncio.CancelledError:
             saw[0] = True
+            if what == "client_gone_then_work_fails":
+                raise RuntimeError("a bug in the request's own clean-up") from None
             raise
 
     async def app() -> tuple[str, int]:
@@ -51,12 +53,15 @@ async def _scenario(what: str) -> tuple[str, int, bool]:
             got = await C._until_disconnect(work(), None, sink, hook, stalls)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             return "raised", asyncio.current_task().cancelling()  # type: ignore[union-attr]
+        except RuntimeError:
+            await asyncio.sleep(0)  # the endpoint answers H06 and goes on: nothing is pending
+            return "error", asyncio.current_task().cancelling()  # type: ignore[union-attr]
         await asyncio.sleep(0)  # nothing pending: the app's task goes on (its own sends, the books)
         return got, asyncio.current_task().cancelling()  # type: ignore[union-attr]
 
     t = asyncio.ensure_future(app())
     await asyncio.sleep(0.01)
-    if what in ("client_gone", "client_gone_and_shutdown"):
+    if what in ("client_gone", "client_gone_and_shutdown", "client_gone_then_work_fails"):
         hook.fire()
     if what in ("shutdown", "client_gone_and_shutdown"):
         t.cancel()
@@ -74,6 +79,7 @@ async def _scenario(what: str) -> tuple[str, int, bool]:
         ("stall", "cancelled", True),
         ("shutdown", "raised", True),  # not the client's: goes on up
         ("client_gone_and_shutdown", "raised", True),
+        ("client_gone_then_work_fails", "error", True),  # the work's own error goes on up, the cut taken back
     ],
 )
 def test_the_clients_cut_is_the_class_cancelled_and_nothing_else_is(what: str, ends: str, work_cancelled: bool) -> None:
