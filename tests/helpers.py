@@ -94,9 +94,9 @@ def running_router(config: dict[str, Any], engines: list[EngineSpec] | None = No
         app = holder["app"] = router.app(manage=False)
         if start:
             await router.start()
-        from hypercorn.asyncio import serve
+        from narwhal.http.conn import serve  # the router's own listener (hypercorn's protocols)
 
-        task = asyncio.create_task(serve(app, serving_config(cfg, listen), shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+        task = asyncio.create_task(serve(app, serving_config(cfg, listen), shutdown_trigger=stop.wait))
         for _ in range(500):
             try:
                 _, w = await asyncio.open_connection("127.0.0.1", port)

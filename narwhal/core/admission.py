@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from narwhal_generated import errors as E
@@ -153,7 +154,7 @@ class Scheduler:
     def _phase1_free(self, e: EngineState) -> bool:
         return e.phase1_free() and (e.role != "prefill" or self.decode_room())
 
-    def _decode_candidates(self, exclude: set[str]) -> list[EngineState]:
+    def _decode_candidates(self, exclude: AbstractSet[str]) -> list[EngineState]:
         return [d for d in self._decoders if d.name not in exclude and self.eligible(d)]
 
     def _decode_start_ms(self, n: float, decoders: list[EngineState]) -> tuple[float, float]:
@@ -563,11 +564,11 @@ class Scheduler:
             e.busy_until = min(e.busy_until, now + sum(e.inflight_prefill.values()) / 1000.0)
             e.prefill_in_use -= 1
             t.holds_prefill = None
-            t.excluded.add(e.name)
+            t.exclude(e.name)
             freed.append(e)
         if t.holds_decode is not None:
             d = self.engines[t.holds_decode]
-            t.excluded.add(d.name)
+            t.exclude(d.name)
             d.decode_in_use -= 1
             t.holds_decode = None
             if d.role == "decode":  # back to waiting for a decode slot (T05's retry)

@@ -54,6 +54,9 @@ class Refuse:
     fields: dict[str, object] = field(default_factory=dict)
 
 
+_NONE: frozenset[str] = frozenset()  # no engine excluded (shared: a set per ticket is 216 bytes)
+
+
 class Ticket:
     """One admitted request's place in the scheduler (mutable, owned by it)."""
 
@@ -71,7 +74,7 @@ class Ticket:
         self.state = "new"
         self.engine: str | None = None
         self.decode_engine: str | None = None
-        self.excluded: set[str] = set()
+        self.excluded: frozenset[str] | set[str] = _NONE  # engines this ticket may not go to again (exclude())
         self.enqueued_at: float | None = None
         self.waited = 0.0  # seconds spent in the admission queue so far
         self.pred_prefill_ms = 0.0
@@ -84,6 +87,12 @@ class Ticket:
         self.pd_pending = False  # counted in Scheduler.pd_pending (P/D backpressure)
         self.expected_cached = 0.0  # prompt tokens its phase-1 engine is expected to hold cached
         self.prefill_sample: tuple[str, float] | None = None  # (engine, service ms), learned at close
+
+    def exclude(self, engine: str) -> None:
+        """`engine` failed this ticket: it may not place it again."""
+        if type(self.excluded) is frozenset:
+            self.excluded = set(self.excluded)
+        self.excluded.add(engine)  # type: ignore[union-attr]
 
     @property
     def waiting(self) -> bool:

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from importlib import resources
 from typing import Any
 
@@ -137,14 +137,20 @@ class _Front:
         self.hot = hot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.call(scope, receive, send)
+
+    def call(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The same, not a coroutine itself: a completion route's endpoint coroutine is
+        returned as it is, so an open stream holds no frame of this layer (memory per open
+        stream; conn.Asgi calls this)."""
         if scope["type"] == "http":
             ep = self.hot.get(scope["path"])
             if ep is not None:
-                await ep(scope, receive, send)
-                return
-        else:
-            await self.app(scope, receive, send)
-            return
+                return ep(scope, receive, send)  # type: ignore[no-any-return]
+            return self._with_id(scope, receive, send)
+        return self.app(scope, receive, send)
+
+    async def _with_id(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
         if rid is None or not RID_OK.fullmatch(rid):
             rid = uuid.uuid4().hex.encode()

@@ -63,7 +63,7 @@ class H1Direct:
         self._proto = proto
         self._conn = proto.connection
         self._lock = server.send_lock
-        self._transport = server.writer.transport
+        self._transport = server.transport
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
         """The response head, as ASGI's http.response.start would send it (hypercorn's

@@ -1,6 +1,7 @@
 """hypercorn 0.18, hardened: the upstream defects a public router cannot live with, fixed
 at the layer they live in, in this one file (the pieces of items 11, 12 and 15 the app
-uses live in h1fast.py, the lean primitives of items 12 and 14 in lean.py).
+uses live in h1fast.py, the lean primitives of items 12 and 14 in lean.py, the
+connection of defects 5, 6, 8 and items 14 and 16 in conn.py).
 `install(limits)` swaps the subclasses in before serving; everything else is hypercorn's
 own code.
 
@@ -74,19 +75,25 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
   14. Not a defect: hypercorn's keep-alive timer is a task (wait_for inside it makes a
      second) stopped when each request starts and restarted when it ends, each time
      cancelled and awaited: loop turns on every request's path before the app runs.
-     `lean.LeanIdle` is the same rule as one loop timer (HardenedTCPServer.idle_task).
+     `lean.LeanIdle` is the same rule as one loop timer (LeanConnection.idle_task).
   15. Not a defect: h11 rebuilds every response head it sends (content-length dropped,
      transfer-encoding set, each a pass over all headers with its regexes, and a third
      when the Response is made again). `H1Direct.start` builds the SSE head as h11 would
      leave it and sends it through `PreparedH11` as built, with the first event in the
      same write (one segment to the client, not two).
+  16. Not a defect: hypercorn's asyncio server gives each connection a task reading
+     through a StreamReader, a StreamWriter and an asyncio.TaskGroup (~6 KiB per open
+     connection, a quarter of an open stream's cost). conn.py's `LeanConnection` is its
+     TCPServer as one protocol object -- with defects 5, 6 and 8 and item 14 -- handing
+     each read to hypercorn's ProtocolWrapper from data_received; `conn.serve` is its
+     worker_serve with that connection. The rules live there; this file's classes are
+     what it serves with.
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -97,16 +104,14 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h11
-import hypercorn.asyncio.run as _run
 import hypercorn.asyncio.task_group as _task_group
 import hypercorn.asyncio.tcp_server as _tcp_server
 import hypercorn.asyncio.worker_context as _worker_context
 import hypercorn.protocol as _protocol
 import hypercorn.protocol.h2 as _h2mod
 import hypercorn.protocol.h11 as _h11mod
-from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.config import Config as HyperConfig
-from hypercorn.events import Closed, RawData, Updated
+from hypercorn.events import Closed, RawData
 from hypercorn.protocol.events import Request, StreamClosed
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
@@ -115,9 +120,9 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from narwhal_generated import errors as E
 
 from .h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, H1Direct, PreparedH11
-from .lean import LeanEvent, LeanIdle, LeanQueue
+from .lean import LeanEvent, LeanQueue
 
-__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "HardenedTCPServer", "ConnectionCollector",
+__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "ConnectionCollector",
            "H1Direct", "PreparedH11", "DIRECT", "DIRECT_BUFFER", "CloseHook", "CLOSE", "LeanTaskGroup", "ServerConfig"]
 
 
@@ -353,7 +358,7 @@ class HardenedHTTPStream(HTTPStream):
             self.scope["extensions"][CLOSE] = self._close_hook = CloseHook()
             proto = getattr(self.send, "__self__", None)
             server = getattr(getattr(proto, "send", None), "__self__", None)
-            if isinstance(proto, H11Protocol) and isinstance(server, TCPServer):
+            if isinstance(proto, H11Protocol) and getattr(server, "lean", False):  # conn.LeanConnection
                 self.scope["extensions"][DIRECT] = H1Direct(self, proto, server)
             return
         if isinstance(event, StreamClosed):
@@ -394,50 +399,6 @@ class HardenedH11Protocol(H11Protocol):
 RAPID_RESET_COST = 3  # control-frame tokens a stream opened and reset in one read costs
 FEED_BYTES = 4096  # defect 9: bytes of one read handed to h2 per loop turn
 CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
-
-
-class HardenedTCPServer(TCPServer):
-    """Defects 5, 6 and 8, item 14, and the connection counts."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        terminated = self.context.terminated
-        if isinstance(terminated, LeanEvent):  # item 14 (with install()'s event_class)
-            self.idle_task = LeanIdle(self, terminated)  # type: ignore[assignment]
-
-    async def run(self) -> None:
-        peer = self.writer.get_extra_info("peername")
-        if peer and PENALTIES.penalised(peer[0], time.monotonic()):  # defect 8
-            COUNTS.penalised += 1
-            self.writer.transport.abort()
-            return
-        sock = self.writer.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_SNDBUF)
-            except OSError:
-                pass
-        COUNTS.open += 1
-        self._busy = False
-        try:
-            await super().run()
-        finally:
-            COUNTS.open -= 1
-            if self._busy:
-                COUNTS.busy -= 1
-
-    async def protocol_send(self, event: Any) -> None:
-        if isinstance(event, Updated) and event.idle == self._busy:
-            self._busy = not event.idle
-            COUNTS.busy += 1 if self._busy else -1
-        await super().protocol_send(event)
-
-    async def _read_data(self) -> None:
-        await super()._read_data()
-        # the client's FIN (or a read error): nothing more will arrive, so the keep-alive
-        # timer must not hold the connection open (CLOSE-WAIT) until it fires
-        await self.idle_task.stop()
-        await asyncio.sleep(0)
 
 
 class ServerConfig(HyperConfig):
@@ -498,6 +459,5 @@ def install(limits: Limits) -> None:
     _h11mod.HTTPStream = HardenedHTTPStream  # type: ignore[misc]
     _h2mod.HTTPStream = HardenedHTTPStream  # type: ignore[misc]
     _protocol.H11Protocol = HardenedH11Protocol  # type: ignore[misc]
-    _run.TCPServer = HardenedTCPServer  # type: ignore[misc]
     _tcp_server.TaskGroup = LeanTaskGroup  # type: ignore[misc]
     _worker_context.WorkerContext.event_class = LeanEvent  # type: ignore[assignment]

@@ -18,6 +18,8 @@ the same semantics with nothing allocated until a waiter exists:
     task wait_for makes inside it) and awaiting it: two to four loop turns on every
     request's path before the app runs, and two tasks made per request. Same rule: a
     connection idle for keep_alive_timeout, or idle when the server stops, is closed.
+  * `LeanLock`: asyncio.Lock (3.11's: FIFO, a woken waiter cancelled passes the wake-up
+    on) without its instance dict: each client connection's send lock (conn.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LeanQueue", "LeanEvent", "LeanIdle"]
+__all__ = ["LeanQueue", "LeanEvent", "LeanIdle", "LeanLock"]
 
 
 def _wake_first(waiters: list[asyncio.Future[None]] | None) -> None:
@@ -103,6 +105,55 @@ class LeanQueue:
         return self.get_nowait()
 
 
+class LeanLock:
+    __slots__ = ("_locked", "_waiters")
+
+    def __init__(self) -> None:
+        self._locked = False
+        self._waiters: list[asyncio.Future[bool]] | None = None
+
+    def locked(self) -> bool:
+        return self._locked
+
+    async def acquire(self) -> bool:
+        if not self._locked and (not self._waiters or all(w.cancelled() for w in self._waiters)):
+            self._locked = True
+            return True
+        if self._waiters is None:
+            self._waiters = []
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            try:
+                await fut
+            finally:
+                self._waiters.remove(fut)
+        except asyncio.CancelledError:
+            if not self._locked:
+                self._wake_up_first()  # it was woken, then cancelled: pass it on
+            raise
+        self._locked = True
+        return True
+
+    def release(self) -> None:
+        if not self._locked:
+            raise RuntimeError("Lock is not acquired.")
+        self._locked = False
+        self._wake_up_first()
+
+    def _wake_up_first(self) -> None:
+        if self._waiters:
+            fut = self._waiters[0]
+            if not fut.done():
+                fut.set_result(True)
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class LeanEvent:
     __slots__ = ("_flag", "_waiters", "_hooks")
 
@@ -172,7 +223,7 @@ class LeanIdle:
 
     async def restart(self, task_group: Any, action: object = None) -> None:
         """`action` (hypercorn passes its _idle_timeout) is what `_fire` does."""
-        self._disarm()
+        self.disarm()
         self._group = task_group
         if self._terminated.is_set():
             self._fire()
@@ -182,15 +233,16 @@ class LeanIdle:
         self._terminated.hook(self, self._fire)
 
     async def stop(self) -> None:
-        self._disarm()
+        self.disarm()
 
-    def _disarm(self) -> None:
+    def disarm(self) -> None:
+        """stop(), from a callback (it never suspends)."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
             self._terminated.unhook(self)
 
     def _fire(self) -> None:
-        self._disarm()
+        self.disarm()
         if self._closing is None and self._group is not None:
             self._closing = self._group._task_group.create_task(self._server._initiate_server_close())

@@ -200,33 +200,14 @@ class Stopping:
             cut.cancel()
 
 
-def _quiet_cancelled_connections() -> None:
-    """Python 3.11's asyncio.start_server calls `task.exception()` on each connection task
-    as it ends (streams.py, fixed in 3.12): on a task hypercorn cancelled at the grace's end
-    that raises CancelledError, logged as an ERROR with a traceback per connection cut.
-    Cancelling connections is what the stop does: those reports are dropped."""
-    loop = asyncio.get_running_loop()
-    previous = loop.get_exception_handler()
-
-    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if isinstance(context.get("exception"), asyncio.CancelledError):
-            return
-        if previous is not None:
-            previous(lp, context)
-        else:
-            lp.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
 async def serve_until_stopped(app: Any, hc: HyperConfig, stopping: Stopping, *,
                               accepting: Callable[[], Awaitable[Any]] | None = None) -> None:
-    """hypercorn until `accepting()` returns (default: `stopping.accepting`), then its
-    graceful shutdown with what is left of the grace (`stopping.grace_left()`): the
-    requests still running after it are cancelled (hypercorn cancels its connection
-    tasks). `stopping.at_once` cuts at once, before or during the grace. Returns once
+    """Serve (conn.serve: hypercorn's protocols, a LeanConnection per connection) until
+    `accepting()` returns (default: `stopping.accepting`), then its graceful shutdown
+    with what is left of the grace (`stopping.grace_left()`): the requests still running
+    after it are cancelled (LeanConnection.cancel). `stopping.at_once` cuts at once, before or during the grace. Returns once
     hypercorn has run the app's lifespan shutdown (or, cut during it, once cancelled)."""
-    from hypercorn.asyncio import serve as hypercorn_serve
+    from .conn import serve as lean_serve
 
     wait_accepting = accepting if accepting is not None else stopping.accepting
     closing = False
@@ -236,11 +217,10 @@ async def serve_until_stopped(app: Any, hc: HyperConfig, stopping: Stopping, *,
         await wait_accepting()
         hc.graceful_timeout = stopping.grace_left()
         closing = True
-        _quiet_cancelled_connections()
         if stopping.announce:
             log.info("listener closed; requests running have %.1f s", hc.graceful_timeout)
 
-    task = asyncio.ensure_future(hypercorn_serve(app, hc, shutdown_trigger=trigger))
+    task = asyncio.ensure_future(lean_serve(app, hc, shutdown_trigger=trigger))
     cut = asyncio.ensure_future(stopping.at_once.wait())
     try:
         await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)

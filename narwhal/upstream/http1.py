@@ -14,7 +14,7 @@ Rules
     retried once on a new connection (the server closed the idle connection first).
   * Cleartext only: `http://` URLs. There is no TLS to engines (an `https://` engine URL
     is refused when the configuration loads, naming the engine).
-  * Errors: `ConnectTimeout`, `ReadTimeout` (idle for idle_timeout_s), `ConnectionFailed`
+  * Errors: `ConnectTimeout`, `ReadTimeout` (idle for idle_timeout_s; checked on a `_Wheel`, at most idle_timeout_s/16 late), `ConnectionFailed`
     (refused, reset, closed early, protocol violation) and `BodyTooLarge` (`read` past its
     limit), all subclasses of `H1Error`. `str(error)` says what happened in words a client
     may read: never an address, never the engine's bytes. `error.detail` adds both, for
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import os
 import socket
 from collections import deque
@@ -93,6 +94,46 @@ def split_userinfo(url: str) -> tuple[str, str | None]:
     return urlunsplit((u.scheme, hostport, u.path, u.query, u.fragment)), basic_authorization(unquote(user), unquote(password))
 
 
+IDLE_GRAIN = 1 / 16  # an idle deadline is checked at most this share of idle_timeout_s late
+MIN_GRAIN_S = 0.005
+
+
+class _Wheel:
+    """The idle deadlines of a pool's connections, in slots of `grain` seconds: one loop
+    timer per occupied slot, not one per connection (a TimerHandle with its libuv timer
+    is ~0.5 KiB per open stream). Invariant: a connection in slot k has a deadline in
+    ((k-1)*grain, k*grain] and is checked when slot k's timer fires, so at most `grain`
+    late; a connection whose timer was cancelled is no longer in its slot."""
+
+    __slots__ = ("loop", "grain", "slots")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, grain: float) -> None:
+        self.loop = loop
+        self.grain = grain
+        self.slots: dict[int, dict[_Conn, None]] = {}
+
+    def add(self, conn: _Conn, due: float) -> int:
+        k = math.ceil(due / self.grain)
+        slot = self.slots.get(k)
+        if slot is None:
+            slot = self.slots[k] = {}
+            self.loop.call_at(k * self.grain, self._fire, k)
+        slot[conn] = None
+        return k
+
+    def remove(self, conn: _Conn, k: int) -> None:
+        slot = self.slots.get(k)
+        if slot is not None:
+            slot.pop(conn, None)
+
+    def _fire(self, k: int) -> None:
+        for c in self.slots.pop(k, None) or ():
+            c._check_idle()
+
+
+_KEPT = frozenset({"connection", "transfer-encoding", "content-length", "content-type"})  # response headers kept
+
+
 class _Conn(asyncio.Protocol):
     """One connection. State: head -> body -> done; `_chunks` holds decoded body bytes
     the consumer has not taken yet."""
@@ -101,16 +142,17 @@ class _Conn(asyncio.Protocol):
         "key", "loop", "transport", "closed", "_buf", "_state", "_remaining", "_chunked",
         "_chunks", "_chunks_len", "_waiter", "_eof", "_error", "status", "headers", "keep_alive",
         "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter", "_release_to", "_head",
-        "_direct", "_direct_exc",
+        "_direct", "_direct_exc", "_wheel",
     )
 
-    def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, idle_timeout: float) -> None:
+    def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, idle_timeout: float, wheel: _Wheel) -> None:
         self.key = key
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_timeout = idle_timeout
-        self._timer: asyncio.TimerHandle | None = None
+        self._wheel = wheel
+        self._timer: int | None = None  # the wheel's slot while armed
         self._paused = False
         self._release_to: H1Pool | None = None  # release to this pool when the body ends
         self._direct: Callable[[bytes], bool] | None = None  # the consumer's handler while direct
@@ -220,7 +262,9 @@ class _Conn(asyncio.Protocol):
         for ln in lines[1:]:
             k, sep, v = ln.partition(b":")
             if sep:
-                h[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+                name = k.strip().lower().decode("latin-1")
+                if name in _KEPT:  # what the framing and the consumer read; the rest dropped (memory per open stream)
+                    h[name] = v.strip().decode("latin-1")
         if h.get("connection", "").lower() == "close" or parts[0] == b"HTTP/1.0":
             self.keep_alive = False
         te = h.get("transfer-encoding", "").lower()
@@ -337,7 +381,7 @@ class _Conn(asyncio.Protocol):
 
     def _arm(self) -> None:
         if self._timer is None:
-            self._timer = self.loop.call_at(self.last_rx + self.idle_timeout, self._check_idle)
+            self._timer = self._wheel.add(self, self.last_rx + self.idle_timeout)
 
     def _check_idle(self) -> None:
         self._timer = None
@@ -353,11 +397,11 @@ class _Conn(asyncio.Protocol):
             self._abort()
             self._wake()
         else:
-            self._timer = self.loop.call_at(due, self._check_idle)
+            self._timer = self._wheel.add(self, due)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
-            self._timer.cancel()
+            self._wheel.remove(self, self._timer)
             self._timer = None
 
     def fail(self, error: H1Error) -> None:
@@ -509,6 +553,7 @@ class H1Pool:
         self._idle: dict[tuple[str, int], deque[_Conn]] = {}
         self._auth: dict[tuple[str, int], str] = {}  # (host, port) -> Authorization
         self.connects = 0  # connections opened, for tests and metrics
+        self._wheel: _Wheel | None = None
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -517,7 +562,7 @@ class H1Pool:
             # arrives in the turn the connection completes (an R13 deadline, a client
             # gone), and the request would run on (tests/engines/test_http1.py)
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(key, loop, self.idle_timeout), key[0], key[1])
+                _, conn = await loop.create_connection(lambda: _Conn(key, loop, self.idle_timeout, self._wheel_for(loop)), key[0], key[1])
         except TimeoutError:
             ms = f"{self.connect_timeout * 1000:g}"
             raise ConnectTimeout(f"no connection within {ms} ms", f"connect to {key[0]}:{key[1]} timed out after {ms} ms") from None
@@ -526,6 +571,13 @@ class H1Pool:
             raise ConnectionFailed(f"unreachable ({why})", f"connect to {key[0]}:{key[1]}: {why} ({e})") from None
         self.connects += 1
         return conn
+
+    def _wheel_for(self, loop: asyncio.AbstractEventLoop) -> _Wheel:
+        grain = max(MIN_GRAIN_S, self.idle_timeout * IDLE_GRAIN)
+        w = self._wheel
+        if w is None or w.loop is not loop or w.grain != grain:
+            w = self._wheel = _Wheel(loop, grain)
+        return w
 
     def _release(self, conn: _Conn) -> None:
         q = self._idle.setdefault(conn.key, deque())

@@ -253,6 +253,7 @@ class _Run:
             up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers)
         except UpstreamError as x:
             raise self._upstream(x, e) from None
+        del body  # sent: not held for the stream's life (memory per open stream)
         sink = self.sink
         buffered: list[bytes] = []
         complete = False

@@ -212,12 +212,15 @@ def test_narwhal_limits_cover_the_held_streams() -> None:
 def test_memory_preflight_counts_descriptors_and_ports(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(X, "raise_nofile", lambda: (20_000, 20_000))
     pre = X.memory_preflight(20_000)
-    assert pre["problems"] and "RLIMIT_NOFILE" in pre["problems"][0]
-    assert pre["max_streams"] <= (20_000 - 256) // 2
-    assert not X.memory_preflight(pre["max_streams"])["problems"] or pre["ephemeral_ports"] < 2 * pre["max_streams"]
+    # one router process holds (20,000 - 256) // 2 streams: Narwhal spreads over workers with
+    # half of each one's room spare, a peer holds that many, holders and tickers 9,000 each
+    assert pre["max_streams"] <= (20_000 - 256) // 2 and pre["peer_streams"] == (20_000 - 256) // 2
+    assert (pre["narwhal_workers"], pre["spread"]) == (5, 3)
+    small = X.memory_preflight(5_000)
+    assert (small["narwhal_workers"], small["peer_streams"], small["spread"]) == (1, 5_000, 1)
     monkeypatch.setattr(X, "raise_nofile", lambda: (1 << 20, 1 << 20))
     big = X.memory_preflight(20_000)
-    assert not any("RLIMIT_NOFILE" in p for p in big["problems"])
+    assert big["narwhal_workers"] == 1 and big["peer_streams"] == 20_000
 
 
 def test_the_ticker_reads_a_chunked_request_body() -> None:

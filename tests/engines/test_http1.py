@@ -329,3 +329,61 @@ def test_direct_delivery_ends_with_the_body_and_keeps_the_idle_timeout() -> None
             srv.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+class _Clock:
+    """call_at recorded, run by hand: the wheel's timers."""
+
+    def __init__(self) -> None:
+        self.timers: list[tuple[float, Callable[..., None], tuple[object, ...]]] = []
+
+    def call_at(self, when: float, cb: Callable[..., None], *args: object) -> None:
+        self.timers.append((when, cb, args))
+
+    def run_until(self, t: float) -> None:
+        due = sorted((x for x in self.timers if x[0] <= t), key=lambda x: x[0])
+        self.timers = [x for x in self.timers if x[0] > t]
+        for _, cb, args in due:
+            cb(*args)
+
+
+class _Checked:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def _check_idle(self) -> None:
+        self.log.append(self.name)
+
+
+@pytest.mark.parametrize(
+    ("steps", "fired", "timers"),
+    [
+        ([("add", "a", 1.00), ("run", "", 1.00)], ["a"], 1),  # due on a slot's edge: that slot
+        ([("add", "a", 1.01), ("run", "", 1.00)], [], 1),  # not yet: the next slot, at most one grain late
+        ([("add", "a", 1.01), ("run", "", 1.25)], ["a"], 1),
+        ([("add", "a", 1.01), ("add", "b", 1.2), ("run", "", 1.25)], ["a", "b"], 1),  # one timer for a slot
+        ([("add", "a", 1.01), ("add", "b", 2.0), ("run", "", 1.25)], ["a"], 2),  # one per occupied slot
+        ([("add", "a", 1.01), ("remove", "a", 0), ("run", "", 2.0)], [], 1),  # a cancelled deadline checks nothing
+    ],
+    ids=["edge", "not_before", "late_at_most_a_grain", "shared_slot", "two_slots", "removed"],
+)
+def test_idle_wheel(steps: list[tuple[str, str, float]], fired: list[str], timers: int) -> None:
+    """http1._Wheel: the engine connections' idle deadlines in slots of `grain` (0.25 s
+    here), one loop timer per occupied slot, each deadline checked in (due, due + grain]."""
+    from narwhal.upstream.http1 import _Wheel
+
+    clock, log = _Clock(), []  # type: ignore[var-annotated]
+    w = _Wheel(clock, 0.25)  # type: ignore[arg-type]
+    conns = {n: _Checked(n, log) for n in "ab"}
+    keys: dict[str, int] = {}
+    made = 0
+    for op, name, t in steps:
+        if op == "add":
+            before = len(clock.timers)
+            keys[name] = w.add(conns[name], t)  # type: ignore[arg-type]
+            made += len(clock.timers) - before
+        elif op == "remove":
+            w.remove(conns[name], keys[name])  # type: ignore[arg-type]
+        else:
+            clock.run_until(t)
+    assert log == fired and made == timers

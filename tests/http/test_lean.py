@@ -1,6 +1,7 @@
 """narwhal/http/lean.py: LeanQueue and LeanEvent behave as asyncio.Queue and hypercorn's
 EventWrapper do (hyper.py item 12 swaps them in for memory per open stream); LeanIdle
-closes as hypercorn's keep-alive task does (item 14)."""
+closes as hypercorn's keep-alive task does (item 14); LeanLock locks as asyncio.Lock
+(item 16's send lock)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.http.lean import LeanEvent, LeanQueue
+from narwhal.http.lean import LeanEvent, LeanLock, LeanQueue
 
 
 def run(coro: Any) -> Any:
@@ -74,6 +75,54 @@ def test_a_cancelled_putter_leaves_no_waiter_behind() -> None:
     assert run(main()) == 0
 
 
+_LOCK_SCRIPTS = {
+    # (task, step) in order; steps: "take" (async with, hold until "drop"), "drop", "cancel"
+    "uncontended": [("a", "take"), ("a", "drop")],
+    "fifo": [("a", "take"), ("b", "take"), ("c", "take"), ("a", "drop"), ("b", "drop"), ("c", "drop")],
+    "waiter_cancelled": [("a", "take"), ("b", "take"), ("c", "take"), ("b", "cancel"), ("a", "drop"), ("c", "drop")],
+    "woken_then_cancelled": [("a", "take"), ("b", "take"), ("c", "take"), ("a", "drop_and_cancel_b"), ("c", "drop")],
+}
+
+
+@pytest.mark.parametrize("script", list(_LOCK_SCRIPTS), ids=list(_LOCK_SCRIPTS))
+def test_lean_lock_locks_as_asyncio_lock(script: str) -> None:
+    """The same script under asyncio.Lock and LeanLock: who holds it after each step, who
+    was cancelled, and the lock free at the end."""
+    async def play(lock: Any) -> list[Any]:
+        log: list[Any] = []
+        gates: dict[str, asyncio.Event] = {}
+        tasks: dict[str, asyncio.Task[None]] = {}
+
+        async def holder(name: str) -> None:
+            try:
+                async with lock:
+                    log.append(("holds", name))
+                    await gates[name].wait()
+            except asyncio.CancelledError:
+                log.append(("cancelled", name))
+                raise
+
+        for name, step in _LOCK_SCRIPTS[script]:
+            if step == "take":
+                gates[name] = asyncio.Event()
+                tasks[name] = asyncio.ensure_future(holder(name))
+            elif step == "drop":
+                gates[name].set()
+            elif step == "cancel":
+                tasks[name].cancel()
+            elif step == "drop_and_cancel_b":
+                gates[name].set()
+                await asyncio.sleep(0)  # a releases: b is woken but has not run
+                tasks["b"].cancel()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            log.append(("locked", lock.locked()))
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        return log + [lock.locked()]
+
+    assert run(play(LeanLock())) == run(play(asyncio.Lock()))
+
+
 def test_lean_event() -> None:
     async def main() -> list[Any]:
         e = LeanEvent()
@@ -106,6 +155,7 @@ def test_they_are_lean() -> None:
 
     assert size(lambda: LeanQueue(10)) * 4 < size(lambda: asyncio.Queue(10))
     assert size(LeanEvent) * 2 < size(asyncio.Event)
+    assert size(LeanLock) < size(asyncio.Lock)  # no instance dict (~40 bytes less with key-sharing dicts)
 
 
 class _Server:

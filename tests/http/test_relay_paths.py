@@ -52,7 +52,7 @@ def _direct(http_version: bytes = b"1.1", content_length: bool = False) -> tuple
     headers = [(b"content-length", b"10")] if content_length else []
     conn.send(h11.Response(status_code=200, headers=headers))
     t = _Transport()
-    server = SimpleNamespace(writer=SimpleNamespace(transport=t), send_lock=asyncio.Lock())
+    server = SimpleNamespace(transport=t, send_lock=asyncio.Lock())
     stream = SimpleNamespace(state=ASGIHTTPState.RESPONSE, closed=False)
     proto = SimpleNamespace(connection=conn)
     return hyper.H1Direct(stream, proto, server), stream, conn, t  # type: ignore[arg-type]
@@ -89,7 +89,7 @@ def _fresh(cls: type[h11.Connection] = h11.Connection, request: bytes = b"POST /
         pass
     conn.next_event()
     t = _Transport()
-    server = SimpleNamespace(writer=SimpleNamespace(transport=t), send_lock=asyncio.Lock())
+    server = SimpleNamespace(transport=t, send_lock=asyncio.Lock())
     stream = SimpleNamespace(state=ASGIHTTPState.REQUEST, closed=False)
     cfg = SimpleNamespace(keep_alive_max_requests=1 << 40, response_headers=lambda proto: [(b"date", b"Thu, 03 Dec 2026 00:00:00 GMT")])
     proto = SimpleNamespace(connection=conn, config=cfg, keep_alive_requests=1)
