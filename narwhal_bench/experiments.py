@@ -27,6 +27,7 @@ from typing import Any
 
 from . import harness as H
 from .client import SSERecorder, make_client
+from .hold import PER_HOLDER, hold_spread
 from .load import (
     Arrival,
     RequestShape,
@@ -436,48 +437,16 @@ def _relay_tracing(*, streams: int, interval_ms: float, tokens: int, warm_s: flo
 # -- memory ------------------------------------------------------------------------------
 
 
-async def _hold(url: str, streams: int, ramp_s: float, tokens: int, hold_s: float, proc: Any, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    c = make_client(url, "1", headers=headers)
-    shape = RequestShape(stream=True)
-    a = Arrival(0.0, 16, tokens)
-    results: list[Result] = []
-    rss_idle = proc.rss()
-    tasks = []
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    from .load import _one
-
-    for k in range(streams):
-        at = t0 + ramp_s * k / streams
-        d = at - loop.time()
-        if d > 0:
-            await asyncio.sleep(d)
-        tasks.append(asyncio.create_task(_one(c, shape, a, time.perf_counter(), 600.0, results)))
-    end = loop.time() + 30
-    while loop.time() < end:
-        open_now = sum(1 for r in results if r.first_token_at is not None and r.done_at is None)
-        if open_now >= streams:
-            break
-        await asyncio.sleep(0.5)
-    await asyncio.sleep(hold_s)
-    open_now = sum(1 for r in results if r.first_token_at is not None and r.done_at is None)
-    rss_open = proc.rss()
-    for tk in tasks:
-        tk.cancel()
-    await asyncio.wait(tasks, timeout=20)
-    await c.aclose()
-    await asyncio.sleep(2)
-    return {"rss_idle": rss_idle, "rss_open": rss_open, "open": open_now, "rss_after": proc.rss(), "errors": sum(1 for r in results if r.error and r.error != "cut at end of run"),
-            "error_samples": [r.error for r in results if r.error and r.error != "cut at end of run"][:3]}
-
-
 def memory_preflight(streams: int, *, margin: int = 256) -> dict[str, Any]:
-    """Can this machine hold `streams` open HTTP/1.1 streams through one router process?
-    The router holds two descriptors per stream (client and engine connections), the load
-    tool and the ticker one each; each side's connections to one address take one
-    ephemeral port each. Raises this process's soft RLIMIT_NOFILE to the hard one (the
-    children do the same, procs.Proc). `problems` says what does not fit, `max_streams`
-    the most that would."""
+    """Can this machine hold `streams` open HTTP/1.1 streams, and how? A router process
+    holds two descriptors per stream (client and engine connections), a holder
+    (narwhal_bench.hold) or a ticker engine one; RLIMIT_NOFILE bounds each process (its
+    soft limit is raised to the hard one here and in every child, procs.Proc). Past one
+    router process's `max_streams`, Narwhal spreads the streams over `narwhal_workers`
+    data-plane workers (half of each one's room left for an uneven accept spread: the
+    kernel hands each connection to whichever worker accepts first) and a peer, one
+    process, holds `peer_streams`, the most it can. Each side's connections to one address
+    take one ephemeral port each: `problems` says what does not fit."""
     soft, hard = raise_nofile()
     lim = hard if hard != -1 else 1 << 30
     try:
@@ -492,20 +461,21 @@ def memory_preflight(streams: int, *, margin: int = 256) -> dict[str, Any]:
     # without TIME_WAIT reuse the previous router's engine connections hold their ports for 60 s
     port_need = streams * (1 if reuse else 2) + 1024
     problems = []
-    if 2 * streams + margin > lim:
-        problems.append(f"RLIMIT_NOFILE hard limit {hard}: the router needs {2 * streams + margin:,} descriptors for {streams:,} streams (a client and an engine "
-                        "connection each); only a process with CAP_SYS_RESOURCE may raise a hard limit (here: ulimit -Hn, or the container's --ulimit nofile=N:N)")
     if port_need > ports:
         problems.append(f"ephemeral ports: {ports:,} in net.ipv4.ip_local_port_range, {port_need:,} needed (tcp_tw_reuse {reuse})")
-    fit = min((lim - margin) // 2, (ports - 1024) // (1 if reuse else 2))
-    return {"streams": streams, "nofile": [soft, hard], "ephemeral_ports": ports, "tcp_tw_reuse": reuse, "problems": problems, "max_streams": max(0, fit)}
+    per_process = max(0, (lim - margin) // 2)
+    fit = min(per_process, (ports - 1024) // (1 if reuse else 2))
+    workers = 1 if streams <= per_process else -(-streams // max(1, per_process // 2))
+    return {"streams": streams, "nofile": [soft, hard], "ephemeral_ports": ports, "tcp_tw_reuse": reuse, "problems": problems, "max_streams": max(0, fit),
+            "narwhal_workers": workers, "peer_streams": min(streams, per_process), "spread": -(-streams // PER_HOLDER) if streams else 1}
 
 
 def memory_one(r: H.Started, *, streams: int, ramp_s: float, tokens: int, hold_s: float) -> dict[str, Any]:
     """One router's RSS (its process tree, /proc) idle and with `streams` open; a warm-up
     first runs every code path once (lazy imports, caches) before the idle reading."""
     phase(r.url, r.headers, "1", fixed_rate(50, 2, output_tokens=2, seed=5), RequestShape(stream=True, mock={"tpot_ms": 1}))
-    d: dict[str, Any] = _run(_hold(r.url, streams, ramp_s, tokens, hold_s, r.proc, headers=r.headers))
+    d: dict[str, Any] = _run(hold_spread(r.url, streams, ramp_s, tokens, hold_s, r.proc, headers=r.headers, cpus=layout()[1]))
+    d["streams"] = streams
     d["bytes_per_stream"] = (d["rss_open"] - d["rss_idle"]) / max(1, d["open"])
     d["kib_per_stream"] = d["bytes_per_stream"] / 1024
     d["notes"] = r.notes
@@ -524,19 +494,22 @@ def memory(*, streams: int = 5000, interval_ms: float = 2000.0, ramp_s: float = 
     data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "preflight": pre, "runs": {}, "unavailable": {}}
     tokens = int((ramp_s + hold_s + 40) * 1000 / interval_ms) + 5
     with _cleanup() as things:
-        tk = H.ticker_engine("t0", interval_ms=interval_ms, cpus=lcpu)
-        things.append(tk)
+        tks = [H.ticker_engine(f"t{i}", interval_ms=interval_ms, cpus=lcpu) for i in range(pre["spread"])]
+        things.extend(tks)
         for name in H.router_names(routers, servers):
-            r = _start(name, [tk], rcpu, data["unavailable"], **narwhal_overrides("open", workers, streams))
+            n = streams if name.startswith("narwhal") else pre["peer_streams"]
+            r = _start(name, tks, rcpu, data["unavailable"], **narwhal_overrides("open", max(workers, pre["narwhal_workers"]), streams))
             if r is None:
                 continue
             things.append(r)
-            d = data["runs"][name] = memory_one(r, streams=streams, ramp_s=ramp_s, tokens=tokens, hold_s=hold_s)
+            d = data["runs"][name] = memory_one(r, streams=n, ramp_s=ramp_s, tokens=tokens, hold_s=hold_s)
             r.stop()
-            rows.append([name, f"{d['open']}/{streams}", f"{d['rss_idle'] / 2**20:.0f}", f"{d['rss_open'] / 2**20:.0f}", f"{d['kib_per_stream']:.1f}", d["errors"]])
+            rows.append([name, f"{d['open']}/{n}", f"{d['rss_idle'] / 2**20:.0f}", f"{d['rss_open'] / 2**20:.0f}", f"{d['kib_per_stream']:.1f}", d["errors"]])
     rep.data = data
     rep.add(f"{streams} streaming requests opened over {ramp_s:g} s over HTTP/1.1 (one connection each), held open (one token every {interval_ms:g} ms from the ticker), "
-            f"RSS of the router's process tree read from /proc after {hold_s:g} s with all open. RLIMIT_NOFILE {pre['nofile'][0]}/{pre['nofile'][1]}. {_pinning_note(rcpu, lcpu)}")
+            f"RSS of the router's process tree read from /proc after {hold_s:g} s with all open, from {pre['spread']} holder process(es) through {pre['spread']} ticker engine(s). "
+            f"RLIMIT_NOFILE {pre['nofile'][0]}/{pre['nofile'][1]}: Narwhal with {max(workers, pre['narwhal_workers'])} data-plane worker(s); a peer (one process) holds at most "
+            f"{pre['peer_streams']:,}. {_pinning_note(rcpu, lcpu)}")
     rep.add(markdown_table(["router", "streams open", "RSS idle MiB", "RSS with streams MiB", "KiB per open stream", "errors"], rows))
     rep.add("Routers: " + "; ".join(f"{k}: {v['notes']}" for k, v in data["runs"].items()))
     _unavailable(rep, data["unavailable"])

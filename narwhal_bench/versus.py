@@ -30,12 +30,15 @@ The run
     `--rate` 200 req/s for `--ttft-duration` s, 10, seeded by the run), open loop,
     streaming, HTTP/1.1. Added TTFT = routed minus direct percentile (p50, p99).
   * memory: `--mem-streams` (20,000) streams opened over `--mem-ramp` s (15) through the
-    router to a ticker sending one token every 2 s, held `--mem-hold` s (5); KiB per open
-    stream = (RSS with them open - RSS idle after a warm-up) / streams open. Checked
-    before anything runs (experiments.memory_preflight): descriptors (the router holds
-    two per stream: RLIMIT_NOFILE's soft limit is raised to the hard one here and in every
-    child) and ephemeral ports; a count that does not fit stops the run at once, naming
-    the most that would.
+    router to tickers sending one token every 2 s, held `--mem-hold` s (5); KiB per open
+    stream = (RSS with them open - RSS idle after a warm-up) / streams open. The streams
+    come from holder processes (narwhal_bench.hold, 9,000 each at most) to as many
+    ticker engines: one process holds at most RLIMIT_NOFILE's hard limit of descriptors.
+    A router process holds two per stream: past what one holds (9,872 with a hard limit
+    of 20,000), Narwhal runs with the data-plane workers it needs (5 for 20,000) and a
+    peer, one process, is measured at the most it holds (experiments.memory_preflight;
+    the table shows each router's count). Ephemeral ports are checked before anything
+    runs; a count that does not fit stops the run at once, naming the most that would.
   * Before each measurement the run waits at most `--quiet-wait` s for the rest of the
     machine to go quiet (< 0.15 core busy, split.await_quiet), and records how busy the
     rest of the machine kept the CPUs meanwhile (`others' cores`).
@@ -296,10 +299,12 @@ def tables(data: dict[str, Any]) -> str:
     mem = [m for m in ms if m["part"] == "memory"]
     if mem:
         lines += ["", f"Memory, per run ({data['mem_streams']:,} streams opened over {data['settings']['mem_ramp']:g} s, one token every "
-                  f"{data['settings']['mem_interval_ms']:g} ms, read after {data['settings']['mem_hold']:g} s):", ""]
+                  f"{data['settings']['mem_interval_ms']:g} ms, read after {data['settings']['mem_hold']:g} s"
+                  + (f"; from {mp['holders']} holder processes to {mp['tickers']} ticker engines; Narwhal with {mp['narwhal_workers']} data-plane workers, a peer (one process) "
+                     f"at the most one process's descriptors hold, {mp['peer_streams']:,}" if (mp := data.get("mem_plan")) and mp["narwhal_workers"] > 1 else "") + "):", ""]
         lines.append(markdown_table(["run", "#", "router", "streams open", "RSS idle MiB", "RSS open MiB", "KiB per open stream", "errors", "others' cores"],
                                     [[m["run"], m["position"], m["router"], *(["failed: " + m["failed"][:120]] + [""] * 5 if m.get("failed") else
-                                      [f"{m['open']:,}/{data['mem_streams']:,}", f"{m['rss_idle'] / 2**20:.0f}", f"{m['rss_open'] / 2**20:.0f}", f"{m['kib_per_stream']:.2f}",
+                                      [f"{m['open']:,}/{m.get('streams', data['mem_streams']):,}", f"{m['rss_idle'] / 2**20:.0f}", f"{m['rss_open'] / 2**20:.0f}", f"{m['kib_per_stream']:.2f}",
                                        m["errors"], _f(m.get("others_cores"))])] for m in mem]))
     lines += ["", "Routers:"] + [f"- {k}: {v}" for k, v in data.get("notes", {}).items()]
     lines += [f"- **{k}** did not run: {v}" for k, v in data.get("unavailable", {}).items()]
@@ -344,13 +349,13 @@ def _ttft_one(r: H.Started, eng: H.Engine, a: argparse.Namespace, seed: int) -> 
     return out
 
 
-def _one(part: str, r: H.Started, e: H.Engine, a: argparse.Namespace, run_no: int, mem_tokens: int) -> dict[str, Any]:
+def _one(part: str, r: H.Started, e: H.Engine, a: argparse.Namespace, run_no: int, mem_tokens: int, mem_streams: int) -> dict[str, Any]:
     """One router's measurement of one part."""
     if part == "relay":
         return relay_one(r, streams=a.streams, tokens=a.tokens, warm_s=a.warm, window_s=a.window)
     if part == "ttft":
         return _ttft_one(r, e, a, seed=run_no)
-    return memory_one(r, streams=a.mem_streams, ramp_s=a.mem_ramp, tokens=mem_tokens, hold_s=a.mem_hold)
+    return memory_one(r, streams=mem_streams, ramp_s=a.mem_ramp, tokens=mem_tokens, hold_s=a.mem_hold)
 
 
 def versus(a: argparse.Namespace) -> dict[str, Any]:
@@ -365,6 +370,7 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
     if "memory" in parts and pre["problems"]:
         raise RuntimeError(f"--mem-streams {a.mem_streams:,} does not fit on this machine (at most {pre['max_streams']:,}): " + "; ".join(pre["problems"])
                            + f". Rerun with --mem-streams {pre['max_streams']} or fewer (the memory target stays stated at 20,000), or without the memory part.")
+    mem_workers = max(a.workers, pre["narwhal_workers"])
     rcpu, lcpu = layout()
     pin_self(lcpu)
     est = estimate_s(parts, len(routers), a.runs, warm=a.warm, window=a.window, ttft_duration=a.ttft_duration, mem_ramp=a.mem_ramp, mem_hold=a.mem_hold, mem_streams=a.mem_streams)
@@ -376,6 +382,7 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
         "pinning": _pinning_note(rcpu, lcpu), "nofile": pre["nofile"], "preflight": pre, "estimate_s": est, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "measurements": [], "notes": {}, "unavailable": {}, "targets": TARGETS,
     }
+    data["mem_plan"] = {"narwhal_workers": mem_workers, "peer_streams": pre["peer_streams"], "holders": pre["spread"], "tickers": pre["spread"]}
     print(f"narwhal bench versus: {', '.join(routers)} x {a.runs} run(s), parts {', '.join(parts)}; expected ~{est / 60:.0f} min", flush=True)
     mem_tokens = int((a.mem_ramp + a.mem_hold + 40) * 1000 / a.mem_interval_ms) + 5
     with _cleanup() as things:
@@ -384,9 +391,12 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
             eng["relay"] = H.ticker_engine("t-relay", interval_ms=a.interval_ms, cpus=lcpu)
         if "ttft" in parts:
             eng["ttft"] = H.mock_engine("u0", cpus=lcpu, timing={"time_scale": 0.1})
-        if "memory" in parts:
-            eng["memory"] = H.ticker_engine("t-memory", interval_ms=a.mem_interval_ms, cpus=lcpu)
+        mem_engines: list[H.Engine] = []
+        if "memory" in parts:  # one ticker per holder: each holds one descriptor per stream
+            mem_engines = [H.ticker_engine(f"t-memory{i}", interval_ms=a.mem_interval_ms, cpus=lcpu) for i in range(pre["spread"])]
+            eng["memory"] = mem_engines[0]
         things.extend(eng.values())
+        things.extend(mem_engines[1:])
         for k in range(a.runs):
             order = runs_order(routers, k)
             for part in parts:
@@ -394,10 +404,12 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
                     if name in data["unavailable"]:
                         continue
                     e = eng[part]
-                    ov = narwhal_overrides("open", a.workers, a.mem_streams) if part == "memory" else narwhal_overrides(a.mode, a.workers)
+                    ov = narwhal_overrides("open", mem_workers, a.mem_streams) if part == "memory" else narwhal_overrides(a.mode, a.workers)
                     rec: dict[str, Any] = {"part": part, "run": k + 1, "position": pos, "router": name}
+                    # past one process's descriptors Narwhal spreads over its workers; a peer holds what it can
+                    mem_streams = a.mem_streams if name.startswith("narwhal") else pre["peer_streams"]
                     try:
-                        r = H.start_peer(name, [e], cpus=rcpu, narwhal_overrides=ov)
+                        r = H.start_peer(name, mem_engines if part == "memory" else [e], cpus=rcpu, narwhal_overrides=ov)
                     except H.PeerUnavailable as ex:
                         data["unavailable"][name] = str(ex)
                         print(f"  {name}: not run: {str(ex).splitlines()[0]}", flush=True)
@@ -409,7 +421,8 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
                     things.append(r)
                     data["notes"][name] = r.notes
                     try:
-                        m = _measure(functools.partial(_one, part, r, e, a, k + 1, mem_tokens), [r.proc.pid, e.proc.pid], a.quiet_wait)
+                        roots = [r.proc.pid] + [x.proc.pid for x in (mem_engines if part == "memory" else [e])]
+                        m = _measure(functools.partial(_one, part, r, e, a, k + 1, mem_tokens, mem_streams), roots, a.quiet_wait)
                         m.pop("profile", None)
                         rec.update(m)
                     except (RuntimeError, TimeoutError, OSError) as ex:
