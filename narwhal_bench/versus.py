@@ -29,8 +29,8 @@ The run
     against the engine and then the routed phase with the same arrivals (Poisson at
     `--rate` 200 req/s for `--ttft-duration` s, 10, seeded by the run), open loop,
     streaming, HTTP/1.1. Added TTFT = routed minus direct percentile (p50, p99).
-  * memory: `--mem-streams` (20,000) streams opened over `--mem-ramp` s (15) through the
-    router to tickers sending one token every 2 s, held `--mem-hold` s (5); KiB per open
+  * memory: `--mem-streams` (20,000) streams opened over `--mem-ramp` s (60) through the
+    router to tickers sending one token every `--mem-interval-ms` (10 s), held `--mem-hold` s (5); KiB per open
     stream = (RSS with them open - RSS idle after a warm-up) / streams open. The streams
     come from holder processes (narwhal_bench.hold, 9,000 each at most) to as many
     ticker engines: one process holds at most RLIMIT_NOFILE's hard limit of descriptors.
@@ -111,8 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--tpot-ms", type=float, default=10.0)
     p.add_argument("--mem-streams", type=int, default=TARGETS["mem_streams"], help="memory: streams held open (default 20000; fewer for a smoke run)")
-    p.add_argument("--mem-interval-ms", type=float, default=2000.0, help="memory: ms between a held stream's tokens (default 2000)")
-    p.add_argument("--mem-ramp", type=float, default=15.0, help="memory: seconds to open them (default 15)")
+    # 20,000 streams on two cores: opened at 333/s and one token each 10 s (2,000 events/s),
+    # so the holders, tickers and routers keep up (at 1,333/s and 10,000 events/s some were cut)
+    p.add_argument("--mem-interval-ms", type=float, default=10000.0, help="memory: ms between a held stream's tokens (default 10000)")
+    p.add_argument("--mem-ramp", type=float, default=60.0, help="memory: seconds to open them (default 60)")
     p.add_argument("--mem-hold", type=float, default=5.0, help="memory: seconds held before the reading (default 5)")
     p.add_argument("--quiet-wait", type=float, default=30.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (default 30; 0: never)")
     p.add_argument("--out", default="out/bench", help="save versus.md and versus.json here (default out/bench; '' to skip)")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from random import randint
@@ -194,8 +195,7 @@ class LeanConnection(asyncio.Protocol):
         COUNTS.open += 1
         self.live.add(self)
         self.protocol = ProtocolWrapper(self.app, self.config, self.context, self._group, ConnectionState(self.state), self._ssl,  # type: ignore[arg-type]
-                                        parse_socket_addr(family, peer), parse_socket_addr(family, transport.get_extra_info("sockname")),
-                                        self.protocol_send, alpn)
+                                        _addr(family, peer), _addr(family, transport.get_extra_info("sockname")), self.protocol_send, alpn)
         self._submit(_BEGIN)
 
     def data_received(self, data: bytes) -> None:
@@ -434,6 +434,13 @@ class Asgi:
 
     def __call__(self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> Awaitable[None]:
         return self.app(scope, receive, send)  # type: ignore[no-any-return]
+
+
+def _addr(family: int, addr: Any) -> tuple[str, int] | None:
+    """hypercorn's parse_socket_addr, the host interned: every connection from one address
+    shares its string (memory per open stream)."""
+    a = parse_socket_addr(family, addr)
+    return None if a is None else (sys.intern(a[0]), a[1])
 
 
 class _Marker:

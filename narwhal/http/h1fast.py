@@ -92,7 +92,7 @@ class H1Direct:
         else:
             ev = h11.Response(status_code=status, headers=hs, _parsed=True)
         data = conn.send(ev)
-        st.response = {"type": "http.response.start", "status": status, "headers": hs}
+        st.response = {"type": "http.response.start", "status": status, "headers": headers}  # (hypercorn's access log reads it; not hs: one list less per stream)
         st.state = _RESPONSE
         if first and type(conn._writer) is ChunkedWriter:
             data = (data or b"") + b"%x\r\n%b\r\n" % (len(first), first)

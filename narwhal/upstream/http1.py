@@ -40,6 +40,7 @@ import base64
 import math
 import os
 import socket
+import sys
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -131,7 +132,7 @@ class _Wheel:
             c._check_idle()
 
 
-_KEPT = frozenset({"connection", "transfer-encoding", "content-length", "content-type"})  # response headers kept
+_KEPT = {n: n for n in ("connection", "transfer-encoding", "content-length", "content-type")}  # response headers kept (names shared)
 
 
 class _Conn(asyncio.Protocol):
@@ -262,9 +263,9 @@ class _Conn(asyncio.Protocol):
         for ln in lines[1:]:
             k, sep, v = ln.partition(b":")
             if sep:
-                name = k.strip().lower().decode("latin-1")
-                if name in _KEPT:  # what the framing and the consumer read; the rest dropped (memory per open stream)
-                    h[name] = v.strip().decode("latin-1")
+                name = _KEPT.get(k.strip().lower().decode("latin-1"))
+                if name is not None:  # what the framing and the consumer read; the rest dropped (memory per open stream)
+                    h[name] = sys.intern(v.strip().decode("latin-1"))  # one copy of "text/event-stream" for every stream
         if h.get("connection", "").lower() == "close" or parts[0] == b"HTTP/1.0":
             self.keep_alive = False
         te = h.get("transfer-encoding", "").lower()
