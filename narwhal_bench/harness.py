@@ -149,7 +149,8 @@ def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: se
     if server == "hypercorn":
         argv = [python(), "-m", "narwhal.cli", "serve", "--config", str(cfg_path), "--listen", f"127.0.0.1:{port}", "--log-level", "warning"]
         p = Proc(name, argv, cpus=cpus)
-        notes = "hypercorn, uvloop, one process"
+        w = int((config.get("serving") or {}).get("workers", 1))
+        notes = "hypercorn, uvloop, one process" if w == 1 else f"hypercorn, uvloop, an authority and {w} data-plane workers"
     elif server == "granian":
         exe = peers_dir() / "granian" / "bin" / "granian"
         if not exe.exists():

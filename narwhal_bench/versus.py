@@ -421,7 +421,8 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
                         print(f"  run {k + 1} {part} {name}: failed to start: {str(ex).splitlines()[0]}", flush=True)
                         continue
                     things.append(r)
-                    data["notes"][name] = r.notes
+                    if part != "memory" or name not in data["notes"]:  # (the memory table names its own process count)
+                        data["notes"][name] = r.notes
                     try:
                         roots = [r.proc.pid] + [x.proc.pid for x in (mem_engines if part == "memory" else [e])]
                         m = _measure(functools.partial(_one, part, r, e, a, k + 1, mem_tokens, mem_streams), roots, a.quiet_wait)
