@@ -73,7 +73,8 @@ async def _child(url: str, streams: int, ramp_s: float, tokens: int, headers: di
     n = _open(results)
     for t in tasks:
         t.cancel()
-    await asyncio.wait(tasks, timeout=20) if tasks else None
+    if tasks:
+        await asyncio.wait(tasks, timeout=20)
     tick.cancel()
     watcher.cancel()
     await c.aclose()

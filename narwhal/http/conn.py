@@ -41,7 +41,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from random import randint
 from typing import Any
 
-import hypercorn.asyncio.task_group as _task_group
 from hypercorn.asyncio.lifespan import Lifespan
 from hypercorn.asyncio.statsd import StatsdLogger
 from hypercorn.asyncio.worker_context import WorkerContext
@@ -57,7 +56,7 @@ from hypercorn.utils import (
 )
 
 from . import hyper
-from .lean import LeanEvent, LeanIdle, LeanLock, LeanQueue
+from .lean import LeanEvent, LeanIdle, LeanLock
 
 __all__ = ["LeanConnection", "ConnTasks", "Live", "Asgi", "serve", "CANCEL_WAIT_S"]
 
@@ -78,11 +77,7 @@ class ConnTasks:
         self._task_group = self
 
     async def spawn_app(self, app: Any, config: Any, scope: Any, send: Any) -> Any:
-        """hypercorn's spawn_app with hyper.py item 12's LeanQueue."""
-        app_queue = LeanQueue(config.max_app_queue_size)
-        sync_spawn, call_soon = hyper._loop_helpers(self._conn.loop)
-        self.spawn(_task_group._handle, app, config, scope, app_queue.get, send, sync_spawn, call_soon)
-        return app_queue.put
+        return hyper.spawn_lean_app(self.spawn, self._conn.loop, app, config, scope, send)
 
     def spawn(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         self.create_task(func(*args))
@@ -353,13 +348,8 @@ class LeanConnection(asyncio.Protocol):
         await w
 
     async def _close(self) -> None:
-        t = self.transport
         try:
-            t.write_eof()
-        except (NotImplementedError, OSError, RuntimeError):
-            pass  # TLS, or closed already
-        try:
-            t.close()
+            self._shut()
             if not self._lost:
                 w = self.loop.create_future()
                 if self._closers is None:
@@ -370,6 +360,15 @@ class LeanConnection(asyncio.Protocol):
             pass  # hypercorn's _close swallows these, a cancellation included
         finally:
             self.idle_task.disarm()
+
+    def _shut(self) -> None:
+        """FIN after what is written, then close (hypercorn's _close without its wait)."""
+        t = self.transport
+        try:
+            t.write_eof()
+        except (NotImplementedError, OSError, RuntimeError):
+            pass  # TLS, or closed already
+        t.close()
 
     async def _initiate_server_close(self) -> None:
         """The keep-alive timer's close (LeanIdle)."""
@@ -384,13 +383,8 @@ class LeanConnection(asyncio.Protocol):
             return
         self._ended = True
         self.idle_task.disarm()
-        t = self.transport
         if not self._lost:
-            try:
-                t.write_eof()
-            except (NotImplementedError, OSError, RuntimeError):
-                pass
-            t.close()
+            self._shut()
         COUNTS.open -= 1
         if self._busy:
             self._busy = False

@@ -123,7 +123,7 @@ from .h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, H1Direct, PreparedH
 from .lean import LeanEvent, LeanQueue
 
 __all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "HardenedH11Protocol", "ConnectionCollector",
-           "H1Direct", "PreparedH11", "DIRECT", "DIRECT_BUFFER", "CloseHook", "CLOSE", "LeanTaskGroup", "ServerConfig"]
+           "H1Direct", "PreparedH11", "DIRECT", "DIRECT_BUFFER", "CloseHook", "CLOSE", "LeanTaskGroup", "ServerConfig", "spawn_lean_app"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,10 +421,16 @@ class LeanTaskGroup(_task_group.TaskGroup):
     spawn_app: the same _handle, receive = queue.get, app_put = queue.put)."""
 
     async def spawn_app(self, app: Any, config: Any, scope: Any, send: Any) -> Any:
-        app_queue = LeanQueue(config.max_app_queue_size)
-        sync_spawn, call_soon = _loop_helpers(self._loop)
-        self.spawn(_task_group._handle, app, config, scope, app_queue.get, send, sync_spawn, call_soon)
-        return app_queue.put
+        return spawn_lean_app(self.spawn, self._loop, app, config, scope, send)
+
+
+def spawn_lean_app(spawn: Any, loop: asyncio.AbstractEventLoop, app: Any, config: Any, scope: Any, send: Any) -> Any:
+    """hypercorn's spawn_app body with item 12's LeanQueue, for any task group's `spawn`
+    (LeanTaskGroup's, conn.ConnTasks'): returns the app's app_put."""
+    app_queue = LeanQueue(config.max_app_queue_size)
+    sync_spawn, call_soon = _loop_helpers(loop)
+    spawn(_task_group._handle, app, config, scope, app_queue.get, send, sync_spawn, call_soon)
+    return app_queue.put
 
 
 _HELPERS: tuple[Any, Any, Any] | None = None  # (loop, sync_spawn, call_soon): one loop per process
