@@ -135,4 +135,9 @@ async def hold_spread(url: str, streams: int, ramp_s: float, tokens: int, hold_s
 if __name__ == "__main__":
     _url, _n, _ramp, _tokens = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     _headers = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-    asyncio.run(_child(_url, _n, _ramp, _tokens, _headers))
+    # uvloop (a dependency of Narwhal's): a holder on asyncio's own loop spent ~1.5 ms of
+    # CPU per stream opened, and three of them with the tickers filled the load tool's core
+    # (connects timed out at 20,000 streams on a slow day)
+    import uvloop
+
+    uvloop.run(_child(_url, _n, _ramp, _tokens, _headers))

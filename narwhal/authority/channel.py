@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +34,10 @@ __all__ = ["WorkerSession"]
 log = logging.getLogger("narwhal")
 
 _OPS = frozenset(("ready", "engines", "metrics", "set_state", "set_wave", "drain", "profile", "put_engine", "delete_engine", "reload"))
+
+
+def _interned(name: Any) -> Any:
+    return sys.intern(name) if type(name) is str else name
 
 
 class WorkerSession:
@@ -88,7 +93,9 @@ class WorkerSession:
         entry = self.entries.get(m.rid)
         if entry is None:
             return  # ended meanwhile
-        got = entry.admit_now(Order(m.route, m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix), tuple(m.token_prefix), m.tenant, m.key_id))
+        # a route's, a tenant's and a key's names: one string each for every open request
+        got = entry.admit_now(Order(_interned(m.route), m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix),
+                                    tuple(m.token_prefix), _interned(m.tenant), _interned(m.key_id)))
         if isinstance(got, Refuse):
             self.send(ipc.Refused(m.rid, got.row.id, got.overrun_s, got.fields))
             return

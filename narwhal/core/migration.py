@@ -40,6 +40,7 @@ admission refuses the continuation; G11, none of them: carry on):
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ class Recorder:
         if self.id is None:
             i, c, m = obj.get("id"), obj.get("created"), obj.get("model")
             if type(i) is str:
-                self.id, self.created, self.model = i, c if type(c) is int else 0, m if type(m) is str else ""
+                # the model's name is the same for every stream of an engine: one string for all
+                self.id, self.created, self.model = i, c if type(c) is int else 0, sys.intern(m) if type(m) is str else ""
         p = obj.get("prompt_token_ids")
         if p is not None and self.prompt_ids is None and type(p) is list:
             self.prompt_ids = p

@@ -194,6 +194,7 @@ def parse_request(route: str, raw: bytes, *, model: str) -> ParsedRequest | Reje
     # R05
     if body["model"] != model:
         return Rejection(E.R05, "model", {"model": body["model"], "configured": model})
+    body["model"] = model  # the same name: the router's one string, not one per open stream
     # R06
     n, best_of = body.get("n"), body.get("best_of")
     if n is not None and n > 1:

@@ -16,13 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 import h11
+from h11._state import ConnectionState
+from h11._util import Sentinel
 from h11._writers import (
     ChunkedWriter,  # h11 0.16: how a chunked body is framed (H1Direct checks it)
 )
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
-__all__ = ["DIRECT", "CLOSE", "DIRECT_BUFFER", "CloseHook", "H1Direct", "PreparedH11"]
+__all__ = ["DIRECT", "CLOSE", "DIRECT_BUFFER", "CloseHook", "H1Direct", "PreparedH11", "LeanH11State"]
 
 
 DIRECT = "narwhal.h1_direct"  # the scope extension holding a stream's H1Direct (item 11)
@@ -92,7 +94,12 @@ class H1Direct:
         else:
             ev = h11.Response(status_code=status, headers=hs, _parsed=True)
         data = conn.send(ev)
-        st.response = {"type": "http.response.start", "status": status, "headers": headers}  # (hypercorn's access log reads it; not hs: one list less per stream)
+        # hypercorn's access log alone reads it again (not hs: one list less per stream);
+        # with none (Narwhal's server turns it off), one shared head per status, none per stream
+        if proto.config.log.access_logger is None:
+            st.response = _STARTED.get(status) or _STARTED.setdefault(status, {"type": "http.response.start", "status": status, "headers": ()})
+        else:
+            st.response = {"type": "http.response.start", "status": status, "headers": headers}
         st.state = _RESPONSE
         if first and type(conn._writer) is ChunkedWriter:
             data = (data or b"") + b"%x\r\n%b\r\n" % (len(first), first)
@@ -117,6 +124,7 @@ class H1Direct:
 
 
 _CHUNKED = (b"Transfer-Encoding", b"chunked")
+_STARTED: dict[int, Any] = {}  # status -> the http.response.start hypercorn's stream keeps (never changed)
 
 
 class PreparedH11(h11.Connection):
@@ -127,12 +135,50 @@ class PreparedH11(h11.Connection):
 
     prepared: h11.Response | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        LeanH11State.adopt(self._cstate)
+
+    @staticmethod
+    def adopt(conn: h11.Connection) -> None:
+        """`conn` (h11's, fresh) becomes one of these: the same objects, methods changed."""
+        conn.__class__ = PreparedH11
+        LeanH11State.adopt(conn._cstate)
+
     def _clean_up_response_headers_for_sending(self, response: h11.Response) -> h11.Response:
         if response is self.prepared:
             self.prepared = None
             return response
         self.prepared = None
         return super()._clean_up_response_headers_for_sending(response)  # type: ignore[misc]
+
+
+_NO_PROPOSALS: frozenset[Any] = frozenset()
+
+
+class LeanH11State(ConnectionState):
+    """h11's connection state, except that "no protocol switch proposed" is one shared
+    empty frozenset, not a set per connection: h11 makes a new empty set at every
+    Response, kept for the stream's life (216 B per open stream). h11 changes the set in
+    one place only, a client's Upgrade or CONNECT proposal, where a set of its own is made
+    first; everything else reads it."""
+
+    @staticmethod
+    def adopt(state: ConnectionState) -> None:
+        """h11's state object becomes one of these (the same object; no set of its own)."""
+        state.__class__ = LeanH11State
+        if not state.pending_switch_proposals:
+            state.pending_switch_proposals = _NO_PROPOSALS  # type: ignore[assignment]
+
+    def process_client_switch_proposal(self, switch_event: type[Sentinel]) -> None:
+        if self.pending_switch_proposals is _NO_PROPOSALS:
+            self.pending_switch_proposals = set()
+        super().process_client_switch_proposal(switch_event)
+
+    def process_event(self, role: type[Sentinel], event_type: type[h11._events.Event], server_switch_event: type[Sentinel] | None = None) -> None:
+        super().process_event(role, event_type, server_switch_event)
+        if not self.pending_switch_proposals:
+            self.pending_switch_proposals = _NO_PROPOSALS  # type: ignore[assignment]
 
 
 _REQUEST = ASGIHTTPState.REQUEST

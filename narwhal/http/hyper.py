@@ -385,7 +385,7 @@ class HardenedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if type(self.connection) is h11.Connection:
-            self.connection.__class__ = PreparedH11  # the same object, one method more
+            PreparedH11.adopt(self.connection)  # the same object, two methods more
 
     async def _send_error_response(self, status_code: int) -> None:
         row = E.H09 if status_code == 431 else E.H08

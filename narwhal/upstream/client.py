@@ -23,6 +23,7 @@ URL the router keeps and publishes is the one without them (`split_userinfo`).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,16 +68,21 @@ def _map(exc: H1Error) -> UpstreamError:
 class Upstream:
     """An open engine response: status and headers read, body not yet."""
 
-    __slots__ = ("_resp", "status", "next_raw", "direct")
+    __slots__ = ("_resp", "status")
 
     def __init__(self, resp: H1Response) -> None:
         self._resp = resp
         self.status = resp.status
-        # the relay loop's fast path: the connection's own reader, raising H1Error
-        # (map it with `mapped`); b"" at the end of the body
-        self.next_raw = resp.next_chunk
-        # the other: the body to a handler from the connection's callback (H1Response.direct)
-        self.direct = resp.direct
+
+    def next_raw(self) -> Coroutine[Any, Any, bytes]:
+        """The relay loop's reader: the connection's own, raising H1Error (map it with
+        `mapped`); b"" at the end of the body. (Methods, not bound methods kept: those
+        would live as long as the stream.)"""
+        return self._resp.next_chunk()
+
+    def direct(self, handler: Callable[[bytes], bool]) -> Awaitable[None]:
+        """The other: the body to a handler from the connection's callback (H1Response.direct)."""
+        return self._resp.direct(handler)
 
     @property
     def content_type(self) -> str:

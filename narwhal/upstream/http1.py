@@ -42,7 +42,7 @@ import os
 import socket
 import sys
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -371,9 +371,15 @@ class _Conn(asyncio.Protocol):
                 self._paused = True
 
     def _wake(self) -> None:
+        self._direct = None  # a woken task reads on with next_chunk: no more reads go to a handler
         w = self._waiter
         if w is not None and not w.done():
-            w.set_result(None)
+            e = self._direct_exc
+            if e is not None:  # the handler raised: its task raises it (direct)
+                self._direct_exc = None
+                w.set_exception(e)
+            else:
+                w.set_result(None)
         hw = self._head_waiter
         if hw is not None and not hw.done() and (self._error is not None or self.closed):
             hw.set_result(None)
@@ -434,6 +440,7 @@ class _Conn(asyncio.Protocol):
             self._head_waiter = self.loop.create_future()
             self._arm()
             await self._head_waiter
+        self._head_waiter = None  # not held for the stream's life
         if self._error is not None:
             raise self._error
         if self._state == "head":
@@ -462,24 +469,20 @@ class _Conn(asyncio.Protocol):
             await self._waiter
             self._waiter = None
 
-    async def direct(self, handler: Callable[[bytes], bool]) -> None:
+    def direct(self, handler: Callable[[bytes], bool]) -> asyncio.Future[None]:
         """Deliver the body to `handler` from data_received until it returns False or
-        raises (raised here), an error or the end of the body comes, or bytes queue; then
-        return, and the caller reads on with next_chunk. Idle timeout as next_chunk's."""
+        raises, an error or the end of the body comes, or bytes queue; the future returned
+        is done then (raising what the handler raised), and the caller reads on with
+        next_chunk. No coroutine of its own: an open stream waits on this future alone
+        (memory per open stream). Every wake-up ends the handler's turn (_wake); so does
+        the response's close. Idle timeout as next_chunk's."""
+        w = self._waiter = self.loop.create_future()
         if self._chunks or self._error is not None or self._eof or self.closed:
-            return
+            w.set_result(None)
+            return w
         self._direct = handler
-        try:
-            while self._direct is not None and not self._chunks and self._error is None and not self._eof and not self.closed:
-                self._waiter = self.loop.create_future()
-                self._arm()
-                await self._waiter
-                self._waiter = None
-        finally:
-            self._direct = None
-        if self._direct_exc is not None:
-            e, self._direct_exc = self._direct_exc, None
-            raise e
+        self._arm()
+        return w
 
     @property
     def reusable(self) -> bool:
@@ -511,7 +514,7 @@ class H1Response:
             self._done = True
         return data
 
-    def direct(self, handler: Callable[[bytes], bool]) -> Coroutine[Any, Any, None]:
+    def direct(self, handler: Callable[[bytes], bool]) -> asyncio.Future[None]:
         """See _Conn.direct: the body to `handler` as it arrives, until it wants its task."""
         return self._conn.direct(handler)
 
@@ -535,6 +538,7 @@ class H1Response:
         and the connection goes back to the pool when it arrives (within a short bound)."""
         conn = self._conn
         conn._cancel_timer()
+        conn._direct = conn._direct_exc = None  # a reader cancelled in direct(): its handler is done
         if conn._state == "done" and conn.reusable and (self._done or complete):
             conn._chunks = []
             self._pool._release(conn)

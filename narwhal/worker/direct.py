@@ -2,7 +2,7 @@
 
 With `asgi`, every engine read wakes the request's task, which feeds the relay and awaits
 the client's send: two task switches and an ASGI send per event. With `direct`, the
-request's task parks in `Upstream.direct(feed.take)` and each engine read is fed here,
+request's task parks in `Upstream.direct(feed)` and each engine read is fed here,
 inside the upstream protocol's `data_received`:
 
   * the relay step is the same `StreamRelay.feed` (parse, T01-T12 checks, strips, E02
@@ -42,10 +42,9 @@ class DirectFeed:
     start_now set), None for a non-streaming one; `held`: the task's buffer of output
     before the head; `first_token(now)`: the first token's books."""
 
-    __slots__ = ("_feed", "_relay", "_now", "_sink", "_held", "_first", "pending")
+    __slots__ = ("_relay", "_now", "_sink", "_held", "_first", "pending")
 
     def __init__(self, relay: StreamRelay, now: Callable[[], float], sink: Sink | None, held: list[bytes], first_token: Callable[[float], None]) -> None:
-        self._feed = relay.feed
         self._relay = relay
         self._now = now
         self._sink = sink
@@ -56,7 +55,7 @@ class DirectFeed:
     def take(self, data: bytes) -> bool:
         """Feed one engine read; True when it was handled whole here."""
         now = self._now()
-        step = self._feed(data, now)
+        step = self._relay.feed(data, now)
         if step.failure is None and not step.done:
             sink = self._sink
             out = step.out
@@ -79,3 +78,6 @@ class DirectFeed:
                 return True
         self.pending = (step, now)
         return False
+
+    # the connection's handler is the feed itself: no bound method held per open stream
+    __call__ = take

@@ -48,6 +48,7 @@ class DataPlane:
                  count_tokens: Callable[[str], int] | None = None, controls: Any = None) -> None:
         self.config = config
         self.clock = clock or MonotonicClock()
+        self.now = self.clock.now  # one bound method for every stream's relay (memory per open stream)
         self.worker = worker  # the `worker` label of this plane's metrics
         self.engines: dict[str, EngineSpec] = {s.name: s for s in engines}
         # the open exchanges with each engine (worker/request.py registers each leg), so

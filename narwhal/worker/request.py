@@ -253,7 +253,7 @@ class _Run:
             up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers)
         except UpstreamError as x:
             raise self._upstream(x, e) from None
-        del body  # sent: not held for the stream's life (memory per open stream)
+        del body, headers  # sent: not held for the stream's life (memory per open stream)
         sink = self.sink
         buffered: list[bytes] = []
         complete = False
@@ -269,7 +269,7 @@ class _Run:
                 raise self._http_error(up.status, raw, e)
             if self.leg is not None:
                 self.leg.start_relay(assembler is not None)
-            next_raw, now_fn, feed = up.next_raw, r.clock.now, relay.feed
+            now_fn = r.now  # (the plane's: bound methods made here would live as long as the stream)
             # a continuation's own first token frees the slot admission gave it (the
             # scheduler's first_token), as any first token does; the relay has started long ago
             awaiting = relay.token_count if rejoin is not None else None
@@ -280,12 +280,12 @@ class _Run:
                 fast = DirectFeed(relay, now_fn, None if assembler is not None else sink, buffered, self._first_token)
             while True:
                 if fast is not None and fast.pending is None:
-                    await up.direct(fast.take)
+                    await up.direct(fast)
                 if fast is not None and fast.pending is not None:
                     (step, now), fast.pending = fast.pending, None
                 else:
                     try:
-                        chunk = await next_raw()
+                        chunk = await up.next_raw()
                     except H1Error as x:
                         raise up.mapped(x) from None
                     if not chunk:
@@ -297,7 +297,7 @@ class _Run:
                         if not chunk:
                             continue
                     now = now_fn()
-                    step = feed(chunk, now)
+                    step = relay.feed(chunk, now)
                 if step.failure is not None:
                     row, detail = step.failure
                     if sink.headers_sent and step.out:
@@ -325,6 +325,9 @@ class _Run:
                 if step.done:
                     complete = True
                     break
+                if fast is not None:  # the stream's life is spent in up.direct: the last read's bytes go now
+                    del step
+                    chunk = b""
         except UpstreamError as x:
             raise self._upstream(x, e) from None
         finally:

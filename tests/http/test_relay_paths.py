@@ -18,6 +18,7 @@ from hypercorn.protocol.http_stream import ASGIHTTPState
 
 from narwhal.core.relay import StreamRelay
 from narwhal.http import hyper
+from narwhal.http.h1fast import _NO_PROPOSALS, LeanH11State
 from narwhal.mock import MockConfig, Timing, running_fleet
 from narwhal.upstream import http1
 from narwhal.upstream.engines import EngineSpec
@@ -91,7 +92,8 @@ def _fresh(cls: type[h11.Connection] = h11.Connection, request: bytes = b"POST /
     t = _Transport()
     server = SimpleNamespace(transport=t, send_lock=asyncio.Lock())
     stream = SimpleNamespace(state=ASGIHTTPState.REQUEST, closed=False)
-    cfg = SimpleNamespace(keep_alive_max_requests=1 << 40, response_headers=lambda proto: [(b"date", b"Thu, 03 Dec 2026 00:00:00 GMT")])
+    cfg = SimpleNamespace(keep_alive_max_requests=1 << 40, response_headers=lambda proto: [(b"date", b"Thu, 03 Dec 2026 00:00:00 GMT")],
+                          log=SimpleNamespace(access_logger=None))  # Narwhal's server: no access log
     proto = SimpleNamespace(connection=conn, config=cfg, keep_alive_requests=1)
     return hyper.H1Direct(stream, proto, server), stream, conn, t  # type: ignore[arg-type]
 
@@ -107,6 +109,15 @@ def test_h1direct_start_writes_the_head_h11_would_and_moves_the_states_on() -> N
     assert stream.state is ASGIHTTPState.RESPONSE and stream.response["status"] == 200
     assert conn.our_state is h11.SEND_BODY
     assert d.write(b"data: x\n\n")  # and the body goes on as chunks
+    assert stream.response["headers"] == ()  # no access log: the stream keeps no head of its own
+
+
+def test_h1direct_start_keeps_the_head_for_an_access_log() -> None:
+    d, stream, _, _ = _fresh()
+    d._proto.config.log = SimpleNamespace(access_logger=object())
+    headers = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"abc")]
+    assert d.start(200, headers)
+    assert stream.response == {"type": "http.response.start", "status": 200, "headers": headers}
 
 
 _REQUESTS = {
@@ -377,3 +388,46 @@ def test_a_scope_without_extensions_streams_and_is_cancelled_by_its_disconnect(r
     _asgi_call(rr, _chat(True, n=400), disconnect_after=3)
     rr.balanced()
     assert rr.books()["terminal"]["cancelled"] == before + 1
+
+
+_SWITCH_SCRIPTS = [  # (client bytes, the server's events): each runs under h11's state and LeanH11State
+    ("keep-alive, twice", b"GET / HTTP/1.1\r\nhost: x\r\n\r\n", [h11.Response(status_code=200, headers=[(b"content-length", b"0")]), h11.EndOfMessage()]),
+    ("upgrade accepted", b"GET / HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+     [h11.InformationalResponse(status_code=101, headers=[(b"upgrade", b"websocket")])]),
+    ("upgrade declined", b"GET / HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+     [h11.Response(status_code=200, headers=[(b"content-length", b"0")]), h11.EndOfMessage()]),
+    ("CONNECT accepted", b"CONNECT x:443 HTTP/1.1\r\nhost: x\r\n\r\n", [h11.Response(status_code=200, headers=[])]),
+    ("CONNECT refused", b"CONNECT x:443 HTTP/1.1\r\nhost: x\r\n\r\n", [h11.Response(status_code=403, headers=[(b"content-length", b"0")]), h11.EndOfMessage()]),
+]
+
+
+@pytest.mark.parametrize(("name", "request_bytes", "events"), _SWITCH_SCRIPTS, ids=[s[0] for s in _SWITCH_SCRIPTS])
+def test_lean_h11_state_moves_as_h11s_own(name: str, request_bytes: bytes, events: list[Any]) -> None:
+    """LeanH11State (one shared empty set of switch proposals) against h11's ConnectionState:
+    the same states, proposals and bytes at every step, over two request cycles."""
+
+    def run(conn: h11.Connection) -> list[Any]:
+        seen: list[Any] = []
+        for _ in range(2):
+            conn.receive_data(request_bytes)
+            ev = conn.next_event()
+            while ev is not h11.NEED_DATA and not isinstance(ev, h11.ConnectionClosed) and ev is not h11.PAUSED:
+                seen.append((type(ev).__name__, conn.states, set(conn._cstate.pending_switch_proposals)))
+                if isinstance(ev, h11.EndOfMessage):
+                    break
+                ev = conn.next_event()
+            for out in events:
+                seen.append((conn.send(out), conn.states, set(conn._cstate.pending_switch_proposals)))
+            if conn.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
+                break
+            conn.start_next_cycle()
+        return seen
+
+    adopted = h11.Connection(h11.SERVER)
+    hyper.PreparedH11.adopt(adopted)  # as HardenedH11Protocol makes its connection one
+    expected = run(h11.Connection(h11.SERVER))
+    for lean in (hyper.PreparedH11(h11.SERVER), adopted):
+        assert type(lean) is hyper.PreparedH11 and type(lean._cstate) is LeanH11State
+        assert run(lean) == expected
+        if not lean._cstate.pending_switch_proposals:  # none pending: the shared one, no set of its own
+            assert lean._cstate.pending_switch_proposals is _NO_PROPOSALS
