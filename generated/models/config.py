@@ -785,14 +785,14 @@ class Auth(BaseModel):
     keys_file: Annotated[
         StrictStr | None,
         Field(
-            description="A YAML or JSON file of API keys: a list of {id, tenant, sha256, expires_at} (or a mapping with the key `keys`). id names the key in logs and metrics (1-128 of A-Z a-z 0-9 . _ : @ -, unique), tenant the tenant it acts for (the same characters), sha256 the lowercase hex SHA-256 of the key's bytes (the key itself is stored nowhere; unique), expires_at (optional) when it stops being valid: ISO-8601 with a time zone, or unix seconds. Removing an entry revokes the key. Read at start (a file that cannot be read or validated then stops the router, naming file, line and key) and whenever it changes (checked every keys_interval_ms, by its size, time, inode and content; each worker process reads it itself: the file is the source of truth). A changed file that cannot be read or validated leaves the keys as they were, is logged with file, line and key (never a key), and counted (narwhal_auth_source_errors_total).",
+            description="A YAML or JSON file of API keys: a list of {id, tenant, sha256, expires_at} (or a mapping with the key `keys`). id names the key in logs and metrics (1-128 of A-Z a-z 0-9 . _ : @ -, unique), tenant the tenant it acts for (the same characters), sha256 the lowercase hex SHA-256 of the key's bytes (the key itself is stored nowhere; unique), expires_at (optional) when it stops being valid: ISO-8601 with a time zone, or unix seconds. Removing an entry revokes the key. Read at start (a file that cannot be read or validated then stops the router, naming file, line and key) and whenever it changes (checked every keys_interval_ms, by its size, time, inode and content, and read once the change is still there one check later, so that a file rewritten in place is not read half-written; each worker process reads it itself: the file is the source of truth). A changed file that cannot be read or validated leaves the keys as they were, is logged with file, line and key (never a key), and counted (narwhal_auth_source_errors_total).",
             min_length=1,
         ),
     ] = None
     keys_interval_ms: Annotated[
         StrictInt,
         Field(
-            description='How often auth.keys_file (and auth.jwt.jwks_file) is checked for a change: a revoked key is refused at most this long (plus the read) after the file changes.',
+            description='How often auth.keys_file (and auth.jwt.jwks_file) is checked for a change: a revoked key is refused at most twice this long (plus the read) after the file changes (a change is read once it has stood still for one check).',
             ge=100,
             le=60000,
         ),

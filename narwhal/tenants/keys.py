@@ -4,10 +4,10 @@ The keys file is a YAML or JSON list of `{id, tenant, sha256, expires_at}` (or a
 with the key `keys`); the JWKS file a JSON Web Key Set. Both are read at start (an error
 then stops the router, naming file, line and key) and checked every
 auth.keys_interval_ms like discovery.file (narwhal/fleet/file.py: a stat, and on a
-change of size, time or inode a whole, bounded read): a changed file that reads and
-validates replaces the table whole; one that does not leaves the table as it was, is
-logged once per distinct error with file, line and key, and counted
-(narwhal_auth_source_errors_total).
+change of size, time or inode that is still there one check later, a whole, bounded
+read): a changed file that reads and validates replaces the table whole; one that does
+not leaves the table as it was, is logged once per distinct error with file, line and
+key, and counted (narwhal_auth_source_errors_total).
 
 Where: every data-plane process (each worker with serving.workers > 1, the one process
 otherwise) reads the files itself: the file is the source of truth, the check needs no
@@ -154,25 +154,43 @@ def parse_jwks(raw: bytes, *, path: str) -> Any:
 
 
 class _Watched:
-    """One file: its last stamp, and the last error said (said once)."""
+    """One file: the stamp last read, a new stamp waiting to settle, and the last error
+    said (said once)."""
 
-    __slots__ = ("path", "what", "stamp", "error")
+    __slots__ = ("path", "what", "stamp", "settling", "error")
 
     def __init__(self, path: str, what: str) -> None:
         self.path = path
         self.what = what
         self.stamp: tuple[Any, ...] | None = None
+        self.settling: tuple[Any, ...] | None = None
         self.error: str | None = None
 
-    def changed(self) -> bool:
+    def _now(self) -> tuple[Any, ...]:
         try:
             st = os.stat(self.path)
-            stamp: tuple[Any, ...] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+            return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         except OSError:
-            stamp = ("missing",)
+            return ("missing",)
+
+    def mark(self) -> None:
+        """At start: the stamp of the file about to be read."""
+        self.stamp = self._now()
+
+    def changed(self) -> bool:
+        """True once per change, when the new stamp was already there one check before: a
+        file rewritten in place (truncated, then written) is not read half-way. An empty
+        keys file is a valid one that revokes every key, and one read while it was being
+        written took every key away until the next change (a rewrite that did not
+        validate then left none). A change takes one interval more to apply."""
+        stamp = self._now()
         if stamp == self.stamp:
+            self.settling = None
             return False
-        self.stamp = stamp
+        if stamp != self.settling:
+            self.settling = stamp
+            return False
+        self.stamp, self.settling = stamp, None
         return True
 
 
@@ -194,7 +212,7 @@ class Auth:
         if cfg.jwt is not None:
             self._files.append(_Watched(cfg.jwt.jwks_file, "jwks_file"))
         for w in self._files:  # at start an error stops the router
-            w.changed()
+            w.mark()
             try:
                 self._apply(w, self._load(w))
             except ValueError as e:

@@ -185,3 +185,57 @@ def test_keys_file_refused_naming_line_and_key(text: str, says: str) -> None:
 def test_jwks_file_refused() -> None:
     with pytest.raises(ValueError, match="not a usable JSON Web Key Set"):
         parse_jwks(b'{"keys": 3}', path="jwks.json")
+
+
+# -- the keys file watched (narwhal/tenants/keys.py _Watched): a change is read once it settled --
+
+_A, _B = "sk-watch-a", "sk-watch-b"
+
+
+def _keys_text(*keys: str) -> str:
+    return "".join(f"- {{id: k{i}, tenant: t, sha256: {sha(k)}}}\n" for i, k in enumerate(keys))
+
+
+# each step: the file's content (None: not touched), then one check; the keys known after it
+WATCH_SCRIPTS: list[tuple[str, list[tuple[str | None, set[str]]]]] = [
+    ("a rewrite in place seen half-way, then one that does not validate", [
+        ("", {_A, _B}),  # truncated, not yet written: not read
+        ("- {id: broken, tenant: x, sha256: nope}\n", {_A, _B}),
+        (None, {_A, _B}),  # read now: it does not validate, the keys stay
+        (None, {_A, _B}),
+    ]),
+    ("a change applies one check after it is seen", [
+        (_keys_text(_A), {_A, _B}),
+        (None, {_A}),
+        (None, {_A}),
+    ]),
+    ("a change seen while it still changes waits for it to stand still", [
+        (_keys_text(_B), {_A, _B}),
+        (_keys_text(_A, _B) + "# more\n", {_A, _B}),
+        (None, {_A, _B}),
+    ]),
+    ("an empty file that stays empty revokes every key", [
+        ("", {_A, _B}),
+        (None, set()),
+    ]),
+]
+
+
+@pytest.mark.parametrize("steps", [s[1] for s in WATCH_SCRIPTS], ids=[s[0] for s in WATCH_SCRIPTS])
+def test_keys_file_change_is_read_once_it_settled(tmp_path: Any, steps: list[tuple[str | None, set[str]]]) -> None:
+    import asyncio
+    import os
+
+    from narwhal.tenants.keys import Auth
+    from narwhal_generated.models.config import Auth as AuthConfig
+
+    f = tmp_path / "keys.yaml"
+    f.write_text(_keys_text(_A, _B))
+    auth = Auth(AuthConfig.model_validate({"keys_file": str(f)}))
+    digests = {sha(_A): _A, sha(_B): _B}
+    for n, (text, want) in enumerate(steps):
+        if text is not None:
+            f.write_text(text)
+            os.utime(f, ns=(n + 1, 10**18 + n))  # a stamp of its own even within one clock tick
+        asyncio.run(auth.refresh())
+        assert {digests[d] for d in auth.keys.by_digest} == want, f"after step {n}"
