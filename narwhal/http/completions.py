@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
@@ -83,15 +83,13 @@ class AsgiSink:
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "write_now", "start_now", "ending", "_direct")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "ending", "_direct")
 
     def __init__(self, send: Send, rid: str, stall_s: float, direct: hyper.H1Direct | None = None) -> None:
         self._send = send
         # HTTP/1.1 under hypercorn: body bytes straight to the transport while that is what
         # ASGI would do (hyper.py item 11); the relay writes from the engine's reads with it
         self._direct = direct
-        self.write_now = direct.write if direct is not None else None
-        self.start_now = self._start_now if direct is not None else None
         self.ending = False  # the response's last message is being sent: its stream closing is its end
         self.rid = rid
         self.headers_sent = False
@@ -121,6 +119,17 @@ class AsgiSink:
 
     def _head(self) -> list[tuple[bytes, bytes]]:
         return [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]
+
+    # write_now and start_now (replies.Sink): made when read, not kept (two bound methods
+    # per open stream); the relay reads write_now once per event (~0.1 us)
+    @property
+    def write_now(self) -> Callable[[bytes], bool] | None:
+        d = self._direct
+        return d.write if d is not None else None
+
+    @property
+    def start_now(self) -> Callable[[bytes], bool] | None:
+        return self._start_now if self._direct is not None else None
 
     def _start_now(self, first: bytes) -> bool:
         """The stream's head and its first bytes written now (hyper.py items 11, 15), or

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -73,6 +75,8 @@ __all__ = ["Sink", "run_request", "error_event"]
 
 log = logging.getLogger("narwhal")
 
+_NO_TRACESTATE: Mapping[str, str] = MappingProxyType({})  # shared by every request without one
+
 _ROUTE_PATH = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -90,7 +94,7 @@ class _Failed(Exception):
 class _Run:
     """State of one request across its legs and attempts."""
 
-    __slots__ = ("r", "req", "order", "lease", "sink", "rid", "headers", "prefill_prompt_tokens", "first_token_at", "body", "ok_engine", "tpot",
+    __slots__ = ("r", "req", "order", "lease", "sink", "rid", "prefill_prompt_tokens", "first_token_at", "body", "ok_engine", "tpot",
                  "output_tokens", "finish_reason", "reported_prompt", "cached_tokens", "max_migrations", "relay", "migrations", "rec", "trace", "leg",
                  "events", "client_tp", "tracestate")
 
@@ -101,7 +105,6 @@ class _Run:
         self.lease = lease
         self.sink = sink
         self.rid = rid
-        self.headers = {"x-request-id": rid}
         self.prefill_prompt_tokens: int | None = None
         self.first_token_at: float | None = None
         self.body = without_fields(req.body, plane.strip_fields)  # the pass-through policy
@@ -123,7 +126,7 @@ class _Run:
         self.leg: Leg | None = None
         self.events: int | None = None
         self.client_tp: dict[str, str] | None = None
-        self.tracestate: dict[str, str] = {}  # the client's, passed on with our traceparent too (W3C)
+        self.tracestate: Mapping[str, str] = _NO_TRACESTATE  # the client's, passed on with our traceparent too (W3C)
         if rec is not None and rec.traceparent is not None and parse_traceparent(rec.traceparent) is not None:
             if rec.tracestate is not None and len(rec.tracestate) <= 512:
                 self.tracestate = {"tracestate": rec.tracestate.decode("latin-1")}
@@ -180,7 +183,7 @@ class _Run:
         failed: _Failed | None = None
         try:
             try:
-                up = await r.client.open("POST", e.url + _ROUTE_PATH[self.req.route], body=orjson.dumps(body), headers=self._leg_headers(self.headers))
+                up = await r.client.open("POST", e.url + _ROUTE_PATH[self.req.route], body=orjson.dumps(body), headers=self._leg_headers({"x-request-id": self.rid}))
                 legs = r.legs.setdefault(e.name, set())  # a cut (lifecycle M30) reaches this leg
                 legs.add(up)
                 try:
@@ -249,7 +252,7 @@ class _Run:
                 relay.recorder = Recorder(tail_len=stop_tail(self.body))
             self.relay = relay
         try:
-            headers = self._leg_headers(self.headers if dialect.propagate_request_id else None)
+            headers = self._leg_headers({"x-request-id": self.rid} if dialect.propagate_request_id else None)
             up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers)
         except UpstreamError as x:
             raise self._upstream(x, e) from None
