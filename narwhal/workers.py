@@ -2,7 +2,7 @@
 
 The authority (this process, `supervise`) binds the listening socket, runs the control
 plane (narwhal/authority: admission, placement, prediction, fleet health and profiles,
-router state, the books) and starts N workers (`python -m narwhal.workers`), handing each
+router state, the books) and starts N workers (`python -c` `_WORKER_BOOT`: `worker_main`), handing each
 the listening socket and one end of a Unix socket pair: its channel (narwhal/ipc.py). A
 worker (`worker_main`) serves HTTP/1.1 and h2 on the shared socket (the kernel gives
 each new connection to one worker), parses and validates requests, relays and assembles,
@@ -66,6 +66,11 @@ RESTART_BACKOFF_S = 0.5
 RESTART_MAX_S = 30.0
 START_TIMEOUT_S = 60.0  # every worker must say Up within this at start
 STOP_TIMEOUT_S = 10.0  # after the grace (and SIGUSR2: cut at once), then SIGKILL
+# a worker's first statements: SIGTERM and SIGINT ignored before Narwhal is imported (~0.5 s
+# on a slow machine: a group's SIGTERM in that time killed the worker, and the authority
+# restarted it during the stop); then worker_main, which says the same again
+_WORKER_BOOT = ("import signal as s; s.signal(s.SIGINT, s.SIG_IGN); s.signal(s.SIGTERM, s.SIG_IGN); "
+                "import sys; from narwhal.workers import worker_main; sys.exit(worker_main(sys.argv[1:]))")
 DRAIN_SIGNAL = signal.SIGUSR1  # authority -> worker: stop accepting, finish what runs
 CUT_SIGNAL = signal.SIGUSR2  # authority -> worker: cancel what still runs, exit
 LOST_GRACE_S = 5.0  # the authority gone: what runs has this long (at most the grace), then is cut
@@ -156,7 +161,7 @@ class Supervisor:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "narwhal.workers", str(theirs.fileno()), str(self.sock.fileno()), str(level),
+                sys.executable, "-c", _WORKER_BOOT, str(theirs.fileno()), str(self.sock.fileno()), str(level),
                 pass_fds=(theirs.fileno(), self.sock.fileno()),
             )
         finally:
