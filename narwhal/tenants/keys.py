@@ -4,10 +4,11 @@ The keys file is a YAML or JSON list of `{id, tenant, sha256, expires_at}` (or a
 with the key `keys`); the JWKS file a JSON Web Key Set. Both are read at start (an error
 then stops the router, naming file, line and key) and checked every
 auth.keys_interval_ms like discovery.file (narwhal/fleet/file.py: a stat, and on a
-change of size, time or inode that is still there one check later, a whole, bounded
-read): a changed file that reads and validates replaces the table whole; one that does
-not leaves the table as it was, is logged once per distinct error with file, line and
-key, and counted (narwhal_auth_source_errors_total).
+change of size, time or inode a whole, bounded read), except that a change is read once
+it is still there one check later (_Watched.changed): a changed file that reads and
+validates replaces the table whole; one that does not leaves the table as it was, is
+logged once per distinct error with file, line and key, and counted
+(narwhal_auth_source_errors_total).
 
 Where: every data-plane process (each worker with serving.workers > 1, the one process
 otherwise) reads the files itself: the file is the source of truth, the check needs no
