@@ -188,7 +188,7 @@ def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any) -> No
     from hypercorn.protocol.http_stream import ASGIHTTPState
 
     from narwhal.http.hyper import H1Direct
-    from narwhal.upstream.http1 import _Conn
+    from narwhal.upstream.http1 import _Conn, _Wheel
     from narwhal.worker.direct import DirectFeed
 
     class _Sink:
@@ -208,14 +208,14 @@ def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any) -> No
         conn.next_event(), conn.next_event()
         conn.send(h11.Response(status_code=200, headers=[]))
         t = _Sink()
-        server = SimpleNamespace(writer=SimpleNamespace(transport=t), send_lock=asyncio.Lock())
+        server = SimpleNamespace(transport=t, send_lock=asyncio.Lock())
         direct = H1Direct(SimpleNamespace(state=ASGIHTTPState.RESPONSE, closed=False), SimpleNamespace(connection=conn), server)  # type: ignore[arg-type]
         relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
         sink = SimpleNamespace(headers_sent=True, write_now=direct.write, start_now=None)  # the head is out
         feed = DirectFeed(relay, loop.time, sink, [], lambda now: None)  # type: ignore[arg-type]
-        up = _Conn(("127.0.0.1", 1), loop, 30.0)
+        up = _Conn(("127.0.0.1", 1), loop, 30.0, _Wheel(loop, 30.0 / 16))
         up._state, up._chunked, up._remaining = "body", True, 0
-        up._direct = feed.take
+        up._direct = feed
         first = sse(vllm_chunk(0))
         up.data_received(b"%x\r\n%b\r\n" % (len(first), first))  # the first token, its books kept here
         assert feed.pending is None

@@ -307,6 +307,21 @@ class _Conn(asyncio.Protocol):
             self._push(data)
             return
         buf = self._buf
+        if self._remaining == 0:
+            # the common read: exactly one whole chunk (what the loop below does with it,
+            # without the loop); anything else -- a size line int() refuses (an extension),
+            # more or less than one chunk, the last chunk -- goes the loop's way
+            nl = buf.find(b"\r\n")
+            if 0 < nl <= 16:
+                try:
+                    size = int(buf[:nl], 16)
+                except ValueError:
+                    size = 0
+                end = nl + 2 + size
+                if size > 0 and len(buf) == end + 2 and buf.endswith(b"\r\n"):
+                    self._buf = b""
+                    self._push(buf[nl + 2 : end])
+                    return
         pos = 0
         out = []
         while True:

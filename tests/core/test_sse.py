@@ -66,3 +66,31 @@ def test_crlf_split_across_chunks() -> None:
     assert p.feed(b"\n\r") == [b"a"]  # CRLF then CR: the blank line
     assert p.feed(b"\n") == []  # the LF completing that CRLF adds nothing
     assert not p.pending
+
+
+# The common read (one whole event of one `data: ` line, nothing held) takes a shorter
+# path in `feed`; each of these must come out exactly as the general loop gives it: the
+# same read preceded by an empty read that sets no state is not the shortcut's business,
+# so the oracle is the same bytes fed as two pieces (which always takes the loop).
+SHORTCUT_EDGES = [
+    b"data: x\n\n",  # the shortcut
+    b"data: \n\n",  # an empty payload
+    b"data:x\n\n",  # no space: the loop
+    b"data: a\ndata: b\n\n",  # two lines: the loop
+    b"data: a\n\ndata: b\n\n",  # two events: the loop
+    b"data: a\r\n\r\n",  # CR: the loop
+    b"data: a\rb\n\n",  # a CR inside: the loop (CR ends the line)
+    b"data: a\n",  # unfinished
+    b": c\ndata: a\n\n",  # a comment first
+    b"data: " + b"y" * 16 + b"\n\n",  # at the bound below (16 bytes + its LF = 17)
+    b"data: " + b"y" * 17 + b"\n\n",  # one past it: too large
+]
+
+
+@pytest.mark.parametrize("wire", SHORTCUT_EDGES)
+@pytest.mark.parametrize("before", [b"", b"data: held\n", b"data: held", b"\r"])
+def test_the_common_read_shortcut_is_the_loop(wire: bytes, before: bytes) -> None:
+    fast, slow = SSEParser(max_event_bytes=17), SSEParser(max_event_bytes=17)
+    got_fast = fast.feed(before) + fast.feed(wire) if before else fast.feed(wire)
+    got_slow = slow.feed(before) + slow.feed(wire[:1]) + slow.feed(wire[1:])
+    assert (got_fast, fast.too_large, fast.pending) == (got_slow, slow.too_large, slow.pending)

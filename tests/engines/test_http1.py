@@ -387,3 +387,72 @@ def test_idle_wheel(steps: list[tuple[str, str, float]], fired: list[str], timer
         else:
             clock.run_until(t)
     assert log == fired and made == timers
+
+
+# -- the body's chunked decoding, sans sockets: the one-whole-chunk shortcut is the loop --
+
+
+class _NoTransport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _decode(reads: list[bytes]) -> tuple[list[bytes], str, str | None]:
+    """What a body-state connection makes of these reads: the bytes its direct handler
+    took (one entry per push), its state, its error's type."""
+    from narwhal.upstream.http1 import _Conn, _Wheel
+
+    loop = asyncio.new_event_loop()
+    try:
+        c = _Conn(("127.0.0.1", 1), loop, 30.0, _Wheel(loop, 30.0 / 16))
+        c.transport = _NoTransport()  # type: ignore[assignment]
+        c._state, c._chunked, c._remaining = "body", True, 0
+        got: list[bytes] = []
+
+        def take(data: bytes) -> bool:
+            got.append(data)
+            return True
+
+        for r in reads:
+            c._direct = take
+            c.data_received(r)
+        return got, c._state, type(c._error).__name__ if c._error is not None else None
+    finally:
+        loop.close()
+
+
+CHUNK_READS = [
+    b"7\r\ndata: a\r\n",  # the shortcut
+    b"A\r\n0123456789\r\n",  # upper-case hex
+    b" 7 \r\ndata: a\r\n",  # blanks around the size (int() takes them, as the loop does)
+    b"7;x=1\r\ndata: a\r\n",  # an extension: the loop
+    b"7\r\ndata: a\r\n3\r\nxyz\r\n",  # two chunks: the loop
+    b"7\r\ndata: a\r\n0\r\n\r\n",  # a chunk and the last: the loop
+    b"0\r\n\r\n",  # the last chunk alone
+    b"7\r\ndata: aXY",  # a bad terminator
+    b"7\r\ndata: a\r",  # unfinished
+    b"zz\r\nab\r\n",  # a bad size
+    b"10000000000000000\r\nx\r\n",  # a size line over 16 bytes: the loop
+]
+
+
+@pytest.mark.parametrize("read", CHUNK_READS)
+def test_one_whole_chunk_decodes_as_the_loop_decodes_it(read: bytes) -> None:
+    # the oracle: the same bytes one at a time, which the shortcut never takes (a read
+    # of one byte is never a whole chunk, and once a size line is read the loop holds
+    # the chunk's rest); pushes are compared joined (the loop may join a read's chunks)
+    fast = _decode([read])
+    slow = _decode([read[i : i + 1] for i in range(len(read))])
+    # (on an error, what was pushed before it depends on the reads: only the error counts)
+    assert fast[1:] == slow[1:]
+    if fast[2] is None:
+        assert b"".join(fast[0]) == b"".join(slow[0])
