@@ -17,8 +17,9 @@ class Clock(Protocol):
 class MonotonicClock:
     __slots__ = ()
 
-    def now(self) -> float:
-        return time.monotonic()
+    # time.monotonic itself, not a method around it: read per relayed event and ~20
+    # times per request, and a Python frame costs more than the clock (~90 -> ~40 ns)
+    now = staticmethod(time.monotonic)
 
 
 class ManualClock:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, NamedTuple
 
 import orjson
@@ -117,6 +118,8 @@ def _strip_ids(obj: dict[str, Any]) -> bool:
 
 
 _NONE = object()
+# a Step made without NamedTuple's Python-level __new__ (once per engine read: ~170 -> ~60 ns)
+_step = partial(tuple.__new__, Step)
 
 
 class StreamRelay:
@@ -252,13 +255,13 @@ class StreamRelay:
             if self.checks_ids and not self.client_ids and _strip_ids(obj):
                 rewrite = True
             if rewrite:
-                out.append(_DATA + orjson.dumps(obj) + _END)
+                out.append(b"data: %b\n\n" % orjson.dumps(obj))
             else:
-                out.append(_DATA + payload + _END)
+                out.append(b"data: %b\n\n" % payload)
         if self._parser.too_large and not self.done:
             detail = f"an event or line longer than upstream.max_event_bytes ({self._parser.max_event_bytes} bytes)"
             return Step(b"".join(out), first, False, ("E02", detail), None)
-        return Step(b"".join(out), first, self.done, None, None)
+        return _step((out[0] if len(out) == 1 else b"".join(out), first, self.done, None, None))
 
     @property
     def pending(self) -> bool:
