@@ -745,12 +745,16 @@ class Discovery(BaseModel):
     file: Annotated[
         StrictStr | None,
         Field(
-            description='A YAML or JSON file: a list of engines[] entries (or a mapping with the key engines). Read at start and whenever it changes (checked every file_interval_ms, by its size, time and content: works for a file replaced by rename, as Kubernetes ConfigMaps are). A file that does not parse or validate leaves the fleet as it was, is logged with file, line and key, and counted on /metrics.'
+            description='A YAML or JSON file: a list of engines[] entries (or a mapping with the key engines). Read at start and whenever it changes (checked every file_interval_ms by its size, modification time and inode: works for a file replaced by rename, as Kubernetes ConfigMaps are); a change is read once it is still there one check later, so a file rewritten in place is not read half-way (an empty list is valid: every engine the file named leaves). A file that does not parse or validate leaves the fleet as it was, is logged with file, line and key, and counted on /metrics.'
         ),
     ] = None
     file_interval_ms: Annotated[
         StrictInt,
-        Field(description='How often discovery.file is checked for a change.', ge=100, le=60000),
+        Field(
+            description='How often discovery.file is checked for a change; a change applies within two intervals (it is read once it has stood still for one check).',
+            ge=100,
+            le=60000,
+        ),
     ] = 1000
     etcd: EtcdSource | None = None
     dns: DnsSource | None = None

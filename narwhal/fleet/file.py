@@ -3,8 +3,9 @@
 The file holds a list of engines[] entries (or a mapping with the key `engines`), each
 validated by the configuration's own schema and checks (narwhal/config.py
 `parse_engines`). It is read at start and checked every discovery.file_interval_ms; a
-change (its size, modification time, inode, or, when those agree, its bytes) is read
-whole and emitted as one Snapshot: the authority applies it as one diff.
+change (its size, modification time or inode) is read whole once it has stood still for
+one check (narwhal/core/settle.py: a file rewritten in place is not read half-way), and
+emitted as one Snapshot when its engines differ: the authority applies it as one diff.
 
 Why polling and not inotify: Kubernetes replaces a mounted ConfigMap by swapping a
 symlink to a new directory, editors write a temporary file and rename it, NFS has no
@@ -28,10 +29,11 @@ import yaml
 from narwhal_generated.models.config import NarwhalConfig
 
 from ..config import ConfigError, parse_engines
+from ..core.settle import Settle
 from ..upstream.engines import engine_spec
 from .source import Emit, Snapshot, Source, SourceError
 
-__all__ = ["file_source", "read_fleet_file"]
+__all__ = ["file_source", "read_fleet_file", "FleetFile"]
 
 
 def read_fleet_file(path: str, max_bytes: int) -> Snapshot | SourceError:
@@ -80,6 +82,47 @@ def _with_line(msg: str, raw: bytes, data: Any) -> str:
     return msg
 
 
+class FleetFile:
+    """The watch on one fleet file, sans event loop: `due()` stats it (True at the first
+    check, then once a change has stood still for one check: core/settle.py); the caller
+    then reads it (read_fleet_file, off the loop) and `take(got)` says what to emit: a
+    snapshot when the engines differ from the last emitted (or the last read failed), an
+    error when it is not the one last said, else None."""
+
+    __slots__ = ("path", "settle", "started", "digest", "last_error")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.settle = Settle()
+        self.started = False
+        self.digest: bytes | None = None
+        self.last_error: str | None = None
+
+    def due(self) -> bool:
+        try:
+            st = os.stat(self.path)
+            stamp: tuple[Any, ...] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        except OSError:
+            stamp = ("missing",)
+        if not self.started:  # read at start at once
+            self.started = True
+            self.settle.stamp = stamp
+            return True
+        # a file rewritten in place is not read half-way: an empty list is valid, and
+        # read between the truncate and the write it drained every engine it names
+        return self.settle.changed(stamp)
+
+    def take(self, got: Snapshot | SourceError) -> Snapshot | SourceError | None:
+        if isinstance(got, SourceError):
+            said = got.message == self.last_error
+            self.last_error, self.digest = got.message, None
+            return None if said else got
+        h = hashlib.sha256(repr([s.as_dict() for s in got.engines]).encode()).digest()
+        out = got if h != self.digest or self.last_error is not None else None
+        self.digest, self.last_error = h, None
+        return out
+
+
 def file_source(cfg: NarwhalConfig) -> Source:
     d = cfg.discovery
     path = d.file
@@ -88,28 +131,12 @@ def file_source(cfg: NarwhalConfig) -> Source:
     max_bytes = d.max_file_bytes
 
     async def run(emit: Emit) -> None:
-        seen: tuple[Any, ...] | None = None
-        digest: bytes | None = None
-        last_error: str | None = None
+        watch = FleetFile(path)
         while True:
-            try:
-                st = os.stat(path)
-                stamp: tuple[Any, ...] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-            except OSError:
-                stamp = ("missing",)
-            if stamp != seen:
-                seen = stamp
-                got = await asyncio.to_thread(read_fleet_file, path, max_bytes)
-                if isinstance(got, SourceError):
-                    if got.message != last_error:
-                        emit(got)
-                    last_error = got.message
-                    digest = None
-                else:
-                    h = hashlib.sha256(repr([s.as_dict() for s in got.engines]).encode()).digest()
-                    if h != digest or last_error is not None:
-                        emit(got)
-                    digest, last_error = h, None
+            if watch.due():
+                got = watch.take(await asyncio.to_thread(read_fleet_file, path, max_bytes))
+                if got is not None:
+                    emit(got)
             await asyncio.sleep(interval)
 
     return run

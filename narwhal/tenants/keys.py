@@ -4,8 +4,8 @@ The keys file is a YAML or JSON list of `{id, tenant, sha256, expires_at}` (or a
 with the key `keys`); the JWKS file a JSON Web Key Set. Both are read at start (an error
 then stops the router, naming file, line and key) and checked every
 auth.keys_interval_ms like discovery.file (narwhal/fleet/file.py: a stat, and on a
-change of size, time or inode a whole, bounded read), except that a change is read once
-it is still there one check later (_Watched.changed): a changed file that reads and
+change of size, time or inode a whole, bounded read once the change is still there one
+check later, narwhal/core/settle.py): a changed file that reads and
 validates replaces the table whole; one that does not leaves the table as it was, is
 logged once per distinct error with file, line and key, and counted
 (narwhal_auth_source_errors_total).
@@ -37,6 +37,7 @@ from narwhal_generated import errors as E
 from narwhal_generated.models.config import Auth as AuthConfig
 
 from ..config import ConfigError
+from ..core.settle import Settle
 from .identity import EMPTY, NAME, Identity, JwtSettings, KeyEntry, KeyTable, identify
 
 __all__ = ["Auth", "parse_keys", "parse_jwks"]
@@ -155,16 +156,15 @@ def parse_jwks(raw: bytes, *, path: str) -> Any:
 
 
 class _Watched:
-    """One file: the stamp last read, a new stamp waiting to settle, and the last error
-    said (said once)."""
+    """One file: its settling rule (narwhal/core/settle.py) and the last error said
+    (said once)."""
 
-    __slots__ = ("path", "what", "stamp", "settling", "error")
+    __slots__ = ("path", "what", "settle", "error")
 
     def __init__(self, path: str, what: str) -> None:
         self.path = path
         self.what = what
-        self.stamp: tuple[Any, ...] | None = None
-        self.settling: tuple[Any, ...] | None = None
+        self.settle = Settle()
         self.error: str | None = None
 
     def _now(self) -> tuple[Any, ...]:
@@ -176,23 +176,13 @@ class _Watched:
 
     def mark(self) -> None:
         """At start: the stamp of the file about to be read."""
-        self.stamp = self._now()
+        self.settle.stamp = self._now()
 
     def changed(self) -> bool:
-        """True once per change, when the new stamp was already there one check before: a
-        file rewritten in place (truncated, then written) is not read half-way. An empty
-        keys file is a valid one that revokes every key, and one read while it was being
-        written took every key away until the next change (a rewrite that did not
-        validate then left none). A change takes one interval more to apply."""
-        stamp = self._now()
-        if stamp == self.stamp:
-            self.settling = None
-            return False
-        if stamp != self.settling:
-            self.settling = stamp
-            return False
-        self.stamp, self.settling = stamp, None
-        return True
+        """True once per change, when the new stamp was already there one check before
+        (core/settle.py): a keys file rewritten in place is not read half-way (an empty
+        keys file is valid and revokes every key). A change takes one interval more."""
+        return self.settle.changed(self._now())
 
 
 class Auth:
