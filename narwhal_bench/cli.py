@@ -195,6 +195,7 @@ _DELEGATED = (
     ("tenants", "narwhal_bench.tenants", "one tenant's overload: two tenants of equal weight at 2x the mock fleet's capacity, the noisy one 10x the quiet one, through Narwhal, SMG 1.13 and LiteLLM"),
     ("prefix-model", "narwhal_bench.prefix_model", "a queueing model of the prefix bench: what any placement rule could get on its workload (seconds, no processes)"),
     ("migration", "narwhal_bench.migration", "stream migration under load: engines killed every few seconds (migration off vs on) and replaced one by one (drain wait vs migrate)"),
+    ("paired", "narwhal_bench.paired", "two source trees of Narwhal relaying side by side at once on the router's core (a change's before and after, free of the VM's drift between runs)"),
     ("versus", "narwhal_bench.versus", "Narwhal side by side with SMG, vllm-router and Envoy in one run (issue 25): relayed events per router CPU-s, added TTFT p50/p99 at 200 req/s, memory per open stream"),
 )
 

@@ -141,14 +141,21 @@ def _wait_narwhal(url: str, proc: Proc, timeout_s: float, profiled: bool = True)
     raise TimeoutError("narwhal: engines still profiling after the timeout")
 
 
-def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: set[int] | None = None, name: str = "narwhal", timeout_s: float = 90.0) -> Started:
+def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: set[int] | None = None, name: str = "narwhal", timeout_s: float = 90.0,
+                  tree: Path | None = None) -> Started:
     """Narwhal under hypercorn (`narwhal serve`) or granian (narwhal_bench.granian_app);
-    returns once /ready is 200 and engine profiling has ended."""
+    returns once /ready is 200 and engine profiling has ended. `tree`: run the `narwhal`
+    package of that source tree (a git worktree of another commit), not the installed
+    one: the process starts in it, so `-m` puts it first on sys.path (a PYTHONPATH alone
+    loses to the working directory when that is this repository); `narwhal_generated`
+    stays the installed one."""
     port = free_port()
     cfg_path = _write(name, ".yaml", config)
     if server == "hypercorn":
         argv = [python(), "-m", "narwhal.cli", "serve", "--config", str(cfg_path), "--listen", f"127.0.0.1:{port}", "--log-level", "warning"]
-        p = Proc(name, argv, cpus=cpus)
+        if tree is not None and not (tree / "narwhal" / "__init__.py").is_file():
+            raise ValueError(f"{tree} holds no narwhal package")
+        p = Proc(name, argv, cpus=cpus, cwd=tree, env={"PYTHONPATH": str(tree)} if tree is not None else None)
         w = int((config.get("serving") or {}).get("workers", 1))
         notes = "hypercorn, uvloop, one process" if w == 1 else f"hypercorn, uvloop, an authority and {w} data-plane workers"
     elif server == "granian":
