@@ -33,6 +33,8 @@ Stopping (router state S06; narwhal/http/server.py `Stopping`)
     once; a worker acting on that itself would close its listener before the delay and
     cut its streams before the grace. They act only on the authority's SIGUSR1 and
     SIGUSR2 (or their channel ending). A single worker is stopped with SIGUSR1 or SIGKILL.
+  * No worker is restarted once stop() has begun; one whose restart was under way then
+    is cut as soon as it is made (it would accept after the others stopped).
 """
 
 from __future__ import annotations
@@ -174,6 +176,13 @@ class Supervisor:
         # the fleet as it is now (it changes at run time: later changes follow as Facts)
         session.send(ipc.Hello(i, self._hello_config, [s.as_dict() for s in self.controls.control.specs.values()]))
         self._watchers.append(asyncio.create_task(self._watch(i, proc, session), name=f"narwhal-worker-{i}"))
+        if self.stopping:
+            # a restart the stop overtook (stop() began while this one was being made):
+            # stop() may have signalled the workers already, and this one would accept on
+            # the shared socket after the others stopped; it holds nothing yet, so it is
+            # cut now (before its handlers are in, SIGUSR2's default ends it just as well)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(CUT_SIGNAL)
 
     async def _watch(self, i: int, proc: asyncio.subprocess.Process, session: WorkerSession) -> None:
         code = await proc.wait()

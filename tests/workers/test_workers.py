@@ -753,3 +753,37 @@ def test_engines_added_and_removed_through_any_worker_reach_every_worker(tmp_pat
         assert len(u1.requests()) == 4  # every worker placed on the engine it was told of
         books = at_rest(r)["router"]["books"]
         assert books["terminal"]["completed"] == books["offered"]
+
+
+def test_a_worker_started_once_the_stop_has_begun_is_cut_and_not_restarted() -> None:
+    """A restart that the stop overtakes (the worker died just before the first signal, and
+    its replacement is made while stop() runs) must not leave a worker accepting on the
+    shared socket after the others stopped: it is cut at once, and not restarted."""
+    import asyncio
+
+    from narwhal.authority.control import ControlPlane
+    from narwhal.authority.service import LocalControls
+    from narwhal.config import parse_config
+    from narwhal.upstream.engines import config_engines
+    from narwhal.workers import Supervisor, listening_socket
+
+    async def main() -> tuple[int | None, int, int]:
+        cfg = parse_config({"engines": [{"name": "e0", "url": "http://127.0.0.1:9"}], "serving": {"workers": 2}})
+        engines = config_engines(cfg)
+        sock = listening_socket(f"127.0.0.1:{free_port()}")
+        control = ControlPlane(cfg, engines)
+        sup = Supervisor(cfg, engines, sock, 2, LocalControls(control))
+        try:
+            sup.stopping = True  # stop() has begun
+            await sup.start_worker(0)
+            proc = sup.procs[0]
+            await asyncio.wait_for(proc.wait(), 20)
+            await asyncio.sleep(1.0)  # past RESTART_BACKOFF_S: a restart would have begun
+            return proc.returncode, len(sup._watchers), len(sup.procs)
+        finally:
+            await sup.stop()
+            sock.close()
+
+    code, watchers, procs = asyncio.run(main())
+    assert code is not None and code != 0, code  # cut (SIGUSR2, or its handler's exit), not left running
+    assert (watchers, procs) == (1, 1)  # and never restarted
