@@ -132,6 +132,7 @@ class _Wheel:
             c._check_idle()
 
 
+_HEXDIG = b"0123456789abcdefABCDEF"
 _KEPT = {n: n for n in ("connection", "transfer-encoding", "content-length", "content-type")}  # response headers kept (names shared)
 
 
@@ -309,14 +310,12 @@ class _Conn(asyncio.Protocol):
         buf = self._buf
         if self._remaining == 0:
             # the common read: exactly one whole chunk (what the loop below does with it,
-            # without the loop); anything else -- a size line int() refuses (an extension),
-            # more or less than one chunk, the last chunk -- goes the loop's way
+            # without the loop); anything else -- a size line that is not hex digits alone
+            # (an extension, blanks, a bad size), more or less than one chunk, the last
+            # chunk -- goes the loop's way
             nl = buf.find(b"\r\n")
-            if 0 < nl <= 16:
-                try:
-                    size = int(buf[:nl], 16)
-                except ValueError:
-                    size = 0
+            if 0 < nl <= 16 and not buf[:nl].lstrip(_HEXDIG):  # hex digits only (1*HEXDIG)
+                size = int(buf[:nl], 16)
                 end = nl + 2 + size
                 if size > 0 and len(buf) == end + 2 and buf.endswith(b"\r\n"):
                     self._buf = b""
@@ -348,10 +347,10 @@ class _Conn(asyncio.Protocol):
                     raise ConnectionFailed("sent malformed chunked encoding", "chunk size line over 1024 bytes")
                 break
             size_s = buf[pos:nl].split(b";", 1)[0].strip()
-            try:
-                size = int(size_s, 16)
-            except ValueError:
-                raise ConnectionFailed("sent malformed chunked encoding", f"bad chunk size {size_s[:20]!r}") from None
+            # RFC 9112 chunk-size = 1*HEXDIG: int() alone also takes "-5", "+5", "0x5", "1_0"
+            if not size_s or size_s.lstrip(_HEXDIG):
+                raise ConnectionFailed("sent malformed chunked encoding", f"bad chunk size {size_s[:20]!r}")
+            size = int(size_s, 16)
             if size == 0:
                 # the last chunk: the body ends at the blank line after any trailers
                 if buf.find(b"\r\n\r\n", nl) < 0:

@@ -433,7 +433,7 @@ def _decode(reads: list[bytes]) -> tuple[list[bytes], str, str | None]:
 CHUNK_READS = [
     b"7\r\ndata: a\r\n",  # the shortcut
     b"A\r\n0123456789\r\n",  # upper-case hex
-    b" 7 \r\ndata: a\r\n",  # blanks around the size (int() takes them, as the loop does)
+    b" 7 \r\ndata: a\r\n",  # blanks around the size: the loop, which strips them
     b"7;x=1\r\ndata: a\r\n",  # an extension: the loop
     b"7\r\ndata: a\r\n3\r\nxyz\r\n",  # two chunks: the loop
     b"7\r\ndata: a\r\n0\r\n\r\n",  # a chunk and the last: the loop
@@ -442,11 +442,17 @@ CHUNK_READS = [
     b"7\r\ndata: a\r",  # unfinished
     b"zz\r\nab\r\n",  # a bad size
     b"10000000000000000\r\nx\r\n",  # a size line over 16 bytes: the loop
+    b"-5\r\nabcde\r\n",  # not 1*HEXDIG (RFC 9112): int() would take each of these
+    b"+5\r\nabcde\r\n",
+    b"0x5\r\nabcde\r\n",
+    b"1_0\r\n0123456789abcdef\r\n",
 ]
 
 
 @pytest.mark.parametrize("read", CHUNK_READS)
 def test_one_whole_chunk_decodes_as_the_loop_decodes_it(read: bytes) -> None:
+    if read[:1] in (b"-", b"+") or read[:2] in (b"0x", b"1_"):
+        assert _decode([read])[2] == "ConnectionFailed"  # refused whole, not misframed
     # the oracle: the same bytes one at a time, which the shortcut never takes (a read
     # of one byte is never a whole chunk, and once a size line is read the loop holds
     # the chunk's rest); pushes are compared joined (the loop may join a read's chunks)
