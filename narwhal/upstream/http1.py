@@ -314,8 +314,9 @@ class _Conn(asyncio.Protocol):
             # (an extension, blanks, a bad size), more or less than one chunk, the last
             # chunk -- goes the loop's way
             nl = buf.find(b"\r\n")
-            if 0 < nl <= 16 and not buf[:nl].lstrip(_HEXDIG):  # hex digits only (1*HEXDIG)
-                size = int(buf[:nl], 16)
+            size_s = buf[:nl]
+            if 0 < nl <= 16 and not size_s.lstrip(_HEXDIG):  # hex digits only (1*HEXDIG)
+                size = int(size_s, 16)
                 end = nl + 2 + size
                 if size > 0 and len(buf) == end + 2 and buf.endswith(b"\r\n"):
                     self._buf = b""
