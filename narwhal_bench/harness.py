@@ -149,12 +149,12 @@ def start_narwhal(config: dict[str, Any], *, server: str = "hypercorn", cpus: se
     one: the process starts in it, so `-m` puts it first on sys.path (a PYTHONPATH alone
     loses to the working directory when that is this repository); `narwhal_generated`
     stays the installed one."""
+    if tree is not None and (server != "hypercorn" or not (tree / "narwhal" / "__init__.py").is_file()):
+        raise ValueError(f"tree {tree}: a source tree holding a narwhal package, under hypercorn only")
     port = free_port()
     cfg_path = _write(name, ".yaml", config)
     if server == "hypercorn":
         argv = [python(), "-m", "narwhal.cli", "serve", "--config", str(cfg_path), "--listen", f"127.0.0.1:{port}", "--log-level", "warning"]
-        if tree is not None and not (tree / "narwhal" / "__init__.py").is_file():
-            raise ValueError(f"{tree} holds no narwhal package")
         p = Proc(name, argv, cpus=cpus, cwd=tree, env={"PYTHONPATH": str(tree)} if tree is not None else None)
         w = int((config.get("serving") or {}).get("workers", 1))
         notes = "hypercorn, uvloop, one process" if w == 1 else f"hypercorn, uvloop, an authority and {w} data-plane workers"
