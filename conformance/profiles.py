@@ -61,6 +61,14 @@ class Profile:
         host, _, port = str(self.router["serving"]["listen"]).rpartition(":")
         return f"{host}:{int(port) - DEFAULT_PORT_BASE + base}"
 
+    def breaker_rest_s(self) -> float:
+        """How long a router set up with this profile may keep an engine out after it
+        failed: the breaker's cooldown and two health polls (the first successful probe
+        after the cooldown closes it). The runner waits this out after a case whose engines
+        faulted when the router shows no engines' eligibility (capability engines-api)."""
+        m = self.router.get("monitoring") or {}
+        return (float(m.get("breaker_cooldown_ms", 0)) + 2.0 * float(m.get("poll_interval_ms", 0))) / 1000.0
+
     def engine(self, name: str) -> EngineDef:
         for e in self.engines:
             if e.name == name:

@@ -3,7 +3,9 @@
 Theory of operation: the runner talks to the target only through what the case and the
 target's capabilities allow. Before every case it knows the router is at rest: the ready
 URL answers 200, no mock engine has a request in flight, and, where the router has them,
-its books balance (`books`) and every engine is eligible and profiled (`engines-api`).
+its books balance (`books`) and every engine is eligible and profiled (`engines-api`;
+without it, after a case whose engines faulted or whose fleet changed, the profile's
+breaker cooldown and two health polls are waited out: `Profile.breaker_rest_s`).
 For each case it reads the books (if any), runs the steps (`caserun.CaseRun`), runs the
 teardown, restores the fleet (and thaws the run's etcd, if a case froze it), releases
 what is still open and waits until the router is at rest again. Engine requests that outlive their case are a failure of the case (the
@@ -41,7 +43,7 @@ from .etcd import EtcdServer
 from .profiles import DEFAULT_PORT_BASE, Profile
 from .transport import Exchange, RequestData, RouterClient
 
-__all__ = ["Mismatch", "Result", "Runner", "VERDICTS", "READY_PATHS", "StepError"]
+__all__ = ["Mismatch", "Result", "Runner", "VERDICTS", "READY_PATHS", "StepError", "engines_may_be_out"]
 
 VERDICTS = ("Pass", "Fail", "Non-Strict", "Info", "N/A")
 READY_PATHS = ("/ready", "/health", "/v1/models")  # the default ready URL: the first that exists
@@ -187,6 +189,16 @@ class Runner:
                 busy.append(f"{e.name} ({s['in_flight']} in flight)")
         return busy
 
+    def fleet_faults(self) -> int | None:
+        """The faults the fleet's engines have made so far (None: one did not answer)."""
+        n = 0
+        for e in self.profile.engines:
+            try:
+                n += int(self.control.get(e.url(self.port_base) + "/mock/stats").json().get("faulted", 0))
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+                return None
+        return n
+
     def new_rid(self, label: str) -> str:
         self._n += 1
         return f"conf-{self.run_id}-{self._n}-" + label.replace("/", "-")
@@ -244,9 +256,16 @@ class Runner:
             return Result(case, "N/A", note="; ".join(self.caps.reason(m) for m in missing))
         with_books = "books" in self.caps
         before = self.books() if with_books else None
+        # without engines-api, rest cannot include "every engine eligible": a router whose
+        # breaker opened on this case's faults would refuse the next case's request. The
+        # profile says how long it may keep an engine out; that is waited out instead.
+        blind = "engines-api" not in self.caps
+        faults = self.fleet_faults() if blind else None
         run = CaseRun(self, case)
         run.execute()
         problems, failures = self.settle(_SETTLE_HA_S if "ha-etcd" in case.needs else _SETTLE_S)
+        if blind and engines_may_be_out(case.data, faults, self.fleet_faults()):
+            time.sleep(self.profile.breaker_rest_s())
         run.failures.extend(failures)
         after = self.books() if with_books else None
         books_problem = problems.pop("books", None)
@@ -264,6 +283,16 @@ class Runner:
         elif "accounting" in case.data:
             res.books = "N/A"
         return res
+
+
+def engines_may_be_out(case: dict[str, Any], faults_before: int | None, faults_after: int | None) -> bool:
+    """After a case, may the router under test have put an engine out (its breaker open,
+    its health stale)? Yes when the fleet's engines faulted during it, when the case
+    changed the fleet (a `fleet` step, its teardown's included), and when the fault
+    counts could not be read (unknown: assume so)."""
+    if faults_before is None or faults_after is None or faults_after != faults_before:
+        return True
+    return any("fleet" in s for s in (*case.get("steps", ()), *case.get("teardown", ())))
 
 
 def _verdict(level: str, failures: list[Mismatch], strict: bool) -> str:

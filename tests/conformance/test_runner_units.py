@@ -101,3 +101,35 @@ def test_a_bad_header_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     add_arguments(p)
     assert run(p.parse_args(["--target", "http://127.0.0.1:9", "--header", "no colon here"])) == 2
     assert "expected 'Name: value'" in capsys.readouterr().err
+
+
+_REQ = {"request": {"route": "/v1/chat/completions", "body": {}}}
+
+
+@pytest.mark.parametrize(
+    ("case", "before", "after", "out"),
+    [
+        ({"steps": [_REQ]}, 4, 4, False),  # nothing faulted, the fleet unchanged: no wait
+        ({"steps": [_REQ]}, 4, 6, True),  # the engines faulted (E06's drops): a breaker may be open
+        ({"steps": [_REQ]}, None, 4, True),  # a count unread: assume so
+        ({"steps": [_REQ]}, 4, None, True),
+        ({"steps": [{"fleet": {"engine": "d0", "health": "down"}}, _REQ]}, 4, 4, True),  # the fleet changed
+        ({"steps": [_REQ], "teardown": [{"fleet": {"engine": "all", "health": "ok"}}]}, 4, 4, True),
+    ],
+)
+def test_the_runner_waits_for_engines_it_cannot_see_only_after_faults_or_fleet_changes(case: dict[str, object], before: int | None, after: int | None, out: bool) -> None:
+    from narwhal_conformance.runner import engines_may_be_out
+
+    assert engines_may_be_out(case, before, after) is out
+
+
+def test_the_breaker_rest_is_the_profiles_cooldown_and_two_polls() -> None:
+    """A router without /v1/engines gets this long after a faulting case (the flake this
+    replaces: failures/E07 answered 503 6 ms after E06's drops opened the unified
+    profile's breakers, 3 failures for 300 ms)."""
+    from narwhal_conformance.profiles import PROFILES
+
+    for p in PROFILES.values():
+        m = p.router["monitoring"]
+        assert p.breaker_rest_s() == pytest.approx((m["breaker_cooldown_ms"] + 2 * m["poll_interval_ms"]) / 1000.0)
+        assert p.breaker_rest_s() >= 0.3
