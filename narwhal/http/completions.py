@@ -151,9 +151,16 @@ class AsgiSink:
     async def write(self, data: bytes) -> None:
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def end_stream(self) -> None:
-        self.ending = True
-        await self._out({"type": "http.response.body", "body": b"", "more_body": False})
+    async def end_stream(self, last: bytes = b"") -> None:
+        d = self._direct
+        if d is not None and d.end(last):  # HTTP/1.1: one write, the last chunk in it (hyper.py item 17)
+            self.ending = True
+            await d.closed()
+        else:
+            if last:
+                await self.write(last)
+            self.ending = True
+            await self._out({"type": "http.response.body", "body": b"", "more_body": False})
         self.finished = True
 
 

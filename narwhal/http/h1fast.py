@@ -2,9 +2,10 @@
 the app uses through the scope's extensions, kept beside hyper.py so that file stays the
 server's hardening. hyper.py documents each item and re-exports these names.
 
-  * `H1Direct` (scope extension DIRECT): a response's head and body chunks written to the
-    connection's transport from any callback, byte for byte as hypercorn and h11 would
-    write them, or nothing (False) whenever the ASGI path would not write the same.
+  * `H1Direct` (scope extension DIRECT): a response's head, body chunks and end written to
+    the connection's transport (the head and chunks from any callback), byte for byte as
+    hypercorn and h11 would write them, or nothing (False) whenever the ASGI path would
+    not write the same.
   * `PreparedH11`: h11's server connection that sends a head H1Direct built whole as built.
   * `CloseHook` (scope extension CLOSE): the app learns that its stream closed without a
     task waiting on receive().
@@ -21,6 +22,7 @@ from h11._util import Sentinel
 from h11._writers import (
     ChunkedWriter,  # h11 0.16: how a chunked body is framed (H1Direct checks it)
 )
+from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
@@ -52,7 +54,8 @@ DIRECT_BUFFER = 64 * 1024  # bytes waiting in the transport past which H1Direct 
 
 
 class H1Direct:
-    """Item 11: an HTTP/1.1 stream's body chunks written straight to its transport.
+    """Item 11: an HTTP/1.1 stream's body chunks written straight to its transport (and
+    item 17: its end).
 
     `write(data)` either writes `data` as one chunk, exactly as h11 would frame it, and
     returns True, or writes nothing and returns False (the caller sends it through ASGI).
@@ -122,7 +125,35 @@ class H1Direct:
             t.write(b"%x\r\n%b\r\n" % (len(data), data))
         return True
 
+    def end(self, last: bytes) -> bool:
+        """Item 17: the response's `last` body bytes and its end (h11's EndOfMessage: the
+        last chunk) written in one write, h11's state moved on as ASGI's final
+        http.response.body would move it, and the stream CLOSED as hypercorn's
+        `_send_closed` leaves it; False: nothing was done (end it through ASGI). The same
+        guards as `write`, and hypercorn's access log off (it is written in between);
+        `closed()` must follow, as the StreamClosed hypercorn sends next."""
+        t = self._transport
+        st = self._stream
+        c = self._conn
+        if (
+            st.state is not _RESPONSE or st.closed or c.our_state is not _SEND_BODY or type(c._writer) is not ChunkedWriter
+            or c.their_state is _ERROR or self._lock._locked or t.is_closing() or t.get_write_buffer_size() > DIRECT_BUFFER
+            or self._proto.config.log.access_logger is not None
+        ):
+            return False
+        tail = c.send(_EOM) or b""  # b"0\r\n\r\n"; h11: our side DONE
+        t.write(b"%x\r\n%b\r\n%b" % (len(last), last, tail) if last else tail)
+        st.state = _CLOSED
+        return True
 
+    async def closed(self) -> None:
+        """After `end`: hypercorn's StreamClosed, as `_send_closed` sends it (the
+        connection is recycled for the next request, or closed)."""
+        st = self._stream
+        await st.send(StreamClosed(stream_id=st.stream_id))
+
+
+_EOM = h11.EndOfMessage()
 _CHUNKED = (b"Transfer-Encoding", b"chunked")
 _STARTED: dict[int, Any] = {}  # status -> the http.response.start hypercorn's stream keeps (never changed)
 
@@ -183,5 +214,7 @@ class LeanH11State(ConnectionState):
 
 _REQUEST = ASGIHTTPState.REQUEST
 _RESPONSE = ASGIHTTPState.RESPONSE
+_CLOSED = ASGIHTTPState.CLOSED
+_ERROR = h11.ERROR
 _SEND_RESPONSE = h11.SEND_RESPONSE
 _SEND_BODY = h11.SEND_BODY

@@ -63,8 +63,9 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      would do: the stream is in its response body, h11 is sending a chunked body, nothing
      else holds the send lock, and the transport's buffer is under DIRECT_BUFFER (past it
      the ASGI path, whose drain waits, takes over: a client that reads nothing still
-     blocks its sender, and serving.send_stall_ms still drops it). The response start and
-     end always go through ASGI, so h11's state machine sees a whole, valid message.
+     blocks its sender, and serving.send_stall_ms still drops it). The response start
+     (item 15) and end (item 17) go through h11's own state machine too, so it sees a
+     whole, valid message.
   12. Memory per open stream: hypercorn's per-request asyncio.Queue (four deques and an
      Event, 3.3 KiB before anything waits) and its asyncio.Event per HTTP/1.1 connection
      and two per HTTP/2 stream (0.86 KiB each) are swapped for `lean.LeanQueue` and
@@ -88,6 +89,12 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      each read to hypercorn's ProtocolWrapper from data_received; `conn.serve` is its
      worker_serve with that connection. The rules live there; this file's classes are
      what it serves with.
+  17. Not a defect: a stream's end through ASGI is two sends -- its last events (a write
+     of their own), then http.response.body with more_body False: app_send, EndBody
+     through h11 and the send lock (a second write), the access log, StreamClosed.
+     `H1Direct.end` writes the last events and h11's last chunk in one write under
+     write's guards and moves h11 and the stream on as those sends would; `closed()` is
+     the StreamClosed that follows (the recycle for the next request is hypercorn's).
   Also counted here: the open client connections by protocol and state, for /metrics.
 """
 

@@ -41,7 +41,9 @@ class Sink(Protocol):
 
     async def write(self, data: bytes) -> None: ...
 
-    async def end_stream(self) -> None: ...
+    async def end_stream(self, last: bytes = b"") -> None:
+        """The stream's `last` body bytes, then its end (where it can, in one write)."""
+        ...
 
 
 def error_event(row: E.ErrorRow, **fields: object) -> bytes:

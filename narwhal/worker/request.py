@@ -259,6 +259,7 @@ class _Run:
         del body, headers  # sent: not held for the stream's life (memory per open stream)
         sink = self.sink
         buffered: list[bytes] = []
+        last = b""  # a streaming client's last bytes: they go with the stream's end (one write)
         complete = False
         legs = r.legs.setdefault(e.name, set())  # a cut (lifecycle M30) reaches this leg
         legs.add(up)
@@ -315,8 +316,10 @@ class _Run:
                 try:
                     if assembler is None:
                         if sink.headers_sent:
-                            if step.out:
-                                await sink.write(self._marked(step.out) if step.done and self.migrations else step.out)
+                            if step.done:  # written with the end, below: nothing awaits before it
+                                last = self._marked(step.out) if self.migrations and step.out else step.out
+                            elif step.out:
+                                await sink.write(step.out)
                         else:
                             if step.out:
                                 buffered.append(step.out)
@@ -344,7 +347,7 @@ class _Run:
             if not sink.headers_sent:
                 log.warning("request %s: engine %s: E04 error event %r", self.rid, e.name, orjson.dumps(relay.engine_error)[:500])
                 raise _Failed("E04", f"engine {e.name}: {err_msg(relay.engine_error, r.engine_hosts)}", engine=e)
-            await sink.end_stream()
+            await sink.end_stream(last)
             f = _Failed("E04", "error event", engine=e)
             raise _Ended("failed", f)
         self._learn(e, relay)
@@ -370,7 +373,7 @@ class _Run:
         else:
             if not sink.headers_sent:
                 await self._start(buffered)
-            await sink.end_stream()
+            await sink.end_stream(last)
         self.ok_engine = e.name
         return "completed"
 

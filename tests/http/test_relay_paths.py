@@ -180,6 +180,49 @@ def test_h1direct_start_declines_what_asgi_must_send(why: str) -> None:
     assert d.start(200, headers) is False and t.out == []
 
 
+@pytest.mark.parametrize("last", [b"", b"data: {}\n\ndata: [DONE]\n\n"], ids=["end_only", "with_last_events"])
+@pytest.mark.parametrize("request_kind", ["keep_alive", "connection_close"])
+def test_h1direct_end_writes_byte_for_byte_what_h11_writes_in_one_write(request_kind: str, last: bytes) -> None:
+    """Item 17: the last events and h11's last chunk in one write, the same bytes and
+    states as h11 sending Data(last) and EndOfMessage; the stream CLOSED as hypercorn's
+    _send_closed leaves it (its StreamClosed is `closed()`, over real HTTP below)."""
+    d, stream, conn, t = _fresh(hyper.PreparedH11, _REQUESTS[request_kind])
+    headers = [(b"content-type", b"text/event-stream")]
+    assert d.start(200, headers, b"data: {}\n\n")
+    ref = h11.Connection(h11.SERVER)
+    ref.receive_data(_REQUESTS[request_kind])
+    ref.next_event(), ref.next_event()
+    ref.send(h11.Response(status_code=200, headers=[*headers, (b"date", b"Thu, 03 Dec 2026 00:00:00 GMT")]))
+    ref.send(h11.Data(data=b"data: {}\n\n"))
+    want = (ref.send(h11.Data(data=last)) if last else b"") + ref.send(h11.EndOfMessage())  # type: ignore[operator]
+    del t.out[:]
+    assert d.end(last) is True
+    assert t.out == [want]
+    assert conn.our_state is ref.our_state and conn.our_state in (h11.DONE, h11.MUST_CLOSE)
+    assert stream.state is ASGIHTTPState.CLOSED
+
+
+@pytest.mark.parametrize("why", ["not_in_response", "closed", "buffer_full", "closing", "lock_held", "http10", "content_length", "access_log", "client_error"])
+def test_h1direct_end_declines_whenever_asgi_would_not_write_the_same(why: str) -> None:
+    d, stream, conn, t = _direct(http_version=b"1.0" if why == "http10" else b"1.1", content_length=why == "content_length")
+    d._proto.config = SimpleNamespace(log=SimpleNamespace(access_logger=object() if why == "access_log" else None))
+    if why == "not_in_response":
+        stream.state = ASGIHTTPState.CLOSED
+    elif why == "closed":
+        stream.closed = True
+    elif why == "buffer_full":
+        t.buffered = hyper.DIRECT_BUFFER + 1
+    elif why == "closing":
+        t.closing = True
+    elif why == "lock_held":
+        d._lock._locked = True
+    elif why == "client_error":
+        conn._cstate.process_error(h11.CLIENT)
+    state = conn.our_state
+    assert d.end(b"data: [DONE]\n\n") is False
+    assert t.out == [] and conn.our_state is state and stream.state is not ASGIHTTPState.CLOSED or why == "not_in_response"
+
+
 # -- DirectFeed: a step is handled once, by the callback or by the task ------------------
 
 
@@ -290,8 +333,13 @@ def routed(relay_path: str) -> Iterator[tuple[str, str]]:
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    n = {"direct_writes": 0, "direct_reads": 0, "direct_starts": 0}
-    write, start, push = hyper.H1Direct.write, hyper.H1Direct.start, http1._Conn._push
+    n = {"direct_writes": 0, "direct_reads": 0, "direct_starts": 0, "direct_ends": 0}
+    write, start, push, end = hyper.H1Direct.write, hyper.H1Direct.start, http1._Conn._push, hyper.H1Direct.end
+
+    def counting_end(self: hyper.H1Direct, last: bytes) -> bool:
+        ok = end(self, last)
+        n["direct_ends"] += ok and bool(last)
+        return ok
 
     def counting_start(self: hyper.H1Direct, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
         ok = start(self, status, headers, first)
@@ -309,6 +357,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     monkeypatch.setattr(hyper.H1Direct, "write", counting_write)
     monkeypatch.setattr(hyper.H1Direct, "start", counting_start)
+    monkeypatch.setattr(hyper.H1Direct, "end", counting_end)
     monkeypatch.setattr(http1._Conn, "_push", counting_push)
     return n
 
@@ -329,18 +378,24 @@ def test_the_path_each_request_takes(routed: tuple[str, str], counted: dict[str,
         s = sse(url, _chat(True), client=c)
         assert s.status == 200 and s.done and len(s.chunks) == 13
         streamed, writes, starts = counted["direct_reads"], counted["direct_writes"], counted["direct_starts"]
+        # the next request on the same connection: the stream's end recycled it (item 17)
         r = c.post(url + "/v1/chat/completions", json=_chat(False))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+        s2 = sse(url, _chat(True, 3), client=c)
+        assert s2.status == 200 and s2.done and len(s2.chunks) == 4
+        r = c.post(url + "/v1/chat/completions", json=_chat(False, 1))  # after s2's end, its count is in
+        assert r.status_code == 200
+    ends = counted["direct_ends"]
     assembled = counted["direct_reads"] - streamed
     if path == "asgi":
-        assert (streamed, writes, starts, assembled) == (0, 0, 0, 0)
+        assert (streamed, writes, starts, assembled, ends) == (0, 0, 0, 0, 0)
     elif http2:
-        assert (streamed, writes, starts) == (0, 0, 0) and assembled >= 3
+        assert (streamed, writes, starts, ends) == (0, 0, 0, 0) and assembled >= 3
     else:
         # 12 token events 1.25 ms apart: the role event's read is held, the first token's
-        # starts the stream, the last one's goes to the task; on a busy machine reads
-        # coalesce events (hence no more than 3 asked)
-        assert starts == 1
+        # starts the stream, the last one's goes to the task, which writes it with the
+        # stream's end; on a busy machine reads coalesce events (hence no more than 3 asked)
+        assert starts == 1 and ends == 2  # both streams
         assert streamed >= 3 and streamed - 3 <= writes + starts <= streamed
         assert assembled >= 3
 
