@@ -313,7 +313,10 @@ class LeanConnection(asyncio.Protocol):
     # -- hypercorn's TCPServer ------------------------------------------------------------
 
     async def protocol_send(self, event: Any) -> None:
-        if isinstance(event, RawData):
+        # type(), not isinstance(): hypercorn's events are ABCs (a Python-level check each)
+        # and it sends these classes exactly
+        kind = type(event)
+        if kind is RawData:
             async with self.send_lock:
                 try:
                     self.transport.write(event.data)
@@ -321,9 +324,9 @@ class LeanConnection(asyncio.Protocol):
                 except (ConnectionError, RuntimeError):
                     assert self.protocol is not None
                     await self.protocol.handle(Closed())
-        elif isinstance(event, Closed):
+        elif kind is Closed:
             await self._close()
-        elif isinstance(event, Updated):
+        elif kind is Updated:
             if event.idle == self._busy:
                 self._busy = not event.idle
                 COUNTS.busy += 1 if self._busy else -1
