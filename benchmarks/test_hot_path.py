@@ -105,6 +105,30 @@ def test_request_validation_per_request(benchmark: Any) -> None:
     benchmark.extra_info["requests_per_round"] = 1
 
 
+_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nAccept: */*\r\nAccept-Encoding: gzip, deflate\r\n"
+    b"Connection: keep-alive\r\nUser-Agent: python-httpx/0.28.1\r\nContent-Type: application/json\r\nContent-Length: 512\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("way", ["h11", "short"])
+def test_request_head_read_per_request(benchmark: Any, way: str) -> None:
+    """hyper.py item 18: a common request head read by h11's own reader, and the short way."""
+    from h11._readers import maybe_read_from_IDLE_client
+    from h11._receivebuffer import ReceiveBuffer
+
+    from narwhal.http.h1head import parse_head
+
+    def h11_way() -> Any:
+        buf = ReceiveBuffer()
+        buf += _HEAD
+        return maybe_read_from_IDLE_client(buf)
+
+    req = benchmark(h11_way) if way == "h11" else benchmark(parse_head, _HEAD)[0]
+    assert req.method == b"POST" and len(req.headers) == 7
+    benchmark.extra_info["requests_per_round"] = 1
+
+
 # -- admission -------------------------------------------------------------------------
 
 

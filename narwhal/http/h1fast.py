@@ -6,7 +6,8 @@ server's hardening. hyper.py documents each item and re-exports these names.
     the connection's transport (the head and chunks from any callback), byte for byte as
     hypercorn and h11 would write them, or nothing (False) whenever the ASGI path would
     not write the same.
-  * `PreparedH11`: h11's server connection that sends a head H1Direct built whole as built.
+  * `PreparedH11`: h11's server connection that sends a head H1Direct built whole as built,
+    and reads a common request head the short way (h1head.py).
   * `CloseHook` (scope extension CLOSE): the app learns that its stream closed without a
     task waiting on receive().
 """
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import h11
+from h11._receivebuffer import ReceiveBuffer
 from h11._state import ConnectionState
 from h11._util import Sentinel
 from h11._writers import (
@@ -25,6 +27,8 @@ from h11._writers import (
 from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+
+from .h1head import parse_head
 
 __all__ = ["DIRECT", "CLOSE", "DIRECT_BUFFER", "CloseHook", "H1Direct", "PreparedH11", "LeanH11State"]
 
@@ -161,8 +165,9 @@ _STARTED: dict[int, Any] = {}  # status -> the http.response.start hypercorn's s
 class PreparedH11(h11.Connection):
     """Item 15: h11's server connection, except that a Response H1Direct built whole (the
     headers h11's clean-up would give it) is sent as built: h11 rebuilds a response's headers
-    twice and validates them three times (~25 us of the first token's path). Anything
-    else is h11's own path. HardenedH11Protocol's connection is one of these."""
+    twice and validates them three times (~25 us of the first token's path); item 18: a
+    common request head is read by h1head.parse_head. Anything else is h11's own path.
+    HardenedH11Protocol's connection is one of these."""
 
     prepared: h11.Response | None = None
 
@@ -175,6 +180,19 @@ class PreparedH11(h11.Connection):
         """`conn` (h11's, fresh) becomes one of these: the same objects, methods changed."""
         conn.__class__ = PreparedH11
         LeanH11State.adopt(conn._cstate)
+
+    def _extract_next_receive_event(self) -> Any:
+        """Item 18: a client's request head, whole in the buffer, read the short way
+        (h1head.parse_head: the very Request h11's reader would make, or None); anything
+        else, and everything after the head, is h11's reader's. h11's next_event then
+        processes it as its own (state, keep-alive, Expect, the body's reader)."""
+        buf = self._receive_buffer
+        if self.their_state is _IDLE and type(buf) is ReceiveBuffer and buf:
+            got = parse_head(buf._data)
+            if got is not None:
+                buf._extract(got[1])
+                return got[0]
+        return super()._extract_next_receive_event()
 
     def _clean_up_response_headers_for_sending(self, response: h11.Response) -> h11.Response:
         if response is self.prepared:
@@ -216,5 +234,6 @@ _REQUEST = ASGIHTTPState.REQUEST
 _RESPONSE = ASGIHTTPState.RESPONSE
 _CLOSED = ASGIHTTPState.CLOSED
 _ERROR = h11.ERROR
+_IDLE = h11.IDLE
 _SEND_RESPONSE = h11.SEND_RESPONSE
 _SEND_BODY = h11.SEND_BODY

@@ -1,0 +1,74 @@
+"""An HTTP/1.1 request head read the short way (hyper.py item 18), sans-IO.
+
+h11 reads a request head line by line: a regex and a match object per header line, its
+obs-fold pass, then `Request` validates every header again (~20 us warm, ~60 in the
+router's loop). `parse_head` reads the common head -- a whole head in the buffer, within
+HEAD_MAX bytes, `POST` or `GET`, HTTP/1.1, plain header lines -- with one regex over all
+its header lines, and returns exactly the `h11.Request` h11's own reader would return for
+those bytes, and how many bytes it took; or None for anything else, which h11 then reads
+as it always has (its errors and its limits included). Invariant, tested against h11 as
+the oracle (tests/http/test_h1head.py): whenever `parse_head` answers, h11's reader on the
+same buffer answers the same Request and takes the same bytes.
+
+What it leaves to h11 (None): a head not yet whole, or past HEAD_MAX; any other method or
+version; a blank line before the request line; a bare LF; obs-fold; a header byte h11
+takes that this grammar does not (controls, DEL); Transfer-Encoding; a Content-Length that
+is not 1-20 digits, or given twice; a head `Request` would refuse (no Host, two of them).
+"""
+
+from __future__ import annotations
+
+import re
+
+from h11 import Request
+from h11._headers import Headers
+from h11._util import LocalProtocolError
+
+__all__ = ["HEAD_MAX", "parse_head"]
+
+HEAD_MAX = 16384  # bytes of head read the short way; a longer one is h11's to read
+
+# RFC 9110 field lines as h11 reads them (token ":" OWS field-content OWS), every byte of a
+# value visible ASCII or obs-text -- a subset of h11's field_vchar, which takes controls
+_FIELDS = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?[ \t]*\r\n)+")
+_TARGET = re.compile(rb"[\x21-\x7e]+")  # h11's request-target: visible ASCII
+_METHODS = frozenset((b"POST", b"GET"))
+_CL_DIGITS = 20  # h11's CONTENT_LENGTH_MAX_DIGITS
+
+
+def parse_head(data: bytes | bytearray) -> tuple[Request, int] | None:
+    """The request whose head starts `data`, and the head's length with its blank line;
+    None: h11 reads it (see the module's docstring)."""
+    end = data.find(b"\r\n\r\n", 0, HEAD_MAX)
+    if end < 0:
+        return None
+    head = bytes(data[: end + 4])
+    if b"\n" in head.replace(b"\r\n", b""):  # a bare LF: h11 takes it as a line's end
+        return None
+    line_end = head.find(b"\r\n")
+    method, _, rest = head[:line_end].partition(b" ")
+    target, _, version = rest.partition(b" ")
+    if version != b"HTTP/1.1" or method not in _METHODS or _TARGET.fullmatch(target) is None:
+        return None
+    block = head[line_end + 2 : end + 2]  # the field lines, each with its CRLF
+    if _FIELDS.fullmatch(block) is None:
+        return None
+    fields = []
+    length = None
+    for line in block[:-2].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        value = value.strip(b" \t")
+        lower = name.lower()
+        if lower == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > _CL_DIGITS:
+                return None
+            length = value
+        elif lower == b"transfer-encoding":
+            return None
+        fields.append((name, lower, value))
+    try:
+        # Headers as h11's normalize_and_validate leaves these (raw name, lower name, value)
+        req = Request(method=method, target=target, headers=Headers(fields), http_version=b"1.1", _parsed=True)
+    except LocalProtocolError:  # no Host, or two: h11 reads it and says so
+        return None
+    return req, end + 4
