@@ -176,27 +176,35 @@ class Runner:
         except (httpx.HTTPError, ValueError):
             return []
 
-    def fleet_busy(self) -> list[str]:
-        """The fleet's engines with a request in flight (or that do not answer)."""
-        busy = []
+    def _mock_stats(self) -> dict[str, dict[str, Any] | None]:
+        """Each of the fleet's engines' GET /mock/stats (None: it did not answer)."""
+        out: dict[str, dict[str, Any] | None] = {}
         for e in self.profile.engines:
             try:
                 s = self.control.get(e.url(self.port_base) + "/mock/stats").json()
             except (httpx.HTTPError, ValueError):
-                busy.append(f"{e.name} (no answer)")
-                continue
-            if s.get("in_flight", 0) != 0:
-                busy.append(f"{e.name} ({s['in_flight']} in flight)")
+                s = None
+            out[e.name] = s if isinstance(s, dict) else None
+        return out
+
+    def fleet_busy(self) -> list[str]:
+        """The fleet's engines with a request in flight (or that do not answer)."""
+        busy = []
+        for name, s in self._mock_stats().items():
+            if s is None:
+                busy.append(f"{name} (no answer)")
+            elif s.get("in_flight", 0) != 0:
+                busy.append(f"{name} ({s['in_flight']} in flight)")
         return busy
 
     def fleet_faults(self) -> int | None:
         """The faults the fleet's engines have made so far (None: one did not answer)."""
         n = 0
-        for e in self.profile.engines:
-            try:
-                n += int(self.control.get(e.url(self.port_base) + "/mock/stats").json().get("faulted", 0))
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        for s in self._mock_stats().values():
+            f = None if s is None else s.get("faulted", 0)
+            if type(f) is not int:
                 return None
+            n += f
         return n
 
     def new_rid(self, label: str) -> str:
