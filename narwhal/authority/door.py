@@ -131,7 +131,9 @@ class LocalLease:
         self.output_tokens = o.output_tokens
         if o.tpot_s is not None and o.tpot_engine is not None:
             e = a.engines[o.tpot_engine]
-            e.decode.observe(max(1, e.decode_in_use), o.tpot_s * 1000.0)
+            # scored at the mean batch over the span the TPOT was measured (from the first
+            # token), not the batch left at the close (PREDICTION.md section 8: B_k)
+            e.decode.observe(e.mean_decode_batch(self.t.decode_mark, o.at), o.tpot_s * 1000.0)
         if o.output_tokens is not None:
             w = self.t.work
             a.scheduler.output_lengths.observe(w.route, w.prompt_tokens, w.max_tokens, o.output_tokens, finish_reason=o.finish_reason)

@@ -441,7 +441,7 @@ class Scheduler:
         e.prefill_in_use += 1
         t.holds_prefill = e.name
         if e.role == "unified":
-            e.decode_in_use += 1
+            e.decode_moved(now, 1)
             t.holds_decode = e.name
         elif not t.pd_pending:
             t.pd_pending = True
@@ -504,6 +504,9 @@ class Scheduler:
         if t.projected_ttft_ms is not None:
             self.margin.observe(t.depth, (now - t.work.arrival) * 1000.0, t.projected_ttft_ms)
             t.projected_ttft_ms = None
+        if t.holds_decode is not None:  # TPOT is measured from here: its batch too
+            d = self.engines[t.holds_decode]
+            t.decode_mark = (d, d.decode_area_at(now), now)
         if t.state == "unified" and t.holds_prefill is not None:
             e = self.engines[t.holds_prefill]
             self._prefill_measured(t, e, now, True)
@@ -543,7 +546,7 @@ class Scheduler:
         if t.enqueued_at is not None:
             t.waited += now - t.enqueued_at
             t.enqueued_at = None
-        d.decode_in_use += 1
+        d.decode_moved(now, 1)
         t.holds_decode = d.name
         if t.pd_pending:
             t.pd_pending = False
@@ -569,7 +572,7 @@ class Scheduler:
         if t.holds_decode is not None:
             d = self.engines[t.holds_decode]
             t.exclude(d.name)
-            d.decode_in_use -= 1
+            d.decode_moved(now, -1)
             t.holds_decode = None
             if d.role == "decode":  # back to waiting for a decode slot (T05's retry)
                 t.pd_pending = True
@@ -641,7 +644,7 @@ class Scheduler:
             self.pd_pending -= 1
         if t.holds_decode is not None:
             d = self.engines[t.holds_decode]
-            d.decode_in_use -= 1
+            d.decode_moved(now, -1)
             t.holds_decode = None
             grants += self._grant_decode(now)
             if d.role == "unified":

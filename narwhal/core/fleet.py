@@ -96,7 +96,13 @@ class EngineState:
         self.prefill_slots, self.decode_slots = prefill_slots, decode_slots
         self.max_concurrency = max_concurrency  # engines[].max_concurrency (slots are capped by it)
         self.prefill_in_use = 0
-        self.decode_in_use = 0
+        self.decode_in_use = 0  # changed only through decode_moved (it keeps decode_area)
+        # the integral of decode_in_use over time up to decode_seen_at (sequence-seconds):
+        # a request's TPOT is measured over its whole decode, so the batch its residual is
+        # scored at is this integral's mean over that span (PREDICTION.md section 8, B_k),
+        # not the batch left at its close (mean_decode_batch)
+        self.decode_area = 0.0
+        self.decode_seen_at = 0.0
         # requests the engine itself reports running or waiting that this router did not
         # place (after a take-over: the previous leader's; authority/load.py): they hold
         # the engine's slots as surely as our own until the engine reports them gone
@@ -155,6 +161,26 @@ class EngineState:
         if self.prefill_in_use + (self.external if self.role == "prefill" else 0) >= self.prefill_slots:
             return False
         return self.role != "unified" or self.decode_in_use + self.external < self.decode_slots
+
+    def decode_moved(self, now: float, delta: int) -> None:
+        """decode_in_use += delta at `now`, the batch integral kept up to date (a `now`
+        earlier than the last change adds nothing: the integral never runs backwards)."""
+        if now > self.decode_seen_at:
+            self.decode_area += self.decode_in_use * (now - self.decode_seen_at)
+            self.decode_seen_at = now
+        self.decode_in_use += delta
+
+    def decode_area_at(self, now: float) -> float:
+        """The batch integral up to `now` (sequence-seconds)."""
+        return self.decode_area + self.decode_in_use * max(0.0, now - self.decode_seen_at)
+
+    def mean_decode_batch(self, mark: tuple[object, float, float] | None, now: float) -> float:
+        """The mean decode batch here from `mark` (this engine, its decode_area_at, the
+        time; taken at a request's first token) to `now`: the batch its measured TPOT ran
+        at. Without a mark of this engine's, or over no time, the batch now; at least 1."""
+        if mark is not None and mark[0] is self and now > mark[2]:
+            return max(1.0, (self.decode_area_at(now) - mark[1]) / (now - mark[2]))
+        return float(max(1, self.decode_in_use))
 
     def decode_free(self) -> bool:
         return self.decode_in_use + self.external < self.decode_slots

@@ -64,7 +64,7 @@ class Ticket:
         "id", "work", "state", "engine", "decode_engine", "excluded", "enqueued_at", "waited",
         "pred_prefill_ms", "projected_ttft_ms", "depth", "prefill_dispatched_at",
         "decode_dispatched_at", "holds_prefill", "holds_decode", "pd_pending",
-        "expected_cached", "prefill_sample",
+        "expected_cached", "prefill_sample", "decode_mark",
     )
 
     def __init__(self, tid: int, work: Work) -> None:
@@ -87,6 +87,9 @@ class Ticket:
         self.pd_pending = False  # counted in Scheduler.pd_pending (P/D backpressure)
         self.expected_cached = 0.0  # prompt tokens its phase-1 engine is expected to hold cached
         self.prefill_sample: tuple[str, float] | None = None  # (engine, service ms), learned at close
+        # (the decode engine's EngineState, its decode_area_at, the time) at the first token:
+        # the start of the span its TPOT is measured over (EngineState.mean_decode_batch)
+        self.decode_mark: tuple[object, float, float] | None = None
 
     def exclude(self, engine: str) -> None:
         """`engine` failed this ticket: it may not place it again."""

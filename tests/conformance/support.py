@@ -153,6 +153,20 @@ def run(target: str, profile: str, port_base: int, *extra: str) -> tuple[int, st
     return code, out.getvalue()
 
 
+def failing_blocks(output: str, ids: set[str] | dict[str, str]) -> str:
+    """The console lines of the cases `ids` (their result line and the indented detail
+    under it): a failed assertion quotes them first, so a truncated log still shows why."""
+    out: list[str] = []
+    keep = False
+    for line in output.splitlines():
+        if line[:1] not in (" ", ""):
+            parts = line.split()
+            keep = len(parts) >= 2 and parts[1] in ids
+        if keep:
+            out.append(line)
+    return "\n".join(out)
+
+
 def parse_results(output: str) -> dict[str, str]:
     """case id -> verdict label, from the runner's console lines."""
     res: dict[str, Any] = {}
