@@ -167,6 +167,23 @@ def failing_blocks(output: str, ids: set[str] | dict[str, str]) -> str:
     return "\n".join(out)
 
 
+def engines_summary(target: str) -> str:
+    """Narwhal's view of its engines, a line each (profile, decode model and correction,
+    load): a failed dogfood run quotes it, for the cases that hang on the learned state."""
+    import httpx
+
+    try:
+        r = httpx.get(target + "/v1/engines", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5.0)
+        lines = []
+        for e in r.json()["data"]:
+            p, dr = e["profile"], e["drift"]["decode"]
+            lines.append(f"{e['name']}: eligible {e['eligible']} profile {p['status']} decode {p['decode']} "
+                         f"correction {dr['correction']} (alarms {dr['alarms']}, samples {dr['samples']}) load {e['load']}")
+        return "\n".join(lines)
+    except Exception as x:  # a report, never a second failure
+        return f"/v1/engines not read: {type(x).__name__}: {x}"
+
+
 def parse_results(output: str) -> dict[str, str]:
     """case id -> verdict label, from the runner's console lines."""
     res: dict[str, Any] = {}

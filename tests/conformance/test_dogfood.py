@@ -21,7 +21,7 @@ import pytest
 from narwhal_conformance import SUITE_VERSION
 from narwhal_conformance.cases import load_cases, select_cases
 
-from .support import Stack, failing_blocks, parse_results, run
+from .support import Stack, engines_summary, failing_blocks, parse_results, run
 
 EXPECTATIONS = Path(str(resources.files("narwhal_conformance").joinpath("expectations", "narwhal.yaml")))  # empty: no known failure
 
@@ -40,7 +40,9 @@ def test_the_suite_passes_against_narwhal(stack: Stack, tmp_path: Path, profile:
     # and migration off (print-config's default): N/A; tests/migration/test_migration_conformance.py runs them
     auth = {c.id for c in select_cases(load_cases(), None, profile=profile) if {"auth", "tenants", "migration"} & set(c.needs)}
     bad = {k: v for k, v in results.items() if v not in ("PASS", "INFO") and not (k in ha | auth and v == "N/A")}  # no FAIL, no other N/A
-    assert code == 0 and not bad, f"{bad}\n{failing_blocks(out, bad)}\n--- the whole run ---\n{out}\n--- router log ---\n{stack.log(profile)}"
+    if code != 0 or bad:
+        pytest.fail(f"{bad}\n{failing_blocks(out, bad)}\n--- its engines now ---\n{engines_summary(stack.targets[profile])}\n"
+                    f"--- the whole run ---\n{out}\n--- router log ---\n{stack.log(profile)}")
     want = {c.id for c in select_cases(load_cases(), None, profile=profile)}
     assert set(results) == want
     assert all(results[k] == "N/A" for k in ha | auth) and out.count("N/A: needs ha-etcd (not detectable") == len(ha), out
