@@ -50,6 +50,7 @@ from narwhal_conformance.profiles import RUN_KEY, get_profile, keys_file_entries
 NARWHAL = "narwhal"
 _TABLES = ("refusals", "failures", "assembly", "token_identity", "router_states", "accounting")
 _ADMIN_TOKEN = "compat-matrix-token"
+PAGE_ORDER = ("unified", "reference", "sglang", "openai")  # a router's rows on the page, in this order
 
 # Interoperability cases a router fails only because a limit of the profile has no flag
 # of that router (the case's premise cannot be set up): listed apart, not as defects.
@@ -391,7 +392,7 @@ def write_doc(runs: list[Run], out: Path, raw: Path, argv: list[str]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routers", nargs="+", default=[NARWHAL, *peers.PEERS], help=f"routers (default: {NARWHAL} {' '.join(peers.PEERS)})")
-    ap.add_argument("--profiles", nargs="+", default=["unified", "reference", "sglang", "openai"], help="profiles to run where a router serves them")
+    ap.add_argument("--profiles", nargs="+", default=list(PAGE_ORDER), help="profiles to run where a router serves them")
     ap.add_argument("--out", default=str(REPO / "docs" / "compatibility.md"))
     ap.add_argument("--raw", default=str(REPO / "docs" / "compatibility"))
     ap.add_argument("--no-install", action="store_true", help="do not run scripts/peers/install.sh")
@@ -414,26 +415,40 @@ def main() -> int:
         pkgs = sorted({peers.PEERS[r].package for r in wanted})
         subprocess.run(["bash", str(REPO / "scripts" / "peers" / "install.sh"), *pkgs], check=True)
     runs = []
-    for router in known:
-        serves = get_profile_names() if router == NARWHAL else peers.profiles_for(router)
-        for profile in [p for p in args.profiles if p in serves]:
-            if router not in args.routers:
-                kept = _kept(router, profile, raw, previous) if args.merge else None
-                if kept is not None:
-                    print(f"[matrix] {router} on {profile}: kept (measured {kept.record.get('measured')})", flush=True)
-                    runs.append(kept)
-                continue
-            for suffix in (".xml", ".out", ".log", ".json"):
-                (raw / f"{router}-{profile}{suffix}").unlink(missing_ok=True)
-            print(f"[matrix] {router} on {profile} ...", flush=True)
-            r = _one(router, profile, raw, args.timeout)
-            print(f"[matrix] {router} on {profile}: rc {r.rc}, {r.seconds:.0f} s, interop {r.props.get('score_interoperability')}, "
-                  f"narwhal {r.props.get('score_narwhal')}, N/A {r.props.get('na')}", flush=True)
-            runs.append(r)
+    serves = {r: [p for p in PAGE_ORDER if p in (get_profile_names() if r == NARWHAL else peers.profiles_for(r))] for r in known}
+    for router, profile, run_now in plan(serves, args.routers, args.profiles, merge=args.merge):
+        if not run_now:
+            kept = _kept(router, profile, raw, previous)
+            if kept is not None:
+                print(f"[matrix] {router} on {profile}: kept (measured {kept.record.get('measured')})", flush=True)
+                runs.append(kept)
+            continue
+        for suffix in (".xml", ".out", ".log", ".json"):
+            (raw / f"{router}-{profile}{suffix}").unlink(missing_ok=True)
+        print(f"[matrix] {router} on {profile} ...", flush=True)
+        r = _one(router, profile, raw, args.timeout)
+        print(f"[matrix] {router} on {profile}: rc {r.rc}, {r.seconds:.0f} s, interop {r.props.get('score_interoperability')}, "
+              f"narwhal {r.props.get('score_narwhal')}, N/A {r.props.get('na')}", flush=True)
+        runs.append(r)
     argv = [a for a in sys.argv[1:]]
     write_doc(runs, out, raw, argv)
     print(f"[matrix] wrote {args.out} and {raw}/")
     return 0
+
+
+def plan(serves: dict[str, list[str]], routers: list[str], profiles: list[str], *, merge: bool) -> list[tuple[str, str, bool]]:
+    """(router, profile, run now) per row of the page, in `serves`' order: a row runs when
+    its router and its profile were both asked for; with --merge every other row a router
+    serves is kept from the raw directory (whichever of the two was not asked for), so a
+    rerun of one profile or one router leaves the rest of the page as it was; without it
+    the page has only the rows run now."""
+    out = []
+    for router, theirs in serves.items():
+        for profile in theirs:
+            now = router in routers and profile in profiles
+            if now or merge:
+                out.append((router, profile, now))
+    return out
 
 
 def get_profile_names() -> list[str]:
