@@ -4,14 +4,18 @@ one-process router calls."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
+
+import pytest
 
 from narwhal import ipc
 from narwhal.authority.channel import WorkerSession
 from narwhal.authority.control import ControlPlane
 from narwhal.authority.service import LocalControls
 from narwhal.config import parse_config
+from narwhal.core.clock import ManualClock
 from narwhal.upstream.engines import EngineSpec
 
 
@@ -87,3 +91,40 @@ def test_a_grant_freed_in_the_same_read_reaches_the_queued_request() -> None:
     now = _now()
     got = _replay([[ipc.Arrive(1, now), ipc.Arrive(2, now), _admit(1, now)], [_admit(2, now), *_close(1, now)]])
     assert any(isinstance(m, ipc.Granted) and m.rid == 2 for m in got), got
+
+
+def test_the_door_scores_a_decode_close_at_the_mean_batch_it_ran_at() -> None:
+    """PREDICTION.md section 8 (B_k), tests/core/test_decode_batch.py: a request that decoded
+    alone for 0.95 s while three others joined only for its last 0.05 s; its TPOT is what
+    the profile projects at the mean batch 1.15, so its residual is zero. The batch at its
+    close (4) would have scored it at half the TPOT it projects there."""
+    async def main() -> tuple[float, float]:
+        cfg = parse_config({"admission": {"mode": "open", "phase_concurrency": {"prefill": 8, "decode": 8}, "prediction": {"profile_on_start": False}}})
+        t0 = _now()
+        clock = ManualClock(t0)  # the authority's: each dispatch at its request's arrival
+        control = ControlPlane(cfg, [EngineSpec("u0", "http://127.0.0.1:9", "unified", "vllm", None, None)], clock=clock)
+        s = WorkerSession(0, LocalControls(control), on_up=lambda *a: None, on_penalise=lambda *a: None, on_lost=lambda *a: None)
+        s.channel.connection_made(_Transport())  # type: ignore[arg-type]
+        e = control.engines["u0"]
+        e.decode.lin.theta = [4.0, 3.0]  # TPOT 4 + 3 B ms (the conformance fleet's)
+
+        def send(*ms: object) -> None:
+            s.channel.data_received(b"".join(ipc.encode(m) for m in ms))  # type: ignore[arg-type]
+
+        def admit(rid: int, at: float) -> None:
+            clock.t = at
+            send(ipc.Arrive(rid, at), ipc.Admit(rid, "chat", 40, None, 4, 60000.0, at, None, [], []), ipc.FirstToken(rid, at))
+
+        admit(1, t0)
+        for rid in (2, 3, 4):
+            admit(rid, t0 + 0.95)
+        tpot_ms = e.decode.predict_ms(1.15)
+        send(ipc.Close(1, t0 + 1.0, "u0", None, None, tpot_ms / 1000.0, "u0", 4, "length", None, None), ipc.End(1, "completed"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await control.client.aclose()
+        return e.decode.drift.mu, math.log(tpot_ms / e.decode.predict_ms(4))
+
+    mu, old = asyncio.run(main())
+    assert mu == pytest.approx(0.0, abs=1e-9)
+    assert old < -0.3  # what the batch at the close made of the same measurement

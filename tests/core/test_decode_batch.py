@@ -1,11 +1,9 @@
 """The batch a measured TPOT is scored at (PREDICTION.md section 8: "r_k = log(TPOT_measured
 / TPOT_profile(B_k))"): the mean decode batch over the span the TPOT was measured, from the
 request's first token to its close, not the batch left on the engine at its close. Sans-IO
-with a manual clock; the authority's door through authority/channel.py at the end."""
+with a manual clock (the authority's door scoring a close: tests/authority/test_channel.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -111,60 +109,3 @@ def test_a_clock_reading_from_before_the_last_change_never_runs_the_integral_bac
     assert e.decode_area == pytest.approx(4.0) and e.decode_seen_at == 12.0 and e.decode_in_use == 2
     assert e.decode_area_at(13.0) == pytest.approx(6.0)
     assert e.decode_area_at(11.0) == pytest.approx(4.0)
-
-
-def test_the_door_scores_a_close_at_the_mean_batch() -> None:
-    """Through the authority (channel.py, as a worker reaches it): a request that decoded
-    alone for 0.95 s while three others joined only for its last 0.05 s; its TPOT is what
-    the profile projects at the mean batch 1.15, so its residual is zero. The batch at its
-    close (4) would have scored it at half the TPOT it projects there."""
-    import asyncio
-    import time
-
-    from narwhal import ipc
-    from narwhal.authority.channel import WorkerSession
-    from narwhal.authority.control import ControlPlane
-    from narwhal.authority.service import LocalControls
-    from narwhal.config import parse_config
-    from narwhal.upstream.engines import EngineSpec
-
-    class _T:
-        def write(self, data: bytes) -> None:
-            pass
-
-        def abort(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    async def main() -> tuple[float, float]:
-        cfg = parse_config({"admission": {"mode": "open", "phase_concurrency": {"prefill": 8, "decode": 8}, "prediction": {"profile_on_start": False}}})
-        t0 = time.monotonic()  # the worker's clock reading, as the authority's (ipc.py)
-        clock = ManualClock(t0)  # the authority's: each dispatch at its request's arrival
-        control = ControlPlane(cfg, [EngineSpec("u0", "http://127.0.0.1:9", "unified", "vllm", None, None)], clock=clock)
-        s = WorkerSession(0, LocalControls(control), on_up=lambda *a: None, on_penalise=lambda *a: None, on_lost=lambda *a: None)
-        s.channel.connection_made(_T())  # type: ignore[arg-type]
-        e = control.engines["u0"]
-        e.decode.lin.theta = [4.0, 3.0]  # TPOT 4 + 3 B ms (the conformance fleet's)
-
-        def send(*ms: object) -> None:
-            s.channel.data_received(b"".join(ipc.encode(m) for m in ms))  # type: ignore[arg-type]
-
-        def admit(rid: int, at: float) -> None:
-            clock.t = at
-            send(ipc.Arrive(rid, at), ipc.Admit(rid, "chat", 40, None, 4, 60000.0, at, None, [], []), ipc.FirstToken(rid, at))
-
-        admit(1, t0)
-        for rid in (2, 3, 4):
-            admit(rid, t0 + 0.95)
-        tpot_ms = e.decode.predict_ms(1.15)
-        send(ipc.Close(1, t0 + 1.0, "u0", None, None, tpot_ms / 1000.0, "u0", 4, "length", None, None), ipc.End(1, "completed"))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        await control.client.aclose()
-        return e.decode.drift.mu, math.log(tpot_ms / e.decode.predict_ms(4))
-
-    mu, old = asyncio.run(main())
-    assert mu == pytest.approx(0.0, abs=1e-9)
-    assert old < -0.3  # what the batch at the close made of the same measurement
