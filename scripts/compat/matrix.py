@@ -415,7 +415,10 @@ def main() -> int:
         pkgs = sorted({peers.PEERS[r].package for r in wanted})
         subprocess.run(["bash", str(REPO / "scripts" / "peers" / "install.sh"), *pkgs], check=True)
     runs = []
-    serves = {r: [p for p in PAGE_ORDER if p in (get_profile_names() if r == NARWHAL else peers.profiles_for(r))] for r in known}
+    serves = {}
+    for r in known:
+        theirs = get_profile_names() if r == NARWHAL else peers.profiles_for(r)
+        serves[r] = [p for p in PAGE_ORDER if p in theirs]
     for router, profile, run_now in plan(serves, args.routers, args.profiles, merge=args.merge):
         if not run_now:
             kept = _kept(router, profile, raw, previous)

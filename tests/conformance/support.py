@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from narwhal_conformance.cli import add_arguments, run_suite
@@ -170,8 +171,6 @@ def failing_blocks(output: str, ids: set[str] | dict[str, str]) -> str:
 def engines_summary(target: str) -> str:
     """Narwhal's view of its engines, a line each (profile, decode model and correction,
     load): a failed dogfood run quotes it, for the cases that hang on the learned state."""
-    import httpx
-
     try:
         r = httpx.get(target + "/v1/engines", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5.0)
         lines = []
