@@ -199,12 +199,19 @@ def test_admission_decision_predictive_1000_queued_by_engine_count(benchmark: An
 # -- the direct path (serving.relay_path direct, issue 25) -------------------------------
 
 
-def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any) -> None:
-    """All of Narwhal's Python per relayed event on the direct path, without the sockets:
+@pytest.mark.parametrize("native", [False, True], ids=["python", "compiled"])
+def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any, native: bool) -> None:
+    """All of Narwhal's work per relayed event on the direct path, without the sockets:
     the engine connection's data_received (HTTP/1.1 chunked framing) -> DirectFeed.take
     (the relay step: SSE split, orjson parse, T02-T04, T10 strip, re-serialise) ->
-    H1Direct.write (h11's chunk framing) onto a transport that keeps nothing. What is left
-    of a relayed event's CPU is the event loop and the kernel (two syscalls and a wake-up)."""
+    H1Direct.write (h11's chunk framing) onto a transport that keeps nothing; compiled:
+    the same read taken whole by serving.relay_native's step (DirectFeed.whole,
+    core/fastevent.py) -> H1Direct.write_chunk. What is left of a relayed event's CPU is
+    the event loop and the kernel (two syscalls and a wake-up)."""
+    from narwhal.core import fastevent
+
+    if native and fastevent.event is None:
+        pytest.skip("the compiled step was not built (no C compiler at install)")
     import asyncio
     from types import SimpleNamespace
 
@@ -235,11 +242,13 @@ def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any) -> No
         server = SimpleNamespace(transport=t, send_lock=asyncio.Lock())
         direct = H1Direct(SimpleNamespace(state=ASGIHTTPState.RESPONSE, closed=False), SimpleNamespace(connection=conn), server)  # type: ignore[arg-type]
         relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
-        sink = SimpleNamespace(headers_sent=True, write_now=direct.write, start_now=None)  # the head is out
-        feed = DirectFeed(relay, loop.time, sink, [], lambda now: None)  # type: ignore[arg-type]
+        sink = SimpleNamespace(headers_sent=True, write_now=direct.write, start_now=None, chunk_writer=direct)  # the head is out
+        feed = DirectFeed(relay, loop.time, sink, [], lambda now: None, native=native)  # type: ignore[arg-type]
         up = _Conn(("127.0.0.1", 1), loop, 30.0, _Wheel(loop, 30.0 / 16))
         up._state, up._chunked, up._remaining = "body", True, 0
         up._direct = feed
+        up._whole = feed.native
+        assert feed.native is native
         first = sse(vllm_chunk(0))
         up.data_received(b"%x\r\n%b\r\n" % (len(first), first))  # the first token, its books kept here
         assert feed.pending is None

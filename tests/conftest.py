@@ -7,7 +7,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 # serving.relay_path: the relay's hidden-path tests (token-ID checks, E02 bounds, send
-# stall, a client's disconnect cancelling its engine request) run on every path there is
+# stall, a client's disconnect cancelling its engine request) run on every path there is.
+# "direct" takes the compiled step where the install built it (serving.relay_native, on by
+# default); "direct-python" is the direct path with it off, which tests/http/test_relay.py
+# runs as well (tests/helpers.py `relay_serving`)
 RELAY_PATHS = ("direct", "asgi")
 
 

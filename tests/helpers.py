@@ -18,7 +18,7 @@ from narwhal.config import parse_config
 from narwhal.http.server import free_port, serving_config
 from narwhal.upstream.engines import EngineSpec
 
-__all__ = ["RunningRouter", "running_router", "wait_until"]
+__all__ = ["RunningRouter", "running_router", "wait_until", "relay_serving"]
 
 
 def wait_until(pred: Any, *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
@@ -227,3 +227,11 @@ def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         msg["tool_calls"] = [calls[i] for i in sorted(calls)]
     msg["finish_reason"] = finish
     return msg
+
+
+def relay_serving(path: str) -> dict[str, Any]:
+    """The serving keys of a relay path as tests/conftest.py names them: "direct" (the
+    compiled step where built), "direct-python" (the direct path with it off), "asgi"."""
+    if path == "direct-python":
+        return {"relay_path": "direct", "relay_native": False}
+    return {"relay_path": path}

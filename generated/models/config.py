@@ -606,6 +606,12 @@ class Serving(BaseModel):
             description="How an engine's stream reaches the client. direct: each engine read is fed to the relay from the engine connection's own callback (no task switch per event), and for an HTTP/1.1 client its events are written straight to the client's connection, framed as the server frames them; the ASGI send path takes over whenever the client's connection has more than 64 KiB waiting (so send_stall_ms still applies), and for the response's start and end, HTTP/2 and anything but a stream's body. asgi: every event wakes the request's task and goes out through ASGI send. The same checks, strips and bounds run on both (docs/performance.md#relay-cost-narwhal-bench-relay)."
         ),
     ] = 'direct'
+    relay_native: Annotated[
+        StrictBool,
+        Field(
+            description='With relay_path direct: an engine read that is one whole chunk holding one common event of a started stream to an HTTP/1.1 client (token IDs on every choice, no finish_reason, usage or error) is checked (T02-T04), stripped (T10) and framed by the compiled step narwhal.core._fastevent, where `pip install` built it; every other read, and every read where it was not built, goes through core/relay.py, the reference it is tested against. false: every read through core/relay.py (docs/performance.md).'
+        ),
+    ] = True
     read_timeout_ms: Annotated[
         StrictInt,
         Field(

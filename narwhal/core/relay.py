@@ -36,6 +36,7 @@ import orjson
 
 from .assembly import Assembler, Failure
 from .dialects import ToolCallNormaliser
+from .fastevent import event as _native
 from .prediction import TokenArrivals
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 from .tokens import carries_output, token_id_failure
@@ -262,6 +263,30 @@ class StreamRelay:
             detail = f"an event or line longer than upstream.max_event_bytes ({self._parser.max_event_bytes} bytes)"
             return Step(b"".join(out), first, False, ("E02", detail), None)
         return _step((out[0] if len(out) == 1 else b"".join(out), first, self.done, None, None))
+
+    @property
+    def native(self) -> bool:
+        """The compiled step (core/fastevent.py) may answer for this stream's common reads:
+        it was built, IDs are checked, and nothing but `feed` handles every event (no
+        assembly, no tool-call normalising, no record for migration)."""
+        return _native is not None and self.checks_ids and self.assembler is None and self._normalise is None and self.recorder is None
+
+    def whole(self, data: bytes) -> tuple[bytes, int] | None:
+        """The compiled step's answer for `data`, one engine read taken at a chunk boundary
+        of an HTTP/1.1 chunked body: (the client's bytes framed as one chunk, IDs counted),
+        exactly what `feed` of the chunk's payload would give, or None (feed it). Changes
+        nothing: `count` does, once its bytes are out. Only once the stream has started and
+        the parser holds nothing (the step reads whole events only)."""
+        p = self._parser
+        if not self.started or self.done or p._buf is not None or p._data is not None or p._skip_lf or p.too_large:
+            return None
+        return _native(data, self.client_ids, p.max_event_bytes)  # type: ignore[misc]  # native: checked by the caller
+
+    def count(self, now: float, k: int) -> None:
+        """The books of an event `whole` answered for, as `feed` keeps them."""
+        self.events += 1
+        self.token_count += k
+        self.arrivals.add(now, k)
 
     @property
     def pending(self) -> bool:

@@ -129,6 +129,10 @@ class AsgiSink:
         return d.write if d is not None else None
 
     @property
+    def chunk_writer(self) -> hyper.H1Direct | None:
+        return self._direct
+
+    @property
     def start_now(self) -> Callable[[bytes], bool] | None:
         return self._start_now if self._direct is not None else None
 

@@ -129,6 +129,20 @@ class H1Direct:
             t.write(b"%x\r\n%b\r\n" % (len(data), data))
         return True
 
+    def write_chunk(self, framed: bytes) -> bool:
+        """`write` for bytes the compiled step framed already (`%x\r\n...\r\n`, as `write`
+        frames them): written now under the same guards (True), or nothing (False)."""
+        t = self._transport
+        st = self._stream
+        c = self._conn
+        if (
+            st.state is not _RESPONSE or st.closed or c.our_state is not _SEND_BODY or type(c._writer) is not ChunkedWriter
+            or self._lock._locked or t.is_closing() or t.get_write_buffer_size() > DIRECT_BUFFER
+        ):
+            return False
+        t.write(framed)
+        return True
+
     def end(self, last: bytes) -> bool:
         """Item 17: the response's `last` body bytes and its end (h11's EndOfMessage: the
         last chunk) written in one write, h11's state moved on as ASGI's final

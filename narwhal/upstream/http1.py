@@ -23,6 +23,10 @@ Rules
     handler is called from `data_received` with each read's decoded bytes, in order, and
     nothing queues; when it returns False (it wants its task), or raises, direct delivery
     stops and the awaiting task wakes. Bytes that arrive after that queue as usual.
+    A handler whose `native` is true is first offered each read that begins at a chunk
+    boundary of a chunked body, undecoded (`handler.whole(data)`; True: it took the read,
+    framing and all, and must then have taken exactly one whole chunk of it, which its
+    caller, worker/direct.py, checks; False: decoded and handed over as above).
   * Bounded: the response head (status line and headers) and the trailers of a chunked
     body at _MAX_HEAD bytes, a chunk-size line at 1,024, the body `read` collects at its
     limit, and the decoded bytes waiting for the consumer at _HIGH_WATER (reading pauses).
@@ -144,7 +148,7 @@ class _Conn(asyncio.Protocol):
         "key", "loop", "transport", "closed", "_buf", "_state", "_remaining", "_chunked",
         "_chunks", "_chunks_len", "_waiter", "_eof", "_error", "status", "headers", "keep_alive",
         "got_bytes", "last_rx", "_timer", "idle_timeout", "_paused", "_head_waiter", "_release_to", "_head",
-        "_direct", "_direct_exc", "_wheel",
+        "_direct", "_direct_exc", "_wheel", "_whole",
     )
 
     def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, idle_timeout: float, wheel: _Wheel) -> None:
@@ -159,6 +163,7 @@ class _Conn(asyncio.Protocol):
         self._release_to: H1Pool | None = None  # release to this pool when the body ends
         self._direct: Callable[[bytes], bool] | None = None  # the consumer's handler while direct
         self._direct_exc: BaseException | None = None
+        self._whole = False  # the handler takes whole reads at a chunk boundary (`whole`)
         self._reset()
 
     def _reset(self) -> None:
@@ -204,6 +209,17 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         self.last_rx = self.loop.time()
+        d = self._direct
+        if d is not None and self._whole and self._remaining == 0 and not self._buf and not self._chunks and self._state == "body":
+            # a read at a chunk boundary, nothing queued: the handler may take it whole,
+            # framing and all (`whole`, see H1Response.direct); if not, it is decoded below
+            try:
+                if d.whole(data):  # type: ignore[attr-defined]  # _whole: it has one
+                    return
+            except Exception as e:  # noqa: BLE001 - the consumer's task raises it
+                self._direct_exc = e
+                self._wake()
+                return
         if self._state == "idle" or self._state == "done":
             return  # bytes after a response: ignored (the connection will not be reused)
         try:
@@ -496,6 +512,9 @@ class _Conn(asyncio.Protocol):
             w.set_result(None)
             return w
         self._direct = handler
+        # a handler with `native` true also has `whole(data) -> bool`: a read that starts
+        # at a chunk boundary, offered before it is decoded (True: taken, framing and all)
+        self._whole = self._chunked and getattr(handler, "native", False)
         self._arm()
         return w
 

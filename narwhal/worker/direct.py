@@ -21,6 +21,14 @@ inside the upstream protocol's `data_received`:
     waits, and serving.send_stall_ms applies) -- is kept as `pending` and the task wakes
     and handles that step exactly as it handles one it fed itself (its bytes not held).
 
+With the compiled step (`serving.relay_native`, core/fastevent.py) a read that is one
+whole chunk of the engine's body is first offered to `whole`, before the connection
+decodes its chunk: the step checks, strips and frames the common event of a started
+stream in C, its bytes go out with the client connection's `write_chunk` (the same guards
+as `write_now`), and only then are its books kept (`StreamRelay.count`). Anything the
+step declines, or a write the connection declines, changed nothing and takes the path
+above.
+
 Order is kept: after a hand-over, later reads queue on the connection until the task
 arms direct delivery again. Invariant: a step is handled once, by the callback or by the
 task, never both.
@@ -31,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..core.relay import Step, StreamRelay
-from .replies import Sink
+from .replies import ChunkWriter, Sink
 
 __all__ = ["DirectFeed"]
 
@@ -42,15 +50,36 @@ class DirectFeed:
     start_now set), None for a non-streaming one; `held`: the task's buffer of output
     before the head; `first_token(now)`: the first token's books."""
 
-    __slots__ = ("_relay", "_now", "_sink", "_held", "_first", "pending")
+    __slots__ = ("_relay", "_now", "_sink", "_held", "_first", "pending", "_chunks")
 
-    def __init__(self, relay: StreamRelay, now: Callable[[], float], sink: Sink | None, held: list[bytes], first_token: Callable[[float], None]) -> None:
+    def __init__(
+        self, relay: StreamRelay, now: Callable[[], float], sink: Sink | None, held: list[bytes], first_token: Callable[[float], None], *, native: bool = False,
+    ) -> None:
         self._relay = relay
         self._now = now
         self._sink = sink
         self._held = held
         self._first = first_token
         self.pending: tuple[Step, float] | None = None
+        # the compiled step's writer (an HTTP/1.1 client's connection), or None: no `whole`
+        chunks = sink.chunk_writer if sink is not None and native and relay.native else None
+        self._chunks: ChunkWriter | None = chunks
+
+    @property
+    def native(self) -> bool:
+        """Whole reads may be offered to `whole` (the connection reads this once per arming)."""
+        return self._chunks is not None
+
+    def whole(self, data: bytes) -> bool:
+        """One engine read that is one whole chunk of the body, at a chunk boundary: True
+        when the compiled step answered and its bytes are out (its books kept); False:
+        nothing was done, decode and `take` it."""
+        relay = self._relay
+        got = relay.whole(data)
+        if got is None or not self._chunks.write_chunk(got[0]):  # type: ignore[union-attr]  # native
+            return False
+        relay.count(self._now(), got[1])
+        return True
 
     def take(self, data: bytes) -> bool:
         """Feed one engine read; True when it was handled whole here."""

@@ -68,6 +68,7 @@ class DataPlane:
         # serving.relay_path: direct -- engine reads fed to the relay from the engine
         # connection's callback, HTTP/1.1 clients written from there too (hyper.py item 11)
         self.direct_relay = config.serving.relay_path == "direct"
+        self.native_relay = config.serving.relay_native  # the compiled step for common reads (worker/direct.py)
         # the pass-through policy (docs/passthrough.md): fields removed from client bodies
         # before each engine request: the engine-side request IDs, always, and the
         # operator's deny-list (the other router-only fields go in parse_request)

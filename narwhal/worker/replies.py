@@ -16,9 +16,16 @@ from narwhal_generated import errors as E
 
 from ..core.relay import engine_message
 
-__all__ = ["Sink", "DONE", "error_event", "refuse", "engine_error_detail", "err_msg", "cached", "merge_usage"]
+__all__ = ["Sink", "ChunkWriter", "DONE", "error_event", "refuse", "engine_error_detail", "err_msg", "cached", "merge_usage"]
 
 DONE = b"data: [DONE]\n\n"
+
+
+class ChunkWriter(Protocol):
+    def write_chunk(self, framed: bytes) -> bool:
+        """Synchronous: `framed` (one whole HTTP/1.1 chunk) written now (True), or nothing
+        (False), under write_now's guards."""
+        ...
 
 
 class Sink(Protocol):
@@ -34,6 +41,10 @@ class Sink(Protocol):
     # Synchronous, likewise: the stream's head and these first body bytes written now (True),
     # or nothing (False: then start_stream and write). None where write_now is None.
     start_now: Callable[[bytes], bool] | None
+
+    # The same for the compiled step (core/fastevent.py): the client's connection, whose
+    # write_chunk writes bytes already framed as one HTTP/1.1 chunk; None where write_now is.
+    chunk_writer: ChunkWriter | None
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
 

@@ -281,7 +281,7 @@ class _Run:
             # callback, a streaming client's head and first token included
             fast = None
             if r.direct_relay and rejoin is None and (assembler is not None or (sink.write_now is not None and sink.start_now is not None)):
-                fast = DirectFeed(relay, now_fn, None if assembler is not None else sink, buffered, self._first_token)
+                fast = DirectFeed(relay, now_fn, None if assembler is not None else sink, buffered, self._first_token, native=r.native_relay)
             while True:
                 if fast is not None and fast.pending is None:
                     await up.direct(fast)

@@ -462,3 +462,71 @@ def test_one_whole_chunk_decodes_as_the_loop_decodes_it(read: bytes) -> None:
     assert fast[1:] == slow[1:]
     if fast[2] is None:
         assert b"".join(fast[0]) == b"".join(slow[0])
+
+
+class _Whole:
+    """A direct handler with `native`: offered each read at a chunk boundary undecoded
+    (`whole`), taking the ones `takes` says; what it declines is decoded and `take`n."""
+
+    native = True
+
+    def __init__(self, takes: Callable[[bytes], bool] | None = None, raises: bool = False) -> None:
+        self.whole_reads: list[bytes] = []
+        self.decoded: list[bytes] = []
+        self._takes = takes or (lambda d: True)
+        self._raises = raises
+
+    def whole(self, data: bytes) -> bool:
+        if self._raises:
+            raise ValueError("router bug")
+        if not data.startswith(b"0\r\n") and self._takes(data):  # never the last chunk, as the step
+            self.whole_reads.append(data)
+            return True
+        return False
+
+    def __call__(self, data: bytes) -> bool:
+        self.decoded.append(data)
+        return True
+
+
+@pytest.mark.parametrize("declines", [False, True], ids=["taken", "declined"])
+def test_direct_delivery_offers_whole_reads_at_a_chunk_boundary(declines: bool) -> None:
+    """A handler with `native` gets each read that starts at a chunk boundary undecoded
+    (one chunk a read here: the engine writes each with a pause); what it declines is
+    decoded as always. Either way every body byte reaches the consumer once, in order, and
+    the body's end (the last chunk) is decoded, never offered."""
+    pieces = [b"p%d;" % i for i in range(5)]
+
+    async def main() -> None:
+        srv, url = await serve(_streaming(pieces))
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            r = await pool.request("POST", url + "/x", body=b"{}")
+            h = _Whole(takes=(lambda d: b"p2" not in d) if declines else None)
+            await r.direct(h)
+            assert await r.next_chunk() == b""  # the end came decoded: the task woke for it
+            framed = [b"%x\r\n%b\r\n" % (len(p), p) for p in pieces]
+            if declines:
+                assert h.whole_reads == framed[:2] + framed[3:] and h.decoded == [b"p2;"]
+            else:
+                assert h.whole_reads == framed and h.decoded == []
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_direct_delivery_raises_the_whole_handlers_error_in_the_task() -> None:
+    async def main() -> None:
+        srv, url = await serve(_streaming([b"a", b"b"]))
+        pool = H1Pool(idle_timeout_s=5)
+        try:
+            r = await pool.request("POST", url + "/x", body=b"{}")
+            with pytest.raises(ValueError, match="router bug"):
+                await r.direct(_Whole(raises=True))
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))

@@ -1,7 +1,8 @@
 """Streaming relay and non-streaming assembly over real HTTP, against mock engines of each
 dialect: the engine's shape when streaming, one assembled answer otherwise, token
 identity (T01-T12), and the engine-failure rows E01-E07; each on every serving.relay_path
-(tests/conftest.py `relay_path`)."""
+(tests/conftest.py `relay_path`), and the direct path both with the compiled step
+(serving.relay_native, core/fastevent.py) and without it."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ import pytest
 from narwhal.mock import MockConfig, Timing, expected_content, expected_token_ids, running_fleet
 from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
-from tests.helpers import RunningRouter, accumulate, running_router, sse
+from tests.conftest import RELAY_PATHS
+from tests.helpers import RunningRouter, accumulate, relay_serving, running_router, sse
 
 MODEL = "narwhal-demo"
 FAST = Timing(time_scale=0.25)
 
 
+@pytest.fixture(scope="module", params=(*RELAY_PATHS, "direct-python"))
+def relay_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield request.param
+
+
 def base_config(relay_path: str = "direct") -> dict[str, Any]:
     return {
-        "serving": {"relay_path": relay_path},
+        "serving": relay_serving(relay_path),
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
         "monitoring": {"poll_interval_ms": 200, "stale_after_ms": 60000, "breaker_failures": 1000},
         "upstream": {"idle_timeout_ms": 1500},

@@ -16,6 +16,7 @@ import orjson
 import pytest
 from hypercorn.protocol.http_stream import ASGIHTTPState
 
+from narwhal.core import fastevent
 from narwhal.core.relay import StreamRelay
 from narwhal.http import hyper
 from narwhal.http.h1fast import _NO_PROPOSALS, LeanH11State
@@ -89,10 +90,17 @@ _DECLINES = ["not_in_response", "closed", "buffer_full", "closing", "lock_held",
 
 
 @pytest.mark.parametrize("why", _DECLINES)
-def test_h1direct_declines_whenever_asgi_would_not_write_the_same(why: str) -> None:
+@pytest.mark.parametrize("method", ["write", "write_chunk"])
+def test_h1direct_declines_whenever_asgi_would_not_write_the_same(why: str, method: str) -> None:
     d, _, _, t = _declining(why)
-    assert d.write(b"data: x\n\n") is False
+    assert getattr(d, method)(b"data: x\n\n") is False
     assert t.out == []
+
+
+def test_h1direct_write_chunk_writes_the_framed_bytes_as_they_are() -> None:
+    d, _, conn, t = _direct()
+    framed = conn.send(h11.Data(data=b"data: x\n\n"))
+    assert d.write_chunk(framed) and t.out == [framed]
 
 
 def _fresh(cls: type[h11.Connection] = h11.Connection, request: bytes = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n") -> tuple[hyper.H1Direct, Any, h11.Connection, _Transport]:
@@ -242,6 +250,7 @@ class _Sink:
         self.headers_sent = started
         self.out: list[bytes] = []
         self._head, self._write = head, write
+        self.chunk_writer: _Chunks | None = None  # an HTTP/2 client's: no compiled step
 
     def write_now(self, data: bytes) -> bool:
         assert self.headers_sent
@@ -315,6 +324,88 @@ def test_direct_feed_for_an_assembling_relay_writes_nothing() -> None:
     assert f.take(_event([3], finish="stop") + b"data: [DONE]\n\n") is False and f.pending is not None and f.pending[0].done
 
 
+# -- DirectFeed.whole: the compiled step, and the books as `take` keeps them --------------
+
+
+class _Chunks:
+    """A client connection's write_chunk (H1Direct's), writing or declining."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+        self.out: list[bytes] = []
+
+    def write_chunk(self, framed: bytes) -> bool:
+        if self.ok:
+            self.out.append(framed)
+        return self.ok
+
+
+def _framed(payload: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+def _books(relay: StreamRelay) -> tuple[int, int, int, float | None]:
+    return relay.events, relay.token_count, relay.arrivals.tokens, relay.arrivals.last_at
+
+
+def _native_feed(chunks: _Chunks, *, started: bool = True, native: bool = True, relay: StreamRelay | None = None) -> tuple[DirectFeed, StreamRelay]:
+    relay = relay or _relay()
+    sink = _Sink()
+    sink.chunk_writer = chunks  # type: ignore[attr-defined]
+    f = DirectFeed(relay, lambda: 1.0, sink, [], lambda now: None, native=native)
+    if started:
+        assert f.take(_event([1])) is True  # the first token: always the Python step's
+    return f, relay
+
+
+needs_native = pytest.mark.skipif(fastevent.event is None, reason="the compiled step was not built (no C compiler at install)")
+
+
+@needs_native
+def test_whole_writes_what_take_writes_and_keeps_the_same_books() -> None:
+    ev = _event([7, 8], text='q"\n\u00e9')
+    chunks = _Chunks()
+    f, relay = _native_feed(chunks)
+    assert f.native and f.whole(_framed(ev)) is True
+    ref, ref_sink = _relay(), _Sink()
+    g, _ = _feed(relay=ref, sink=ref_sink)
+    assert g.take(_event([1])) and g.take(ev)
+    assert chunks.out == [_framed(ref_sink.out[-1])]  # byte for byte what H1Direct.write frames of `take`'s output
+    assert _books(relay) == _books(ref) == (2, 3, 3, 1.0)
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["not_started", "writer_declines", "bad_id", "finish", "two_events", "not_native"])
+def test_whole_declines_and_changes_nothing(case: str) -> None:
+    """Whatever `whole` does not take leaves the relay as it was: the read is decoded and
+    `take`n, which then handles it (a failure, the end, a held event)."""
+    chunks = _Chunks(ok=case != "writer_declines")
+    f, relay = _native_feed(chunks, started=case != "not_started", native=case != "not_native")
+    data = {
+        "bad_id": _framed(_event([-5])),
+        "finish": _framed(_event([9], finish="stop")),
+        "two_events": _framed(_event([9]) + _event([10])),
+    }.get(case, _framed(_event([9])))
+    before = _books(relay)
+    if case == "not_native":  # serving.relay_native false: the connection never offers a read whole
+        assert not f.native
+        return
+    assert f.native and f.whole(data) is False
+    assert _books(relay) == before and chunks.out == []
+
+
+def test_whole_is_never_offered_for_an_assembling_relay_or_without_a_chunk_writer() -> None:
+    from narwhal.core.assembly import Assembler
+
+    assembling = StreamRelay(checks_ids=True, client_ids=False, client_usage=False, assembler=Assembler("chat"))
+    assert not DirectFeed(assembling, lambda: 1.0, None, [], lambda now: None, native=True).native
+    assert not DirectFeed(_relay(), lambda: 1.0, _Sink(), [], lambda now: None, native=True).native  # no chunk_writer: HTTP/2
+    no_ids = StreamRelay(checks_ids=False, client_ids=False, client_usage=False)
+    sink = _Sink()
+    sink.chunk_writer = _Chunks()  # type: ignore[attr-defined]
+    assert not DirectFeed(no_ids, lambda: 1.0, sink, [], lambda now: None, native=True).native  # T08: counted in Python
+
+
 # -- the path taken, over real HTTP -----------------------------------------------------
 
 
@@ -333,8 +424,15 @@ def routed(relay_path: str) -> Iterator[tuple[str, str]]:
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    n = {"direct_writes": 0, "direct_reads": 0, "direct_starts": 0, "direct_ends": 0}
-    write, start, push, end = hyper.H1Direct.write, hyper.H1Direct.start, http1._Conn._push, hyper.H1Direct.end
+    n = {"direct_writes": 0, "direct_reads": 0, "direct_starts": 0, "direct_ends": 0, "native": 0}
+    write, start, push, end, whole = hyper.H1Direct.write, hyper.H1Direct.start, http1._Conn._push, hyper.H1Direct.end, DirectFeed.whole
+
+    def counting_whole(self: DirectFeed, data: bytes) -> bool:
+        ok = whole(self, data)  # taken whole by the compiled step: a direct read and write
+        n["native"] += ok
+        n["direct_reads"] += ok
+        n["direct_writes"] += ok
+        return ok
 
     def counting_end(self: hyper.H1Direct, last: bytes) -> bool:
         ok = end(self, last)
@@ -359,6 +457,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     monkeypatch.setattr(hyper.H1Direct, "start", counting_start)
     monkeypatch.setattr(hyper.H1Direct, "end", counting_end)
     monkeypatch.setattr(http1._Conn, "_push", counting_push)
+    monkeypatch.setattr(DirectFeed, "whole", counting_whole)
     return n
 
 
@@ -387,10 +486,11 @@ def test_the_path_each_request_takes(routed: tuple[str, str], counted: dict[str,
         assert r.status_code == 200
     ends = counted["direct_ends"]
     assembled = counted["direct_reads"] - streamed
+    native = counted["native"]
     if path == "asgi":
-        assert (streamed, writes, starts, assembled, ends) == (0, 0, 0, 0, 0)
+        assert (streamed, writes, starts, assembled, ends, native) == (0, 0, 0, 0, 0, 0)
     elif http2:
-        assert (streamed, writes, starts, ends) == (0, 0, 0, 0) and assembled >= 3
+        assert (streamed, writes, starts, ends, native) == (0, 0, 0, 0, 0) and assembled >= 3
     else:
         # 12 token events 1.25 ms apart: the role event's read is held, the first token's
         # starts the stream, the last one's goes to the task, which writes it with the
@@ -398,6 +498,9 @@ def test_the_path_each_request_takes(routed: tuple[str, str], counted: dict[str,
         assert starts == 1 and ends == 2  # both streams
         assert streamed >= 3 and streamed - 3 <= writes + starts <= streamed
         assert assembled >= 3
+        # the compiled step (serving.relay_native, built by the install) takes the token
+        # events between the first and the last that came one a read
+        assert 1 <= native <= counted["direct_writes"]
 
 
 # -- another ASGI server's scope: no extensions, the receive() watcher and ASGI send -----
