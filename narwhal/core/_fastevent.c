@@ -176,8 +176,10 @@ static int key_new(Keys *keys, const unsigned char *k, Py_ssize_t len) {
 /* What an object is, for its members' rules. */
 enum { PLAIN = 0, TOP = 1, CHOICE = 2 };
 
-static int token_ids(Scan *s);
-static int choices(Scan *s);
+/* What an array is, for its elements' rules. */
+enum { ANY = 0, CHOICES = 1, IDS = 2 };
+
+static int array(Scan *s, int kind);
 
 /* An object at s->p. TOP: the event; CHOICE: one of its choices. */
 static int object(Scan *s, int kind) {
@@ -208,14 +210,14 @@ static int object(Scan *s, int kind) {
             if (kind == TOP) {
                 if (KEY_IS(k, klen, "error") || KEY_IS(k, klen, "usage")) return NO;  /* the Python path's */
                 if (KEY_IS(k, klen, "choices")) {
-                    if (choices(s) != OK) return NO;
+                    if (array(s, CHOICES) != OK) return NO;
                 } else {
                     drop = KEY_IS(k, klen, "prompt_token_ids");
                     if (value(s) != OK) return NO;
                 }
             } else if (kind == CHOICE) {
                 if (KEY_IS(k, klen, "token_ids")) {
-                    if (token_ids(s) != OK) return NO;
+                    if (array(s, IDS) != OK) return NO;
                     has_ids = 1;
                     drop = 1;
                 } else if (KEY_IS(k, klen, "finish_reason")) {
@@ -252,67 +254,30 @@ static int object(Scan *s, int kind) {
     return OK;
 }
 
-/* The event's `choices`: a non-empty list of choice objects. */
-static int choices(Scan *s) {
-    int n = 0;
-    if (s->p >= s->end || *s->p != '[') return NO;
-    if (++s->depth > MAX_DEPTH) return NO;
-    s->p++;
-    emit1(s, '[');
-    ws(s);
-    while (1) {
-        if (s->p >= s->end || *s->p != '{') return NO;  /* empty, or a choice that is not an object */
-        if (n) emit1(s, ',');
-        if (object(s, CHOICE) != OK) return NO;
-        n++;
-        ws(s);
-        if (s->p >= s->end) return NO;
-        if (*s->p == ',') { s->p++; ws(s); continue; }
-        if (*s->p == ']') { s->p++; break; }
-        return NO;
-    }
-    emit1(s, ']');
-    s->depth--;
-    return OK;
-}
-
-/* A choice's `token_ids`: a non-empty list of nonnegative integers (T03), counted (T04).
-   Always dropped from the client's copy when stripping: emitted only to be unwritten. */
-static int token_ids(Scan *s) {
+/* An array at s->p. ANY: any values. CHOICES: the event's `choices`, a non-empty list of
+   choice objects. IDS: a choice's `token_ids`, a non-empty list of nonnegative integers
+   (T03), counted (T04); its caller drops it from the client's copy when stripping. */
+static int array(Scan *s, int kind) {
     long long n = 0;
     if (s->p >= s->end || *s->p != '[') return NO;
-    s->p++;
-    emit1(s, '[');
-    ws(s);
-    while (1) {
-        int neg;
-        if (s->p >= s->end) return NO;
-        if (n) emit1(s, ',');
-        if (integer(s, &neg) != OK || neg) return NO;  /* empty, negative, or not an integer */
-        n++;
-        ws(s);
-        if (s->p >= s->end) return NO;
-        if (*s->p == ',') { s->p++; ws(s); continue; }
-        if (*s->p == ']') { s->p++; break; }
-        return NO;
-    }
-    emit1(s, ']');
-    s->ids += n;
-    return OK;
-}
-
-static int array(Scan *s) {
-    int n = 0;
     if (++s->depth > MAX_DEPTH) return NO;
-    s->p++;  /* [ */
+    s->p++;
     emit1(s, '[');
     ws(s);
     if (s->p < s->end && *s->p == ']') {
+        if (kind != ANY) return NO;  /* no choice, or no ID: the Python path's */
         s->p++;
     } else {
         while (1) {
+            int neg;
             if (n) emit1(s, ',');
-            if (value(s) != OK) return NO;
+            if (kind == CHOICES) {
+                if (s->p >= s->end || *s->p != '{' || object(s, CHOICE) != OK) return NO;  /* a choice that is not an object */
+            } else if (kind == IDS) {
+                if (integer(s, &neg) != OK || neg) return NO;  /* negative, or not an integer */
+            } else if (value(s) != OK) {
+                return NO;
+            }
             n++;
             ws(s);
             if (s->p >= s->end) return NO;
@@ -323,6 +288,7 @@ static int array(Scan *s) {
     }
     emit1(s, ']');
     s->depth--;
+    if (kind == IDS) s->ids += n;
     return OK;
 }
 
@@ -333,7 +299,7 @@ static int value(Scan *s) {
     int neg;
     switch (*s->p) {
     case '{': return object(s, PLAIN);
-    case '[': return array(s);
+    case '[': return array(s, ANY);
     case '"': return string(s, &k, &klen);
     case 't': return literal(s, "true", 4);
     case 'f': return literal(s, "false", 5);

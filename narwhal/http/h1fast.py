@@ -117,21 +117,12 @@ class H1Direct:
         return True
 
     def write(self, data: bytes) -> bool:
-        t = self._transport
-        st = self._stream
-        c = self._conn
-        if (
-            st.state is not _RESPONSE or st.closed or c.our_state is not _SEND_BODY or type(c._writer) is not ChunkedWriter
-            or self._lock._locked or t.is_closing() or t.get_write_buffer_size() > DIRECT_BUFFER
-        ):
-            return False
-        if data:
-            t.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return True
+        return self.write_chunk(b"%x\r\n%b\r\n" % (len(data), data) if data else b"")
 
     def write_chunk(self, framed: bytes) -> bool:
-        """`write` for bytes the compiled step framed already (`%x\r\n...\r\n`, as `write`
-        frames them): written now under the same guards (True), or nothing (False)."""
+        """`write` for bytes framed already as one chunk (`%x\r\n...\r\n`, as `write`
+        frames them; the compiled step's): written now under the same guards (True), or
+        nothing (False)."""
         t = self._transport
         st = self._stream
         c = self._conn
@@ -140,7 +131,8 @@ class H1Direct:
             or self._lock._locked or t.is_closing() or t.get_write_buffer_size() > DIRECT_BUFFER
         ):
             return False
-        t.write(framed)
+        if framed:
+            t.write(framed)
         return True
 
     def end(self, last: bytes) -> bool:
