@@ -24,9 +24,10 @@ Rules
     nothing queues; when it returns False (it wants its task), or raises, direct delivery
     stops and the awaiting task wakes. Bytes that arrive after that queue as usual.
     A handler whose `native` is true is first offered each read that begins at a chunk
-    boundary of a chunked body, undecoded (`handler.whole(data)`; True: it took the read,
-    framing and all, and must then have taken exactly one whole chunk of it, which its
-    caller, worker/direct.py, checks; False: decoded and handed over as above).
+    boundary of a chunked body, undecoded (`handler.whole(data)`). True: it took the read,
+    framing and all; it may only when the read is exactly one whole chunk (not the last),
+    so the decoder is at a chunk boundary after it as before (worker/direct.py's compiled
+    step takes nothing else). False: decoded and handed over as above.
   * Bounded: the response head (status line and headers) and the trailers of a chunked
     body at _MAX_HEAD bytes, a chunk-size line at 1,024, the body `read` collects at its
     limit, and the decoded bytes waiting for the consumer at _HIGH_WATER (reading pauses).
