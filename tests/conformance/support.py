@@ -110,9 +110,17 @@ def conformance_stack(names: tuple[str, ...] = tuple(PROFILES), *, timeout_s: fl
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Stop the routers started here, by PID: terminate, then kill after 10 s."""
+    """Stop the routers started here, by PID: terminate twice (the tests are done with them:
+    the second signal stops Narwhal at once, not after serving.shutdown_delay_ms, as the
+    runner's own --serve does), then kill after 10 s."""
     for proc in procs:
         proc.terminate()
+    deadline = time.monotonic() + 0.3
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        if proc.poll() is None:
+            proc.terminate()
     for proc in procs:
         try:
             proc.wait(10)
