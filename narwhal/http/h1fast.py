@@ -18,10 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import h11
+from h11._readers import READERS
 from h11._receivebuffer import ReceiveBuffer
 from h11._state import ConnectionState
 from h11._util import Sentinel
 from h11._writers import (
+    WRITERS,
     ChunkedWriter,  # h11 0.16: how a chunked body is framed (H1Direct checks it)
 )
 from hypercorn.protocol.events import StreamClosed
@@ -93,14 +95,17 @@ class H1Direct:
             if b"\r" in v or b"\n" in v or b"\0" in v:
                 return False
         hs = [*headers, *proto.config.response_headers("h11")]
-        if type(conn) is PreparedH11 and conn.their_http_version == b"1.1" and conn._cstate.keep_alive:
-            # item 15: the head h11's clean-up would make (a chunked body: its framing header
-            # last, title-cased, as set_comma_header appends it), built once
-            ev = h11.Response(status_code=status, headers=[*hs, _CHUNKED], _parsed=True)
-            conn.prepared = ev
-        else:
-            ev = h11.Response(status_code=status, headers=hs, _parsed=True)
-        data = conn.send(ev)
+        # item 19: the head h11 would write, written here, h11's state moved on as it would
+        data = conn.send_head(status, hs) if type(conn) is PreparedH11 else None
+        if data is None:
+            if type(conn) is PreparedH11 and conn.their_http_version == b"1.1" and conn._cstate.keep_alive:
+                # item 15: the head h11's clean-up would make (a chunked body: its framing header
+                # last, title-cased, as set_comma_header appends it), built once
+                ev = h11.Response(status_code=status, headers=[*hs, _CHUNKED], _parsed=True)
+                conn.prepared = ev
+            else:
+                ev = h11.Response(status_code=status, headers=hs, _parsed=True)
+            data = conn.send(ev)
         # hypercorn's access log alone reads it again (not hs: one list less per stream);
         # with none (Narwhal's server turns it off), one shared head per status, none per stream
         if proto.config.log.access_logger is None:
@@ -151,7 +156,9 @@ class H1Direct:
             or self._proto.config.log.access_logger is not None
         ):
             return False
-        tail = c.send(_EOM) or b""  # b"0\r\n\r\n"; h11: our side DONE
+        tail = c.send_end() if type(c) is PreparedH11 else None  # item 19
+        if tail is None:
+            tail = c.send(_EOM) or b""  # b"0\r\n\r\n"; h11: our side DONE
         t.write(b"%x\r\n%b\r\n%b" % (len(last), last, tail) if last else tail)
         st.state = _CLOSED
         return True
@@ -207,6 +214,91 @@ class PreparedH11(h11.Connection):
         self.prepared = None
         return super()._clean_up_response_headers_for_sending(response)  # type: ignore[misc]
 
+    # -- item 19: a whole request's cycle in three steps, each what h11 would do --------
+    # Invariant, each tested against h11 itself as the oracle (tests/http/test_h1cycle.py):
+    # when a step answers, the bytes it gives (or takes) and the state it leaves -- both
+    # sides' states, keep-alive, the pending switch proposals, the request method, their
+    # HTTP version, 100-continue, the reader, the writer, the receive buffer -- are exactly
+    # those of h11's own next_event / send; when it declines (None) it changed nothing.
+
+    def next_whole(self) -> tuple[h11.Request, bytes] | None:
+        """A whole common request read in one step: a head `parse_head` reads, `POST`, a
+        Content-Length whose bytes are all in the buffer, no Expect, no Upgrade, no
+        Connection but keep-alive, at the start of a cycle. Returns (the Request, its
+        body); the connection is left as h11's next_event leaves it after the Request, its
+        Data and EndOfMessage: the client DONE, the server to SEND_RESPONSE."""
+        cs = self._cstate
+        states = cs.states
+        buf = self._receive_buffer
+        if (
+            states[_CLIENT] is not _IDLE or states[_SERVER] is not _IDLE or not cs.keep_alive or cs.pending_switch_proposals
+            or self.client_is_waiting_for_100_continue or self._receive_buffer_closed or type(buf) is not ReceiveBuffer
+        ):
+            return None
+        data = buf._data
+        got = parse_head(data)
+        if got is None:
+            return None
+        req, k = got
+        if req.method != b"POST":
+            return None
+        n = -1
+        for _, name, value in req.headers._full_items:
+            if name == b"content-length":
+                n = int(value)
+            elif name == b"expect" or name == b"upgrade" or (name == b"connection" and value.lower() != b"keep-alive"):
+                return None
+        if n < 0 or len(data) - k < n:
+            return None
+        buf._extract(k)
+        body = bytes(buf._extract(n)) if n else b""
+        states[_CLIENT] = _DONE
+        states[_SERVER] = _SEND_RESPONSE
+        self._request_method = b"POST"
+        self.their_http_version = b"1.1"
+        self._reader = _READ_DONE
+        self._writer = _WRITE_RESPONSE
+        return req, body
+
+    def send_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """The head of a chunked response to a POST whose request was read whole, as h11's
+        send of Response(status, headers + Transfer-Encoding: chunked) writes it (after its
+        clean-up, which leaves such headers as they are); the server to SEND_BODY with a
+        chunked writer. Declines a status that has no body (1xx, 204, 304), a Host,
+        Content-Length, Transfer-Encoding or Connection header (h11 would move or check
+        them), and any other state."""
+        cs = self._cstate
+        states = cs.states
+        if (
+            states[_SERVER] is not _SEND_RESPONSE or states[_CLIENT] is not _DONE or not cs.keep_alive or cs.pending_switch_proposals
+            or self._request_method != b"POST" or self.their_http_version != b"1.1" or self._writer is not _WRITE_RESPONSE
+            or status < 200 or status == 204 or status == 304 or status > 999
+        ):
+            return None
+        lines = [b"HTTP/1.1 %d \r\n" % status]
+        for name, value in headers:
+            if name.lower() in _CHECKED:
+                return None
+            lines.append(b"%s: %s\r\n" % (name, value))
+        lines.append(b"Transfer-Encoding: chunked\r\n\r\n")
+        states[_SERVER] = _SEND_BODY
+        self.client_is_waiting_for_100_continue = False
+        self._writer = ChunkedWriter()
+        self.prepared = None
+        return b"".join(lines)
+
+    def send_end(self) -> bytes | None:
+        """A chunked body's end, as h11's send of EndOfMessage (no trailers) writes it: the
+        server DONE, no writer. Declines unless the client is DONE and keep-alive is on (h11
+        would move both sides on)."""
+        cs = self._cstate
+        states = cs.states
+        if states[_SERVER] is not _SEND_BODY or states[_CLIENT] is not _DONE or not cs.keep_alive or cs.pending_switch_proposals or type(self._writer) is not ChunkedWriter:
+            return None
+        states[_SERVER] = _DONE
+        self._writer = None
+        return b"0\r\n\r\n"
+
 
 _NO_PROPOSALS: frozenset[Any] = frozenset()
 
@@ -241,5 +333,11 @@ _RESPONSE = ASGIHTTPState.RESPONSE
 _CLOSED = ASGIHTTPState.CLOSED
 _ERROR = h11.ERROR
 _IDLE = h11.IDLE
+_DONE = h11.DONE
 _SEND_RESPONSE = h11.SEND_RESPONSE
 _SEND_BODY = h11.SEND_BODY
+_CLIENT = h11.CLIENT
+_SERVER = h11.SERVER
+_READ_DONE = READERS[(h11.CLIENT, h11.DONE)]  # h11 0.16: what a client that is DONE is read with
+_WRITE_RESPONSE = WRITERS[(h11.SERVER, h11.SEND_RESPONSE)]
+_CHECKED = frozenset((b"host", b"content-length", b"transfer-encoding", b"connection"))  # send_head declines these
