@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
+from operator import mul
 from collections import deque
 from typing import Any
 
@@ -135,16 +136,22 @@ class LinearModel:
 
     def update(self, x: list[float], y: float) -> None:
         """One recursive-least-squares step with forgetting factor lam and weight 1/y^2."""
-        k = len(x)
+        # the same sums in the same order as the textbook loops (bit for bit), without a
+        # generator per row: this runs on every request's first token
+        if len(x) != len(self.theta):
+            raise ValueError("x and theta differ in length")
         w = 1.0 / max(y, 1e-3) ** 2
-        px = [sum(self.P[i][j] * x[j] for j in range(k)) for i in range(k)]
-        denom = self.lam / w + sum(x[i] * px[i] for i in range(k))
+        P = self.P
+        lam = self.lam
+        px = [sum(map(mul, row, x)) for row in P]
+        denom = lam / w + sum(map(mul, x, px))
         if denom <= 0:
             return
         gain = [v / denom for v in px]
-        err = y - sum(t * v for t, v in zip(self.theta, x, strict=True))
-        self.theta = [max(0.0, self.theta[i] + gain[i] * err) for i in range(k)]
-        self.P = [[(self.P[i][j] - gain[i] * px[j]) / self.lam for j in range(k)] for i in range(k)]
+        theta = self.theta
+        err = y - sum(map(mul, theta, x))
+        self.theta = [max(0.0, t + g * err) for t, g in zip(theta, gain)]
+        self.P = [[(p - g * q) / lam for p, q in zip(row, px)] for row, g in zip(P, gain)]
         self.samples += 1
 
 

@@ -423,11 +423,22 @@ class HardenedH11Protocol(H11Protocol):
             if got is not None:
                 req, body = got
                 await self.send(Updated(idle=False))
-                await self._create_stream(req)
+                await self._create_whole(req)
                 st = self.stream
                 if type(st) is HardenedHTTPStream and not st.closed and st.app_put is not None:
                     await st.app_put({"type": "http.request", "body": body, "more_body": False})
         await super()._handle_events()
+
+    async def _create_whole(self, request: h11.Request) -> None:
+        """hypercorn's `_create_stream` for a request next_whole read: no Upgrade, so an
+        HTTP stream (never a websocket), and its headers listed once, as hypercorn lists
+        them (lower-case names, or raw ones under h11_pass_raw_headers)."""
+        self.stream = st = _h11mod.HTTPStream(self.app, self.config, self.context, self.task_group, self.ssl, self.client, self.server, self.stream_send, _h11mod.STREAM_ID)
+        raw = self.config.h11_pass_raw_headers
+        headers = [(r if raw else n, v) for r, n, v in request.headers._full_items]
+        await st.handle(Request(stream_id=_h11mod.STREAM_ID, headers=headers, http_version="1.1", method="POST", raw_path=request.target, state=self.connection_state))
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
 
     async def _send_error_response(self, status_code: int) -> None:
         row = E.H09 if status_code == 431 else E.H08

@@ -6,17 +6,22 @@ reaches the app as one body message."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import h11
+import hypercorn.protocol.h11 as _h11mod
 import orjson
 import pytest
+from hypercorn.protocol.h11 import H11Protocol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal.http.h1fast import PreparedH11
+from narwhal.http.hyper import HardenedH11Protocol
 from narwhal.mock import MockConfig, Timing, running_fleet
 from narwhal.upstream.engines import EngineSpec
 from tests.helpers import running_router
@@ -238,6 +243,41 @@ def test_any_request_and_head_is_as_h11_reads_and_writes_it(
     assert _state(mine) == _state(theirs)
     assert mine.send_end() == theirs.send(h11.EndOfMessage())
     assert _state(mine) == _state(theirs)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["lower", "raw-names"])
+@pytest.mark.parametrize("data", [_COMMON + _BODY, _head(b"X-Mixed: A", b"connection: Keep-Alive", length=0)])
+def test_the_stream_is_made_as_hypercorn_makes_it(monkeypatch: pytest.MonkeyPatch, data: bytes, raw: bool) -> None:
+    """HardenedH11Protocol._create_whole hands the stream the very Request hypercorn's
+    _create_stream would, and counts the request as it does."""
+    made: list[Any] = []
+
+    class Stream:
+        def __init__(self, *args: Any) -> None:
+            self.args = args
+            made.append(self)
+
+        async def handle(self, event: Any) -> None:
+            self.event = event
+
+    async def mark() -> None:
+        made.append("marked")
+
+    monkeypatch.setattr(_h11mod, "HTTPStream", Stream)
+
+    def run(method: Any) -> tuple[Any, ...]:
+        made.clear()
+        conn, _ = _pair(data)
+        got = conn.next_whole()
+        assert got is not None
+        proto = SimpleNamespace(app="app", config=SimpleNamespace(h11_pass_raw_headers=raw), context=SimpleNamespace(mark_request=mark),
+                                task_group="tg", ssl=False, client=("c", 1), server=("s", 2), stream_send="send", connection_state={"k": 1},
+                                keep_alive_requests=3, stream=None, connection=conn)
+        asyncio.run(method(proto, got[0]))
+        st = made[0]
+        return st.args, st.event, proto.keep_alive_requests, made[1:], proto.stream is st
+
+    assert run(HardenedH11Protocol._create_whole) == run(H11Protocol._create_stream)
 
 
 # -- over real HTTP/1.1 ------------------------------------------------------------------
