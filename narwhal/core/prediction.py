@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from operator import mul
 from collections import deque
+from operator import mul
 from typing import Any
 
 __all__ = [
@@ -150,8 +150,8 @@ class LinearModel:
         gain = [v / denom for v in px]
         theta = self.theta
         err = y - sum(map(mul, theta, x))
-        self.theta = [max(0.0, t + g * err) for t, g in zip(theta, gain)]
-        self.P = [[(p - g * q) / lam for p, q in zip(row, px)] for row, g in zip(P, gain)]
+        self.theta = [max(0.0, t + g * err) for t, g in zip(theta, gain, strict=True)]
+        self.P = [[(p - g * q) / lam for p, q in zip(row, px, strict=True)] for row, g in zip(P, gain, strict=True)]
         self.samples += 1
 
 

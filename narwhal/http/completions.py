@@ -434,7 +434,7 @@ class CompletionEndpoint:
                 await drain_request(scope, receive, limit=drain)
                 await send_row(send, got.row, rid=rid, overrun_s=got.overrun_s, **got.fields)
             finally:
-                r.telemetry.e2e.labels(got.row.counter).observe(r.clock.now() - arrival)
+                r.telemetry.child(r.telemetry.e2e, got.row.counter).observe(r.clock.now() - arrival)
                 if rec is not None:
                     rec.refused(got.row)
                     _end(rec, got.row.counter, r.clock.now())
@@ -451,7 +451,7 @@ class CompletionEndpoint:
                 await send_row(send, refused.row, rid=rid, overrun_s=refused.overrun_s, **refused.fields)
             finally:
                 entry.end(ended)  # the authority closed the books at arrival; this End is ignored there
-                r.telemetry.e2e.labels(ended).observe(r.clock.now() - arrival)
+                r.telemetry.child(r.telemetry.e2e, ended).observe(r.clock.now() - arrival)
                 _end(rec, ended, r.clock.now())
             return
         sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0, (scope.get("extensions") or {}).get(hyper.DIRECT) if r.direct_relay else None)
@@ -572,5 +572,5 @@ class CompletionEndpoint:
                 pass
         finally:
             entry.end(cls or "cancelled")
-            r.telemetry.e2e.labels(cls or "cancelled").observe(r.clock.now() - arrival)
+            r.telemetry.child(r.telemetry.e2e, cls or "cancelled").observe(r.clock.now() - arrival)
             _end(rec, cls or "cancelled", r.clock.now(), sink)

@@ -408,7 +408,7 @@ class _Run:
         self.lease.first_token(now)
         if self.leg is not None:
             self.leg.first_token()
-        self.r.telemetry.ttft.labels(self.req.route).observe(now - self.order.arrival)
+        self.r.telemetry.child(self.r.telemetry.ttft, self.req.route).observe(now - self.order.arrival)
         if self.r.tenant_labels is not None:  # tenants configured: the tenant's TTFT too
             t = self.order.tenant
             self.r.telemetry.tenant_ttft.labels("default" if t is None else t if t in self.r.tenant_labels else "other").observe(now - self.order.arrival)
@@ -419,7 +419,7 @@ class _Run:
         tpot = relay.arrivals.tpot()
         if tpot is not None:
             self.tpot = (e.name, tpot)
-            self.r.telemetry.tpot.labels(e.name).observe(tpot)
+            self.r.telemetry.child(self.r.telemetry.tpot, e.name).observe(tpot)
         self.output_tokens = relay.token_count
         self.finish_reason = relay.finish_reason
         self.events = relay.events
@@ -589,7 +589,7 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
         if rec is not None:
             admitted(rec, lease, None, admitted_at, r.clock.now(), r.config.admission.mode)
         cls = await refuse(sink, lease.row, overrun_s=lease.overrun_s, **lease.fields)
-        r.telemetry.refusal.labels(lease.row.code).observe(r.clock.now() - order.arrival)
+        r.telemetry.child(r.telemetry.refusal, lease.row.code).observe(r.clock.now() - order.arrival)
         return cls
     if lease.projected_ttft_ms is not None:  # predictive mode: what admission projected
         sink.extra_headers.append((PROJECTED_TTFT_HEADER, b"%d" % round(lease.projected_ttft_ms)))

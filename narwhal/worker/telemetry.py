@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 __all__ = ["Telemetry", "families"]
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+CHILDREN = 4096  # labelled children Telemetry.child keeps (routes x classes, engines, codes, tenants)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -31,6 +32,19 @@ class Telemetry:
         self.trace_failed = Counter("narwhal_trace_spans_export_failed", "Spans lost in exports that failed or timed out (observability.export_timeout_ms).", registry=self.registry)
         self.tracing: Any = None  # narwhal.telemetry.tracing.Tracing when observability samples
         self.json_logs = False  # serving.log_format json: a request_end line per request
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def child(self, metric: Any, label: str) -> Any:
+        """`metric.labels(label)`, kept: prometheus_client's labels() checks its arguments
+        and takes a lock on every call, several times per request. At most CHILDREN kept
+        (then forgotten and made again: prometheus_client keeps every child anyway)."""
+        key = (metric._name, label)
+        c = self._children.get(key)
+        if c is None:
+            if len(self._children) >= CHILDREN:
+                self._children.clear()
+            c = self._children[key] = metric.labels(label)
+        return c
 
     def observe(self, config: Any, *, worker: int | None = None) -> None:
         """observability.* and serving.log_format of this process (at start; both need a restart)."""
