@@ -1,8 +1,10 @@
-"""The one build step pyproject.toml cannot state: the relay's C step (issue 25).
+"""The one build step pyproject.toml cannot state: the C steps of issue 25.
 
-`narwhal.core._fastevent` is optional: where no C compiler is found the build goes on
-without it and the router relays every event in Python (core/relay.py, the reference),
-as `narwhal.core.fastevent.NATIVE` then says.
+Both are optional: where no C compiler is found the build goes on without them.
+`narwhal.core._fastevent` (the relay's common event): the router relays every event in
+Python (core/relay.py, the reference), and `narwhal.core.fastevent.event` is None.
+`narwhal.http._fasthead` (a common request head's scan): narwhal/http/h1head.py's `scan`
+reads every head, and `h1head.SCAN is h1head.scan`.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +16,12 @@ setup(
             ["narwhal/core/_fastevent.c"],
             optional=True,
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-        )
+        ),
+        Extension(
+            "narwhal.http._fasthead",
+            ["narwhal/http/_fasthead.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        ),
     ]
 )

@@ -14,8 +14,9 @@ from h11._receivebuffer import ReceiveBuffer
 from hypothesis import given
 from hypothesis import strategies as st
 
+from narwhal.http import _fasthead
 from narwhal.http.h1fast import PreparedH11
-from narwhal.http.h1head import HEAD_MAX, parse_head
+from narwhal.http.h1head import HEAD_MAX, SCAN, parse_head, request_of, scan
 
 _BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 _COMMON = (
@@ -36,8 +37,13 @@ def _h11(data: bytes) -> tuple[Any, bytes]:
 
 
 def _same_as_h11(data: bytes) -> bool:
-    """The short way's answer is h11's; True when it answered (False: it left it to h11)."""
-    mine = parse_head(data)
+    """The short way's answer is h11's, by each scan, the reference in Python and the one
+    in C, which answer alike; True when they answered (False: they left it to h11)."""
+    compiled = _fasthead.head(data, HEAD_MAX)
+    assert compiled == scan(data), data
+    assert compiled == scan(bytearray(data)) == _fasthead.head(bytearray(data), HEAD_MAX)  # the receive buffer is a bytearray
+    mine = request_of(compiled)
+    assert (mine is None) == (parse_head(data) is None)
     if mine is None:
         return False
     req, n = mine
@@ -89,6 +95,16 @@ def test_the_common_heads_take_the_short_way_and_read_as_h11_reads_them(data: by
 )
 def test_anything_else_is_left_to_h11(data: bytes, why: str) -> None:
     assert parse_head(data) is None, why
+    assert not _same_as_h11(data), why
+
+
+def test_the_router_scans_heads_in_c_where_it_was_built() -> None:
+    assert SCAN is _fasthead.head  # the README's install builds it (setup.py)
+    assert _fasthead.head(_COMMON[:-1], HEAD_MAX) is None
+    assert _fasthead.head(_COMMON, len(_COMMON) - 1) is None and _fasthead.head(_COMMON, len(_COMMON)) is not None  # within head_max, its blank line included
+    method, target, fields, n = _fasthead.head(_COMMON + _BODY, HEAD_MAX)
+    assert (method, target, n) == (b"POST", b"/v1/chat/completions", len(_COMMON))
+    assert fields[0] == (b"Host", b"host", b"127.0.0.1:8000") and fields[-1] == (b"Content-Length", b"content-length", b"%d" % len(_BODY))
 
 
 _TOKEN = st.text(alphabet="-!#$%&'*+.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=12).map(str.encode)
