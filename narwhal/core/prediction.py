@@ -140,6 +140,9 @@ class LinearModel:
         # generator per row: this runs on every request's first token
         if len(x) != len(self.theta):
             raise ValueError("x and theta differ in length")
+        if len(x) == 3:
+            self._update3(x, y)
+            return
         w = 1.0 / max(y, 1e-3) ** 2
         P = self.P
         lam = self.lam
@@ -152,6 +155,30 @@ class LinearModel:
         err = y - sum(map(mul, theta, x))
         self.theta = [max(0.0, t + g * err) for t, g in zip(theta, gain, strict=True)]
         self.P = [[(p - g * q) / lam for p, q in zip(row, px, strict=True)] for row, g in zip(P, gain, strict=True)]
+        self.samples += 1
+
+    def _update3(self, x: list[float], y: float) -> None:
+        """`update` for three features (the prefill model's), written out: the same
+        operations in the same order, so the same floats (tests/core/test_prediction.py)."""
+        x0, x1, x2 = x
+        (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self.P
+        w = 1.0 / max(y, 1e-3) ** 2
+        lam = self.lam
+        q0 = p00 * x0 + p01 * x1 + p02 * x2
+        q1 = p10 * x0 + p11 * x1 + p12 * x2
+        q2 = p20 * x0 + p21 * x1 + p22 * x2
+        denom = lam / w + (x0 * q0 + x1 * q1 + x2 * q2)
+        if denom <= 0:
+            return
+        g0, g1, g2 = q0 / denom, q1 / denom, q2 / denom
+        t0, t1, t2 = self.theta
+        err = y - (t0 * x0 + t1 * x1 + t2 * x2)
+        self.theta = [max(0.0, t0 + g0 * err), max(0.0, t1 + g1 * err), max(0.0, t2 + g2 * err)]
+        self.P = [
+            [(p00 - g0 * q0) / lam, (p01 - g0 * q1) / lam, (p02 - g0 * q2) / lam],
+            [(p10 - g1 * q0) / lam, (p11 - g1 * q1) / lam, (p12 - g1 * q2) / lam],
+            [(p20 - g2 * q0) / lam, (p21 - g2 * q1) / lam, (p22 - g2 * q2) / lam],
+        ]
         self.samples += 1
 
 

@@ -101,6 +101,7 @@ def split_userinfo(url: str) -> tuple[str, str | None]:
 
 
 IDLE_GRAIN = 1 / 16  # an idle deadline is checked at most this share of idle_timeout_s late
+TARGETS = 1024  # engine URLs whose parse H1Pool keeps (engines x routes; past it, parsed anew)
 MIN_GRAIN_S = 0.005
 
 
@@ -592,6 +593,7 @@ class H1Pool:
         self.max_idle = max_idle_per_host
         self._idle: dict[tuple[str, int], deque[_Conn]] = {}
         self._auth: dict[tuple[str, int], str] = {}  # (host, port) -> Authorization
+        self._targets: dict[str, tuple[tuple[str, int], str, str, str, bool, str | None]] = {}  # url -> _target(url)
         self.connects = 0  # connections opened, for tests and metrics
         self._wheel: _Wheel | None = None
 
@@ -638,22 +640,37 @@ class H1Pool:
     def _key(self, u: Any) -> tuple[str, int]:
         return (u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80))
 
+    def _target(self, url: str) -> tuple[tuple[str, int], str, str, str, bool, str | None]:
+        """What a request to `url` is sent with, parsed once per URL (at most TARGETS kept):
+        (host and port, scheme, path with its query, the Host header, whether the URL
+        carries userinfo, the Basic credentials it makes). Userinfo never goes in Host."""
+        u = urlsplit(url)
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        netloc = u.netloc
+        user_auth = None
+        userinfo = "@" in netloc
+        if userinfo:
+            _, user_auth = split_userinfo(url)
+            netloc = netloc.rpartition("@")[2]
+        t = (self._key(u), u.scheme, path, netloc, userinfo, user_auth)
+        if len(self._targets) >= TARGETS:
+            self._targets.clear()
+        self._targets[url] = t
+        return t
+
     def authorize(self, url: str, authorization: str) -> None:
         """Send `Authorization: authorization` on every request to url's host and port."""
         self._auth[self._key(urlsplit(url))] = authorization
 
     async def request(self, method: str, url: str, *, body: bytes = b"", headers: dict[str, str] | None = None, timeout_s: float | None = None) -> H1Response:
         """Send a request; return once the response head arrived."""
-        u = urlsplit(url)
-        key = self._key(u)
-        if u.scheme != "http":  # config validation refuses others at start-up (narwhal/config.py)
-            raise ConnectionFailed(f"only http:// engine URLs are supported, not {u.scheme}://")
-        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        netloc = u.netloc
-        auth = self._auth.get(key)
-        if "@" in netloc:  # userinfo: never in Host; Basic credentials instead
-            _, auth = split_userinfo(url)
-            netloc = netloc.rpartition("@")[2]
+        t = self._targets.get(url)
+        if t is None:
+            t = self._target(url)
+        key, scheme, path, netloc, userinfo, user_auth = t
+        if scheme != "http":  # config validation refuses others at start-up (narwhal/config.py)
+            raise ConnectionFailed(f"only http:// engine URLs are supported, not {scheme}://")
+        auth = user_auth if userinfo else self._auth.get(key)
         head = [f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"]
         if auth is not None and not (headers and any(k.lower() == "authorization" for k in headers)):
             head.append(f"Authorization: {auth}\r\n")

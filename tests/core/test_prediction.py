@@ -10,6 +10,7 @@ import pytest
 from narwhal.core.prediction import (
     DecodeModel,
     Drift,
+    LinearModel,
     Margin,
     OutputLengthLearner,
     PrefillModel,
@@ -163,3 +164,37 @@ def test_window_quantile_equals_a_sort_of_the_last_values(size: int, values: lis
     last = values[-size:]
     assert w.quantile(q) == _quantile(sorted(last), q)
     assert len(w) == len(last)
+
+
+def _textbook_update(m: LinearModel, x: list[float], y: float) -> None:
+    """One RLS step as the textbook writes it (the reference for LinearModel.update)."""
+    k = len(x)
+    w = 1.0 / max(y, 1e-3) ** 2
+    px = [sum(m.P[i][j] * x[j] for j in range(k)) for i in range(k)]
+    denom = m.lam / w + sum(x[i] * px[i] for i in range(k))
+    if denom <= 0:
+        return
+    gain = [v / denom for v in px]
+    err = y - sum(t * v for t, v in zip(m.theta, x, strict=True))
+    m.theta = [max(0.0, m.theta[i] + gain[i] * err) for i in range(k)]
+    m.P = [[(m.P[i][j] - gain[i] * px[j]) / m.lam for j in range(k)] for i in range(k)]
+    m.samples += 1
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_the_rls_update_is_the_textbook_one(k: int) -> None:
+    """LinearModel.update (written out for three features, the prefill model's) moves theta
+    and P as the textbook loops do, step after step."""
+    rng = random.Random(k)
+    mine = LinearModel([rng.uniform(0, 50) for _ in range(k)])
+    ref = LinearModel(list(mine.theta))
+    for _ in range(2000):
+        x = [1.0] + [rng.uniform(0, 4) for _ in range(k - 1)]
+        y = rng.uniform(0.5, 200.0)
+        mine.update(x, y)
+        _textbook_update(ref, x, y)
+        assert mine.theta == pytest.approx(ref.theta, rel=1e-12, abs=1e-300)
+        assert [v for row in mine.P for v in row] == pytest.approx([v for row in ref.P for v in row], rel=1e-9, abs=1e-12)
+    assert mine.samples == ref.samples == 2000
+    with pytest.raises(ValueError):
+        mine.update([1.0] * (k + 1), 1.0)

@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from narwhal.upstream.http1 import ConnectionFailed, H1Pool, ReadTimeout
+from narwhal.upstream import http1
+from narwhal.upstream.http1 import ConnectionFailed, H1Pool, ReadTimeout, basic_authorization
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -530,3 +531,28 @@ def test_direct_delivery_raises_the_whole_handlers_error_in_the_task() -> None:
             srv.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+@pytest.mark.parametrize(
+    ("url", "want"),
+    [
+        ("http://127.0.0.1:8001/v1/chat/completions", (("127.0.0.1", 8001), "http", "/v1/chat/completions", "127.0.0.1:8001", False, None)),
+        ("http://e.local/v1/completions?x=1", (("e.local", 80), "http", "/v1/completions?x=1", "e.local", False, None)),
+        ("http://u:p%40ss@10.0.0.2:9/x", (("10.0.0.2", 9), "http", "/x", "10.0.0.2:9", True, basic_authorization("u", "p@ss"))),
+        ("https://e:443", (("e", 443), "https", "/", "e:443", False, None)),
+    ],
+)
+def test_a_request_target_is_parsed_once_per_url(url: str, want: tuple[object, ...]) -> None:
+    """H1Pool._target: what a request to a URL is sent with (userinfo never in Host: Basic
+    credentials instead), kept per URL and bounded by TARGETS."""
+    pool = H1Pool()
+    assert pool._target(url) == want
+    assert pool._targets[url] == want
+
+
+def test_the_parsed_targets_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http1, "TARGETS", 3)
+    pool = H1Pool()
+    for i in range(10):
+        assert pool._target(f"http://127.0.0.1:{8000 + i}/v1/completions")[0] == ("127.0.0.1", 8000 + i)
+        assert len(pool._targets) <= 3
