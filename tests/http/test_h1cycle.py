@@ -16,10 +16,12 @@ import h11
 import hypercorn.protocol.h11 as _h11mod
 import orjson
 import pytest
+from hypercorn.config import Config as HyperConfig
 from hypercorn.protocol.h11 import H11Protocol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narwhal.http import hyper
 from narwhal.http.h1fast import PreparedH11
 from narwhal.http.hyper import HardenedH11Protocol
 from narwhal.mock import MockConfig, Timing, running_fleet
@@ -248,34 +250,37 @@ def test_any_request_and_head_is_as_h11_reads_and_writes_it(
 @pytest.mark.parametrize("raw", [False, True], ids=["lower", "raw-names"])
 @pytest.mark.parametrize("data", [_COMMON + _BODY, _head(b"X-Mixed: A", b"connection: Keep-Alive", length=0)])
 def test_the_stream_is_made_as_hypercorn_makes_it(monkeypatch: pytest.MonkeyPatch, data: bytes, raw: bool) -> None:
-    """HardenedH11Protocol._create_whole hands the stream the very Request hypercorn's
-    _create_stream would, and counts the request as it does."""
-    made: list[Any] = []
-
-    class Stream:
-        def __init__(self, *args: Any) -> None:
-            self.args = args
-            made.append(self)
-
-        async def handle(self, event: Any) -> None:
-            self.event = event
-
-    async def mark() -> None:
-        made.append("marked")
-
-    monkeypatch.setattr(_h11mod, "HTTPStream", Stream)
+    """HardenedH11Protocol._create_whole makes the stream hypercorn's _create_stream would
+    (the server's stream class, installed by hyper.install): the same scope handed to the
+    app, and the request counted as it counts it."""
+    monkeypatch.setattr(_h11mod, "HTTPStream", hyper.HardenedHTTPStream)  # as hyper.install() leaves it
 
     def run(method: Any) -> tuple[Any, ...]:
-        made.clear()
+        spawned: list[Any] = []
+        marked: list[int] = []
+
+        async def spawn_app(app: Any, config: Any, scope: Any, send: Any) -> Any:
+            spawned.append((app, scope))
+            return None
+
+        async def mark() -> None:
+            marked.append(1)
+
+        config = HyperConfig()
+        config.h11_pass_raw_headers = raw
         conn, _ = _pair(data)
         got = conn.next_whole()
         assert got is not None
-        proto = SimpleNamespace(app="app", config=SimpleNamespace(h11_pass_raw_headers=raw), context=SimpleNamespace(mark_request=mark),
-                                task_group="tg", ssl=False, client=("c", 1), server=("s", 2), stream_send="send", connection_state={"k": 1},
+        proto = SimpleNamespace(app="app", config=config, context=SimpleNamespace(mark_request=mark), task_group=SimpleNamespace(spawn_app=spawn_app),
+                                ssl=False, client=("10.0.0.1", 1), server=("10.0.0.2", 2), stream_send="send", connection_state={"k": 1},
                                 keep_alive_requests=3, stream=None, connection=conn)
         asyncio.run(method(proto, got[0]))
-        st = made[0]
-        return st.args, st.event, proto.keep_alive_requests, made[1:], proto.stream is st
+        st = proto.stream
+        assert type(st) is hyper.HardenedHTTPStream and len(spawned) == 1
+        app, scope = spawned[0]
+        ext = dict(scope["extensions"])
+        assert isinstance(ext.pop(hyper.CLOSE), hyper.CloseHook)
+        return app, {**scope, "extensions": ext}, st.state, st.closed, st.stream_id, proto.keep_alive_requests, marked
 
     assert run(HardenedH11Protocol._create_whole) == run(H11Protocol._create_stream)
 
