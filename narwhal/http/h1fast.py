@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import h11
-from h11._readers import READERS
+from h11._readers import READERS, ContentLengthReader
 from h11._receivebuffer import ReceiveBuffer
 from h11._state import ConnectionState
 from h11._util import Sentinel
@@ -221,12 +221,15 @@ class PreparedH11(h11.Connection):
     # HTTP version, 100-continue, the reader, the writer, the receive buffer -- are exactly
     # those of h11's own next_event / send; when it declines (None) it changed nothing.
 
-    def next_whole(self) -> tuple[h11.Request, bytes] | None:
-        """A whole common request read in one step: a head `parse_head` reads, `POST`, a
-        Content-Length whose bytes are all in the buffer, no Expect, no Upgrade, no
-        Connection but keep-alive, at the start of a cycle. Returns (the Request, its
-        body); the connection is left as h11's next_event leaves it after the Request, its
-        Data and EndOfMessage: the client DONE, the server to SEND_RESPONSE."""
+    def next_whole(self) -> tuple[h11.Request, bytes | None] | None:
+        """A common request read in one step: a head `parse_head` reads, `POST`, a
+        Content-Length, no Expect, no Upgrade, no Connection but keep-alive, at the start
+        of a cycle. Returns (the Request, its body) when all of the body is in the buffer,
+        the connection left as h11's next_event leaves it after the Request, its Data and
+        EndOfMessage (the client DONE, the server to SEND_RESPONSE); or (the Request, None)
+        when it is not (a client that writes its head and body apart, as httpx does), left
+        as after the Request alone (the client to SEND_BODY, its body's reader set): the
+        body is h11's to read, or `next_rest`'s."""
         cs = self._cstate
         states = cs.states
         buf = self._receive_buffer
@@ -248,17 +251,42 @@ class PreparedH11(h11.Connection):
                 n = int(value)
             elif name == b"expect" or name == b"upgrade" or (name == b"connection" and value.lower() != b"keep-alive"):
                 return None
-        if n < 0 or len(data) - k < n:
+        if n < 0:
             return None
         buf._extract(k)
-        body = bytes(buf._extract(n)) if n else b""
-        states[_CLIENT] = _DONE
         states[_SERVER] = _SEND_RESPONSE
         self._request_method = b"POST"
         self.their_http_version = b"1.1"
-        self._reader = _READ_DONE
         self._writer = _WRITE_RESPONSE
+        if len(buf) < n:  # the body is still coming
+            states[_CLIENT] = _SEND_BODY
+            self._reader = ContentLengthReader(n)
+            return req, None
+        body = bytes(buf._extract(n)) if n else b""
+        states[_CLIENT] = _DONE
+        self._reader = _READ_DONE
         return req, body
+
+    def next_rest(self) -> bytes | None:
+        """The rest of a Content-Length body, when all of it is in the buffer: returned in
+        one step, the connection left as h11's next_event leaves it after the body's Data
+        and its EndOfMessage (the client DONE). Declines while a 100 Continue is owed (h11's
+        loop sends it first), a protocol switch is proposed, or keep-alive is off."""
+        cs = self._cstate
+        r = self._reader
+        buf = self._receive_buffer
+        if (
+            cs.states[_CLIENT] is not _SEND_BODY or type(r) is not ContentLengthReader or type(buf) is not ReceiveBuffer
+            or not cs.keep_alive or cs.pending_switch_proposals or self.client_is_waiting_for_100_continue
+        ):
+            return None
+        n = r._remaining
+        if n <= 0 or len(buf) < n:
+            return None
+        body = bytes(buf._extract(n))
+        cs.states[_CLIENT] = _DONE
+        self._reader = _READ_DONE
+        return body
 
     def send_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
         """The head of a chunked response to a POST whose request was read whole, as h11's

@@ -110,7 +110,9 @@ Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 
      a cycle (POST, a Content-Length whose bytes are all there, no Expect, Upgrade or
      Connection but keep-alive), `PreparedH11.next_whole` reads it in one step and
      `HardenedH11Protocol._handle_events` makes its stream and queues its body as one
-     message; a chunked response's head and end to it are `send_head` and `send_end`.
+     message; a chunked response's head and end to it are `send_head` and `send_end`. A
+     client that writes its head and body apart (httpx) has its head read the same way
+     and the rest of its body, once whole in the buffer, in one step (`next_rest`).
      Each step leaves h11 exactly as its own next_event or send would (tested with h11 as
      the oracle), or declines and changes nothing; hypercorn's loop then goes on as before.
   Also counted here: the open client connections by protocol and state, for /metrics.
@@ -418,15 +420,19 @@ class HardenedH11Protocol(H11Protocol):
         and queue them from h11's Request, Data and EndOfMessage (its protocol check is a
         no-op for a POST with no Upgrade); then, and for anything else, hypercorn's loop."""
         c = self.connection
-        if type(c) is PreparedH11 and self.stream is None:
-            got = c.next_whole()
-            if got is not None:
-                req, body = got
-                await self.send(Updated(idle=False))
-                await self._create_whole(req)
-                st = self.stream
-                if type(st) is HardenedHTTPStream and not st.closed and st.app_put is not None:
-                    await st.app_put({"type": "http.request", "body": body, "more_body": False})
+        if type(c) is PreparedH11:
+            body: bytes | None = None
+            if self.stream is None:
+                got = c.next_whole()
+                if got is not None:
+                    req, body = got
+                    await self.send(Updated(idle=False))
+                    await self._create_whole(req)
+            else:
+                body = c.next_rest()  # the rest of a body whose head came first
+            st = self.stream
+            if body is not None and type(st) is HardenedHTTPStream and not st.closed and st.app_put is not None:
+                await st.app_put({"type": "http.request", "body": body, "more_body": False})
         await super()._handle_events()
 
     async def _create_whole(self, request: h11.Request) -> None:

@@ -25,7 +25,10 @@ def body(i: int, rnd: random.Random) -> tuple[str, dict[str, Any], str]:
     if kind in ("stream", "disconnect"):
         b["stream"] = True
     if kind == "disconnect":
-        b["max_tokens"] = 40
+        # long enough (~2.4 s at the fleet's time scale) that the client's going away after
+        # 6 lines is always mid-stream, even when this process (client and router share
+        # it) stalls: 40 tokens once finished inside one stall and nothing was cancelled
+        b["max_tokens"] = 400
         b["mock"] = {"tpot_ms": 20}
     if kind == "fault":
         b["stream"] = True

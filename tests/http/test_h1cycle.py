@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -89,10 +90,14 @@ def _same_read(data: bytes) -> tuple[PreparedH11, h11.Connection] | None:
         assert _state(mine) == before
         return None
     req, body = got
-    ref, ref_body = _h11_whole(theirs)
+    if body is None:  # the head alone: the body still coming
+        ref = theirs.next_event()
+        assert isinstance(ref, h11.Request)
+    else:
+        ref, ref_body = _h11_whole(theirs)
+        assert body == ref_body and type(body) is bytes
     assert (req.method, req.target, req.http_version) == (ref.method, ref.target, ref.http_version)
     assert req.headers._full_items == ref.headers._full_items
-    assert body == ref_body and type(body) is bytes
     assert _state(mine) == _state(theirs)
     assert mine.next_event() == theirs.next_event()  # what comes after: PAUSED or NEED_DATA
     return mine, theirs
@@ -111,14 +116,67 @@ def _same_read(data: bytes) -> tuple[PreparedH11, h11.Connection] | None:
     ],
 )
 def test_a_whole_request_is_read_as_h11_reads_it(data: bytes) -> None:
-    assert _same_read(data) is not None
+    pair = _same_read(data)
+    assert pair is not None and pair[0]._cstate.states[h11.CLIENT] is h11.DONE
+
+
+@pytest.mark.parametrize("cut", [0, 1, len(_BODY) - 1])
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+def test_a_body_that_comes_after_its_head_is_read_as_h11_reads_it(cut: int, pieces: int) -> None:
+    """httpx writes a request's head and its body apart: the head is read in one step (the
+    client to SEND_BODY), and the rest of the body, once all of it is in the buffer, in one
+    more (next_rest: h11's Data and EndOfMessage); until then next_rest declines and
+    changes nothing, and h11 reads what is there."""
+    pair = _same_read(_COMMON + _BODY[:cut])
+    assert pair is not None
+    mine, theirs = pair
+    assert mine._cstate.states[h11.CLIENT] is h11.SEND_BODY
+    rest = _BODY[cut:]
+    step = -(-len(rest) // pieces)
+    for i in range(0, len(rest), step):
+        piece = rest[i : i + step] + (b"POST / HT" if i + step >= len(rest) else b"")  # a pipelined head after it
+        mine.receive_data(piece)
+        theirs.receive_data(piece)
+        before = _state(mine)
+        got = mine.next_rest()
+        if got is None:  # not all of it yet: h11 reads what came, on both sides
+            assert _state(mine) == before
+            assert mine.next_event() == theirs.next_event()
+            continue
+        data = b""
+        while True:
+            ev = theirs.next_event()
+            if isinstance(ev, h11.EndOfMessage):
+                break
+            data += ev.data
+        assert got == data and type(got) is bytes
+        assert _state(mine) == _state(theirs)
+        assert mine.next_event() == theirs.next_event() == h11.PAUSED
+        break
+    else:
+        raise AssertionError("the body was never read")
 
 
 @pytest.mark.parametrize(
     "data",
     [
-        _COMMON,  # the body not come yet
-        _COMMON + _BODY[:-1],  # one byte short
+        _head(b"Expect: 100-continue") + _BODY,  # read by h11, a 100 Continue owed: declined
+        _head(b"Transfer-Encoding: chunked", length=None) + b"5\r\nhello\r\n0\r\n\r\n",
+        _head(b"Connection: close") + _BODY,
+    ],
+)
+def test_the_rest_of_any_other_body_is_h11s(data: bytes) -> None:
+    mine, theirs = _pair(data)
+    assert mine.next_whole() is None
+    assert isinstance(mine.next_event(), h11.Request) and isinstance(theirs.next_event(), h11.Request)
+    before = _state(mine)
+    assert mine.next_rest() is None
+    assert _state(mine) == before
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
         _COMMON[:-2],  # the head not whole
         _head(b"Expect: 100-continue") + _BODY,
         _head(b"Upgrade: h2c", b"Connection: Upgrade, HTTP2-Settings", b"HTTP2-Settings: AAMAAABkAAQAAP__") + _BODY,
@@ -193,6 +251,7 @@ def test_a_head_h11_would_change_is_declined_and_changes_nothing(status: int, he
 
 def test_head_and_end_decline_outside_their_state() -> None:
     mine, _ = _pair(_COMMON)  # the body not read: the client is still sending it
+    assert mine.next_whole() is not None
     before = _state(mine)
     assert mine.send_head(200, _SSE) is None and mine.send_end() is None
     assert _state(mine) == before
@@ -298,11 +357,12 @@ def router() -> Iterator[str]:
 
 
 def test_over_http1_requests_are_read_whole_answered_and_the_connection_reused(router: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A keep-alive client sends streaming and non-streaming requests, and a refused one,
-    on one connection: each is read whole, the streams' heads and ends are written the
-    short way, and the connection goes on to the next request."""
-    n = {"whole": 0, "head": 0, "end": 0}
-    whole, head, end = PreparedH11.next_whole, PreparedH11.send_head, PreparedH11.send_end
+    """A keep-alive client sends streaming and non-streaming requests, a refused one, and
+    one whose head and body it writes apart, on one connection: each is read the short
+    way, the streams' heads and ends are written the short way, and the connection goes on
+    to the next request."""
+    n = {"whole": 0, "head": 0, "end": 0, "rest": 0}
+    whole, head, end, rest = PreparedH11.next_whole, PreparedH11.send_head, PreparedH11.send_end, PreparedH11.next_rest
     host = router.removeprefix("http://").encode()
     mine: set[int] = set()  # the router's client connections (the mock engine serves with them too)
 
@@ -319,16 +379,22 @@ def test_over_http1_requests_are_read_whole_answered_and_the_connection_reused(r
     monkeypatch.setattr(PreparedH11, "next_whole", counting("whole", whole))
     monkeypatch.setattr(PreparedH11, "send_head", counting("head", head))
     monkeypatch.setattr(PreparedH11, "send_end", counting("end", end))
+    monkeypatch.setattr(PreparedH11, "next_rest", counting("rest", rest))
     body = {"model": "narwhal-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     port = int(router.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         client = h11.Connection(h11.CLIENT)
-        for req, status in (({**body, "stream": True}, 200), ({**body, "stream": False}, 200), ({**body, "stream": True}, 200),
-                            ({**body, "max_tokens": -1}, 400), ({**body, "stream": True}, 200)):
+        for req, status, apart in (({**body, "stream": True}, 200, False), ({**body, "stream": False}, 200, False), ({**body, "stream": True}, 200, False),
+                                   ({**body, "max_tokens": -1}, 400, False), ({**body, "stream": True}, 200, True), ({**body, "stream": True}, 200, False)):
             raw = orjson.dumps(req)
             head = [(b"host", host), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw)), (b"connection", b"keep-alive")]
-            # head and body in one write, as the bench's client sends them
-            sock.sendall(client.send(h11.Request(method="POST", target="/v1/chat/completions", headers=head)) + client.send(h11.Data(data=raw)) + client.send(h11.EndOfMessage()))
+            wire = client.send(h11.Request(method="POST", target="/v1/chat/completions", headers=head))
+            if apart:  # the head, then the body: as httpx writes them
+                sock.sendall(wire)
+                time.sleep(0.1)
+                wire = b""
+            # else the head and body in one write, as the bench's client sends them
+            sock.sendall(wire + client.send(h11.Data(data=raw)) + client.send(h11.EndOfMessage()))
             resp, got = None, b""
             for _ in range(1000):
                 ev = client.next_event()
@@ -348,4 +414,5 @@ def test_over_http1_requests_are_read_whole_answered_and_the_connection_reused(r
             else:
                 assert orjson.loads(got)["choices"][0]["finish_reason"] == "length"
             client.start_next_cycle()  # the same connection goes on
-    assert n["whole"] == 5 and n["head"] == 3 and n["end"] == 3  # the three streams' heads and ends
+    assert n["whole"] == 6 and n["rest"] == 1  # every head, and the body that came apart
+    assert n["head"] == 4 and n["end"] == 4  # the four streams' heads and ends
