@@ -415,10 +415,11 @@ class HardenedH11Protocol(H11Protocol):
             PreparedH11.adopt(self.connection)  # the same object, two methods more
 
     async def _handle_events(self) -> None:
-        """Item 19: a whole common request (PreparedH11.next_whole) is taken in one step:
-        the stream made and its body queued as one message, as hypercorn's loop would make
-        and queue them from h11's Request, Data and EndOfMessage (its protocol check is a
-        no-op for a POST with no Upgrade); then, and for anything else, hypercorn's loop."""
+        """Item 19: a common request's head (PreparedH11.next_whole) is taken in one step,
+        its stream made, and its body, when all of it is there (then, or in a later read:
+        next_rest), queued as one message, as hypercorn's loop would make and queue them
+        from h11's Request, Data and EndOfMessage (its protocol check is a no-op for a
+        POST with no Upgrade); then, and for anything else, hypercorn's loop."""
         c = self.connection
         if type(c) is PreparedH11:
             body: bytes | None = None
