@@ -9,19 +9,11 @@ reads every head, and `h1head.SCAN is h1head.scan`.
 
 from setuptools import Extension, setup
 
+_OPTIONAL_C = {"optional": True, "extra_compile_args": ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]}
+
 setup(
     ext_modules=[
-        Extension(
-            "narwhal.core._fastevent",
-            ["narwhal/core/_fastevent.c"],
-            optional=True,
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-        ),
-        Extension(
-            "narwhal.http._fasthead",
-            ["narwhal/http/_fasthead.c"],
-            optional=True,
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-        ),
+        Extension("narwhal.core._fastevent", ["narwhal/core/_fastevent.c"], **_OPTIONAL_C),
+        Extension("narwhal.http._fasthead", ["narwhal/http/_fasthead.c"], **_OPTIONAL_C),
     ]
 )

@@ -432,7 +432,7 @@ class HardenedH11Protocol(H11Protocol):
             else:
                 body = c.next_rest()  # the rest of a body whose head came first
             st = self.stream
-            if body is not None and type(st) is HardenedHTTPStream and not st.closed and st.app_put is not None:
+            if body is not None and isinstance(st, HTTPStream) and not st.closed and st.app_put is not None:
                 await st.app_put({"type": "http.request", "body": body, "more_body": False})
         await super()._handle_events()
 

@@ -10,7 +10,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 from typing import Any
 
 import h11
@@ -43,10 +43,9 @@ _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")
 
 def _io(x: Any) -> Any:
     """A reader or writer as comparable data: a function itself, an object its type and fields."""
-    if x is None or callable(x) and not hasattr(x, "__dict__") and not hasattr(x, "__slots__"):
+    if x is None or isinstance(x, FunctionType):
         return x
-    fields = {k: getattr(x, k) for k in getattr(x, "__slots__", ())} if hasattr(x, "__slots__") else dict(vars(x))
-    return (type(x), fields) if not isinstance(x, type(_io)) else x
+    return type(x), dict(vars(x))  # h11's reader and writer objects keep their fields in __dict__
 
 
 def _state(c: h11.Connection) -> tuple[Any, ...]:
