@@ -86,6 +86,18 @@ def phase(url: str, headers: dict[str, str], http: str, arrivals: Sequence[Arriv
     return _run(_phase(url, headers, http, arrivals, shape, **kw))
 
 
+async def _phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
+    return list(await asyncio.gather(*(_phase(url, headers, http, arrivals, shape, **kw) for url, headers, arrivals in arms)))
+
+
+def phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
+    """Each arm (url, headers, arrivals) an open loop of its own, all in one event loop at
+    the same time: their requests interleave, so whatever drifts on the machine during the
+    run (the VM's speed, the engine's load) drifts for every arm alike. One list of results
+    per arm, in the arms' order."""
+    return _run(_phases_at_once(arms, http, shape, **kw))
+
+
 @contextlib.contextmanager
 def _cleanup() -> Iterator[list[Any]]:
     """Things with .stop() (engines' procs, routers), stopped in reverse on exit."""

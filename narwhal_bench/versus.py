@@ -25,10 +25,15 @@ The run
     loop; relayed token events counted at the client over `--window` s (15) after
     `--warm` s (4), divided by the router's CPU seconds over the same window.
   * ttft: one mock vLLM engine (`narwhal mock-engine`, time scale 0.1, prefill 0 ms,
-    `--output-tokens` 16 tokens `--tpot-ms` 10 ms apart); per router a direct phase
-    against the engine and then the routed phase with the same arrivals (Poisson at
-    `--rate` 200 req/s for `--ttft-duration` s, 10, seeded by the run), open loop,
-    streaming, HTTP/1.1. Added TTFT = routed minus direct percentile (p50, p99).
+    `--output-tokens` 16 tokens `--tpot-ms` 10 ms apart); per router the routed arm
+    (Poisson at `--rate` 200 req/s for `--ttft-duration` s, 10, seeded by the run) and,
+    at the same time and interleaved with it, the direct arm against the engine (Poisson
+    at `--direct-rate` 50 req/s, its own seed), open loop, streaming, HTTP/1.1. Added
+    TTFT = routed minus direct percentile (p50, p99): the two arms share the run's engine
+    load and the VM's speed of the moment, which drift from phase to phase by more than
+    the target's margin (the direct p50 of back-to-back phases went from 0.9 to 1.8 ms).
+    `--direct-rate 0` measures as before: a direct phase at --rate, then the routed
+    phase on the same arrivals.
   * memory: `--mem-streams` (20,000) streams opened over `--mem-ramp` s (60) through the
     router to tickers sending one token every `--mem-interval-ms` (10 s), held `--mem-hold` s (5); KiB per open
     stream = (RSS with them open - RSS idle after a warm-up) / streams open. The streams
@@ -77,6 +82,7 @@ from .experiments import (
     memory_preflight,
     narwhal_overrides,
     phase,
+    phases_at_once,
     relay_one,
 )
 from .load import RequestShape, fixed_rate
@@ -107,6 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=float, default=15.0, help="relay: measured seconds (default 15)")
     p.add_argument("--rate", type=float, default=200.0, help="ttft: req/s, Poisson (default 200)")
     p.add_argument("--ttft-duration", type=float, default=10.0, help="ttft: seconds of arrivals per phase (default 10)")
+    p.add_argument("--direct-rate", type=float, default=50.0,
+                   help="ttft: req/s of the direct arm, sent at the same time as the routed one (default 50; 0: a direct phase at --rate before the routed one)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--tpot-ms", type=float, default=10.0)
@@ -164,7 +172,7 @@ def estimate_s(parts: Sequence[str], n_routers: int, runs: int, *, warm: float =
     here: 1 run of the three parts in ~27 s per router at smoke size, 9,800 streams in ~27 s)."""
     per = {
         "relay": 2 + warm + window + 1.5,
-        "ttft": 2 + 3.5 + 2 * ttft_duration + 1,
+        "ttft": 2 + 3.5 + 2 * ttft_duration + 1,  # (at most: interleaved arms take one duration)
         "memory": 2 + 2 + mem_ramp + 1 + mem_hold + 4 + mem_streams / 5000,
     }
     return 10 + runs * n_routers * sum(per[p] for p in parts if p in per)
@@ -290,7 +298,9 @@ def tables(data: dict[str, Any]) -> str:
     ttft = [m for m in ms if m["part"] == "ttft"]
     if ttft:
         st = data["settings"]
-        lines += ["", f"TTFT, per run ({st['rate']:g} req/s Poisson for {st['ttft_duration']:g} s, direct then routed on the same arrivals; prompt {st['prompt_tokens']}, "
+        how = (f"the direct arm at {st['direct_rate']:g} req/s at the same time, interleaved" if st.get("direct_rate", 0) > 0 else
+               "direct then routed on the same arrivals")
+        lines += ["", f"TTFT, per run ({st['rate']:g} req/s Poisson for {st['ttft_duration']:g} s, {how}; prompt {st['prompt_tokens']}, "
                   f"{st['output_tokens']} tokens {st['tpot_ms']:g} ms apart; ms):", ""]
         lines.append(markdown_table(["run", "#", "router", "ok/offered", "direct p50", "routed p50", "added p50", "direct p99", "routed p99", "added p99", "router CPU µs / token",
                                      "others' cores"],
@@ -310,7 +320,8 @@ def tables(data: dict[str, Any]) -> str:
                                        m["errors"], _f(m.get("others_cores"))])] for m in mem]))
     lines += ["", "Routers:"] + [f"- {k}: {v}" for k, v in data.get("notes", {}).items()]
     lines += [f"- **{k}** did not run: {v}" for k, v in data.get("unavailable", {}).items()]
-    lines.append("\nAdded TTFT = routed minus direct percentile, same engine, same arrivals, same run. Router CPU and RSS: utime+stime and RSS of the router's whole "
+    lines.append("\nAdded TTFT = routed minus direct percentile, same engine, same run" + (", the arms interleaved" if data["settings"].get("direct_rate", 0) > 0 else ", same arrivals")
+                 + ". Router CPU and RSS: utime+stime and RSS of the router's whole "
                  "process tree from /proc. others' cores: how busy the rest of the machine kept the CPUs during the measurement (noise).")
     return "\n".join(lines)
 
@@ -334,10 +345,19 @@ def _ttft_one(r: H.Started, eng: H.Engine, a: argparse.Namespace, seed: int) -> 
     phase(r.url, r.headers, "1", fixed_rate(min(a.rate, 50), 2.0, seed=99, **kw), shape)  # warm-up: connections, caches
     phase(eng.url, {}, "1", fixed_rate(min(a.rate, 50), 1.0, seed=98, **kw), shape)
     arr = fixed_rate(a.rate, a.ttft_duration, seed=seed, **kw)
-    d = summarize(phase(eng.url, {}, "1", arr, shape))
-    c0 = r.proc.cpu()
-    s = summarize(phase(r.url, r.headers, "1", arr, shape, drain_s=20.0))
-    cpu = r.proc.cpu() - c0
+    if a.direct_rate > 0:
+        # interleaved: the direct arm (its own Poisson arrivals, a different seed) at the
+        # same time as the routed one, so both see the same engine load and the same VM
+        direct = fixed_rate(a.direct_rate, a.ttft_duration, seed=seed + 7919, **kw)
+        c0 = r.proc.cpu()
+        dr, sr = phases_at_once([(eng.url, {}, direct), (r.url, r.headers, arr)], "1", shape, drain_s=20.0)
+        cpu = r.proc.cpu() - c0
+        d, s = summarize(dr), summarize(sr)
+    else:  # the direct phase first, then the routed one on the same arrivals
+        d = summarize(phase(eng.url, {}, "1", arr, shape))
+        c0 = r.proc.cpu()
+        s = summarize(phase(r.url, r.headers, "1", arr, shape, drain_s=20.0))
+        cpu = r.proc.cpu() - c0
 
     def ms(x: dict[str, Any], q: str) -> float | None:
         return None if x["ttft"][q] is None else x["ttft"][q] * 1000.0
@@ -379,7 +399,7 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     data: dict[str, Any] = {
         "command": command(a), "routers": routers, "runs": a.runs, "parts": parts, "mode": a.mode, "mem_streams": a.mem_streams,
-        "settings": {k: getattr(a, k) for k in ("streams", "tokens", "interval_ms", "warm", "window", "rate", "ttft_duration", "prompt_tokens", "output_tokens", "tpot_ms",
+        "settings": {k: getattr(a, k) for k in ("streams", "tokens", "interval_ms", "warm", "window", "rate", "direct_rate", "ttft_duration", "prompt_tokens", "output_tokens", "tpot_ms",
                                                  "mem_interval_ms", "mem_ramp", "mem_hold", "quiet_wait", "workers")},
         "pinning": _pinning_note(rcpu, lcpu), "nofile": pre["nofile"], "preflight": pre, "estimate_s": est, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "measurements": [], "notes": {}, "unavailable": {}, "targets": TARGETS,

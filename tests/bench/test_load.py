@@ -9,6 +9,7 @@ import pytest
 
 from narwhal.mock import MockConfig, running_mock
 from narwhal_bench.client import H1Pool, SSERecorder, _H1Conn, make_client
+from narwhal_bench.experiments import phases_at_once
 from narwhal_bench.load import RequestShape, fixed_rate, run_open_loop
 from narwhal_bench.stats import Result, summarize
 
@@ -42,6 +43,21 @@ def test_open_loop_against_a_mock_engine(http: str) -> None:
     sent = sorted(r.sent for r in res)
     assert 0.9 < sent[-1] - sent[0] < 10.0
     assert s["send_lag"]["p50"] < 1.0
+
+
+def test_phases_at_once_interleave_their_arms() -> None:
+    """The TTFT part's direct and routed arms (narwhal bench versus): each arm's own
+    arrivals to its own server, all in one run, so their requests interleave in time."""
+    with running_mock(MockConfig(dialect="vllm")) as a, running_mock(MockConfig(dialect="vllm")) as b:
+        shape = RequestShape(mock={"prefill_ms": 1, "tpot_ms": 1})
+        arms = [(a.url, {}, fixed_rate(20, 1.0, output_tokens=3, uniform=True)), (b.url, {}, fixed_rate(40, 1.0, output_tokens=3, uniform=True))]
+        ra, rb = phases_at_once(arms, "1", shape, timeout_s=10, drain_s=10)
+    assert (len(ra), len(rb)) == (20, 40)  # one list per arm, in the arms' order
+    assert all(r.ok and r.ttft is not None for r in ra + rb)
+    sa, sb = sorted(r.sent for r in ra), sorted(r.sent for r in rb)
+    # the two arms ran over the same second, not one after the other: each sent most of
+    # its requests between the other's first and last
+    assert sum(sa[0] < t < sa[-1] for t in sb) >= 30 and sum(sb[0] < t < sb[-1] for t in sa) >= 15
 
 
 def test_non_streaming_records_completion_tokens() -> None:

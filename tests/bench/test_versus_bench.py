@@ -121,6 +121,13 @@ def test_tables_render_medians_runs_targets_and_failures() -> None:
     # the failed run is not a value: SMG's median stays over its three measured runs
     assert V.summary(ms, ["smg"])["routers"]["smg"]["events_per_cpu_s"] == pytest.approx([66_666.67, 73_333.337, 60_000.003], rel=1e-6)
     json.dumps(_data(ms))  # what --out saves is JSON
+    # how the direct arm was measured is stated: a saved run of before (no direct_rate),
+    # or direct_rate 0, ran the phases one after the other
+    assert "direct then routed on the same arrivals" in md and "same arrivals." in md
+    d = _data(ms)
+    d["settings"]["direct_rate"] = 50.0
+    md = V.tables(d)
+    assert "the direct arm at 50 req/s at the same time, interleaved" in md and "the arms interleaved." in md
 
 
 def test_estimate_grows_with_runs_routers_and_streams() -> None:
@@ -236,6 +243,8 @@ def test_the_command_parses() -> None:
     add_arguments(p)
     a = p.parse_args(["versus", "--runs", "1", "--parts", "relay,ttft", "--mem-streams", "200"])
     assert (a.bench_command, a.runs, a.parts, a.mem_streams, a.routers) == ("versus", 1, "relay,ttft", 200, "narwhal,smg,vllm-router,envoy")
+    assert a.direct_rate == 50.0  # the direct arm interleaved with the routed one by default
+    assert p.parse_args(["versus", "--direct-rate", "0"]).direct_rate == 0.0  # the phases of before
     r = p.parse_args(["relay", "--routers", "narwhal,smg,envoy"])
     assert r.routers == "narwhal,smg,envoy" and r.servers == "hypercorn"
     assert p.parse_args(["memory", "--routers", "envoy", "--streams", "100"]).routers == "envoy"
