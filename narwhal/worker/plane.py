@@ -152,6 +152,7 @@ class DataPlane:
             self.prompt_counters.pop(engine, None)
             self.legs.pop(engine, None)
             self.movers.pop(engine, None)
+            self.telemetry.forget_engine(engine)
             if s is not None and not any(o.url.split("/")[2] == s.url.split("/")[2] for o in self.engines.values()):
                 self.client.forget(s.url)
             self._fleet_views()

@@ -419,7 +419,8 @@ class _Run:
         tpot = relay.arrivals.tpot()
         if tpot is not None:
             self.tpot = (e.name, tpot)
-            self.r.telemetry.child(self.r.telemetry.tpot, e.name).observe(tpot)
+            if e.name in self.r.engines:  # (one gone meanwhile had its children removed: telemetry.forget_engine)
+                self.r.telemetry.child(self.r.telemetry.tpot, e.name).observe(tpot)
         self.output_tokens = relay.token_count
         self.finish_reason = relay.finish_reason
         self.events = relay.events

@@ -46,6 +46,17 @@ class Telemetry:
             c = self._children[key] = metric.labels(label)
         return c
 
+    def forget_engine(self, name: str) -> None:
+        """An engine left the fleet for good: its labelled children go (TPOT), so a fleet
+        whose engines come and go under new names does not grow the scrape or the
+        process without bound (a request still streaming from it adds its child back
+        only while that engine is in the plane's fleet: _Run._learn)."""
+        self._children.pop((self.tpot._name, name), None)
+        try:
+            self.tpot.remove(name)
+        except KeyError:
+            pass  # never observed
+
     def observe(self, config: Any, *, worker: int | None = None) -> None:
         """observability.* and serving.log_format of this process (at start; both need a restart)."""
         from ..telemetry.tracing import Tracing

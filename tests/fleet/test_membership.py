@@ -275,6 +275,26 @@ def test_a_removed_engine_leaves_nothing_behind(mocks: dict[str, Any]) -> None:
         rr.balanced()
 
 
+def test_a_removed_engine_leaves_no_series_in_the_scrape(mocks: dict[str, Any]) -> None:
+    """Its TPOT histogram (the data plane's, per engine) goes with it: a fleet whose
+    engines come and go under new names does not grow the scrape, or the process, for ever."""
+    with running_router(config(), [spec("e0", mocks["m0"]), spec("e1", mocks["m1"])]) as rr:
+        series = {n: f'narwhal_tpot_seconds_count{{engine="{n}"' for n in ("e0", "e1")}
+        for _ in range(10):  # until both have streamed (four at once: both take some): each has its TPOT series
+            out, threads = stream_in_thread(rr, 4, 16)
+            for t in threads:
+                t.join(30)
+            assert len(out) == 4 and all(x.status == 200 for x in out)
+            if all(v in rr.get("/metrics").text for v in series.values()):
+                break
+        assert all(v in rr.get("/metrics").text for v in series.values())
+        assert delete(rr, "e1").json()["lifecycle"] == "gone"
+        wait_until(lambda: series["e1"] not in rr.get("/metrics").text, timeout=5, what="e1's TPOT series to go")
+        assert series["e0"] in rr.get("/metrics").text
+        assert ask(rr).status == 200
+        rr.balanced()
+
+
 def test_a_joining_engine_removed_while_its_profile_holds_a_slot_leaves(mocks: dict[str, Any]) -> None:
     cfg = config()
     cfg["admission"] = {"mode": "predictive", "prediction": {"profile_on_start": True, "profile_prompt_tokens": [16, 32, 64], "profile_repeats": 2, "profile_output_tokens": 8}}

@@ -30,3 +30,17 @@ def test_the_kept_children_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert t.child(t.tpot, "engine-3") is t.tpot.labels("engine-3")  # forgotten here, still prometheus_client's
     samples = [s for m in t.registry.collect() if m.name == "narwhal_tpot_seconds" for s in m.samples if s.name.endswith("_count")]
     assert len(samples) == 50
+
+
+def test_an_engine_that_left_has_its_children_removed() -> None:
+    t = T.Telemetry()
+    t.child(t.tpot, "e0").observe(0.01)
+    t.child(t.tpot, "e1").observe(0.02)
+    t.forget_engine("e1")
+    t.forget_engine("e9")  # never observed: nothing to remove, no error
+    engines = {s.labels["engine"] for m in t.registry.collect() if m.name == "narwhal_tpot_seconds" for s in m.samples}
+    assert engines == {"e0"}
+    assert ("narwhal_tpot_seconds", "e1") not in t._children
+    t.child(t.tpot, "e1").observe(0.03)  # back under the same name: a new child, counted from zero
+    got = {s.labels["engine"]: s.value for m in t.registry.collect() if m.name == "narwhal_tpot_seconds" for s in m.samples if s.name.endswith("_count")}
+    assert got == {"e0": 1.0, "e1": 1.0}
