@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -40,6 +40,7 @@ from ..worker.plane import DataPlane
 from ..worker.request import error_event, run_request
 from . import hyper
 from .errors import RID_OK, drain_request, send_row
+from .h1fast import PreparedHead
 from .lean import LeanQueue
 
 __all__ = ["CompletionEndpoint"]
@@ -84,13 +85,14 @@ class AsgiSink:
     cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
     around every write cost ~8 us an event on the relay path)."""
 
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "ending", "_direct")
+    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "ending", "_direct", "_prepared")
 
     def __init__(self, send: Send, rid: str, stall_s: float, direct: hyper.H1Direct | None = None) -> None:
         self._send = send
         # HTTP/1.1 under hypercorn: body bytes straight to the transport while that is what
         # ASGI would do (hyper.py item 11); the relay writes from the engine's reads with it
         self._direct = direct
+        self._prepared: PreparedHead | None = None  # the stream's head, built ahead (prepare_start)
         self.ending = False  # the response's last message is being sent: its stream closing is its end
         self.rid = rid
         self.headers_sent = False
@@ -136,11 +138,19 @@ class AsgiSink:
     def start_now(self) -> Callable[[bytes], bool] | None:
         return self._start_now if self._direct is not None else None
 
+    def prepare_start(self) -> None:
+        """The stream's head built now, while the engine works on the first token (item
+        21: H1Direct.prepare), so that _start_now only writes it; nothing where the head is
+        not written straight to the connection."""
+        if self._direct is not None and not self.headers_sent:
+            self._prepared = self._direct.prepare(200, self._head())
+
     def _start_now(self, first: bytes) -> bool:
         """The stream's head and its first bytes written now (hyper.py items 11, 15), or
         nothing (False)."""
         assert self._direct is not None
-        if not self._direct.start(200, self._head(), first):
+        prepared, self._prepared = self._prepared, None
+        if not self._direct.start(200, self._head(), first, prepared):
             return False
         self.headers_sent = True
         self.status = 200
@@ -369,6 +379,19 @@ def _rendered(row: E.ErrorRow, **fields: object) -> tuple[int, list[tuple[bytes,
     return status, [(b"connection", b"close"), *headers], body
 
 
+def new_request_id() -> str:
+    """A request id where the client sent none: a random UUID's 32 hex digits, version 4
+    and the RFC 4122 variant, as `uuid.uuid4().hex` writes them, from os.urandom alone
+    (0.7 µs against uuid4's 2.0, on every such request's way to the engine)."""
+    b = bytearray(_urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    return b.hex()
+
+
+_urandom = os.urandom
+
+
 def _headers(scope: Scope) -> dict[bytes, bytes]:
     return {k: v for k, v in scope["headers"] if k in _READ}
 
@@ -406,7 +429,7 @@ class CompletionEndpoint:
         r = self.plane
         hdr = _headers(scope)
         raw_rid = hdr.get(b"x-request-id")
-        rid = raw_rid.decode() if raw_rid is not None and RID_OK.fullmatch(raw_rid) else uuid.uuid4().hex
+        rid = raw_rid.decode() if raw_rid is not None and RID_OK.fullmatch(raw_rid) else new_request_id()
         if scope["method"] != "POST":
             await send_row(send, E.H02, rid=rid, method=scope["method"], path=scope["path"])
             return

@@ -15,6 +15,7 @@ server's hardening. hyper.py documents each item and re-exports these names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import time as _time
 from typing import Any
 
 import h11
@@ -32,7 +33,7 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from .h1head import parse_head
 
-__all__ = ["DIRECT", "CLOSE", "DIRECT_BUFFER", "CloseHook", "H1Direct", "PreparedH11", "LeanH11State"]
+__all__ = ["DIRECT", "CLOSE", "DIRECT_BUFFER", "CloseHook", "H1Direct", "PreparedH11", "PreparedHead", "LeanH11State"]
 
 
 DIRECT = "narwhal.h1_direct"  # the scope extension holding a stream's H1Direct (item 11)
@@ -76,12 +77,28 @@ class H1Direct:
         self._lock = server.send_lock
         self._transport = server.transport
 
-    def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
+    def prepare(self, status: int, headers: list[tuple[bytes, bytes]]) -> PreparedHead | None:
+        """Item 21: the head `start(status, headers)` would write, built now (while the
+        engine works on the first token, off the client's time to it), or None. start
+        writes it only for the same status and headers (equal lists) within the same second
+        (hypercorn's Date header); otherwise it builds the head as before."""
+        conn = self._conn
+        if type(conn) is not PreparedH11:
+            return None
+        for _, v in headers:
+            if b"\r" in v or b"\n" in v or b"\0" in v:
+                return None
+        second = int(_time())
+        head = conn.head_bytes(status, [*headers, *self._proto.config.response_headers("h11")])
+        return None if head is None else (status, second, headers, head)
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"", prepared: PreparedHead | None = None) -> bool:
         """The response head, as ASGI's http.response.start would send it (hypercorn's
         headers added, h11's state moved on), and `first` body bytes as its first chunk,
         written now in one write; False: nothing was done (send it through ASGI). h11 is
         told the headers are parsed: the app's names are its own lower-case constants and a
-        value with CR, LF or NUL (which h11 would refuse) declines here."""
+        value with CR, LF or NUL (which h11 would refuse) declines here. `prepared`: what
+        prepare(status, headers) built, written if it still is that head."""
         st = self._stream
         t = self._transport
         proto = self._proto
@@ -91,12 +108,16 @@ class H1Direct:
             or proto.keep_alive_requests >= proto.config.keep_alive_max_requests  # hypercorn would add connection: close
         ):
             return False
-        for _, v in headers:
-            if b"\r" in v or b"\n" in v or b"\0" in v:
-                return False
-        hs = [*headers, *proto.config.response_headers("h11")]
-        # item 19: the head h11 would write, written here, h11's state moved on as it would
-        data = conn.send_head(status, hs) if type(conn) is PreparedH11 else None
+        data = None
+        if prepared is not None and prepared[0] == status and prepared[1] == int(_time()) and prepared[2] == headers and type(conn) is PreparedH11:
+            data = conn.send_prepared(prepared[3])
+        if data is None:
+            for _, v in headers:
+                if b"\r" in v or b"\n" in v or b"\0" in v:
+                    return False
+            hs = [*headers, *proto.config.response_headers("h11")]
+            # item 19: the head h11 would write, written here, h11's state moved on as it would
+            data = conn.send_head(status, hs) if type(conn) is PreparedH11 else None
         if data is None:
             if type(conn) is PreparedH11 and conn.their_http_version == b"1.1" and conn._cstate.keep_alive:
                 # item 15: the head h11's clean-up would make (a chunked body: its framing header
@@ -172,6 +193,9 @@ class H1Direct:
 
 _EOM = h11.EndOfMessage()
 _CHUNKED = (b"Transfer-Encoding", b"chunked")
+# a head H1Direct.prepare built: (status, the second it was built in, the app's headers,
+# the bytes)
+PreparedHead = tuple[int, int, list[tuple[bytes, bytes]], bytes]
 _STARTED: dict[int, Any] = {}  # status -> the http.response.start hypercorn's stream keeps (never changed)
 
 
@@ -295,13 +319,15 @@ class PreparedH11(h11.Connection):
         chunked writer. Declines a status that has no body (1xx, 204, 304), a Host,
         Content-Length, Transfer-Encoding or Connection header (h11 would move or check
         them), and any other state."""
-        cs = self._cstate
-        states = cs.states
-        if (
-            states[_SERVER] is not _SEND_RESPONSE or states[_CLIENT] is not _DONE or not cs.keep_alive or cs.pending_switch_proposals
-            or self._request_method != b"POST" or self.their_http_version != b"1.1" or self._writer is not _WRITE_RESPONSE
-            or status < 200 or status == 204 or status == 304 or status > 999
-        ):
+        head = self.head_bytes(status, headers)
+        return None if head is None else self._send_built(head)
+
+    @staticmethod
+    def head_bytes(status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """The bytes send_head writes for (status, headers), whatever the state: built
+        ahead (a stream's head while its engine works), written by send_prepared. None
+        where send_head declines for the status or a header."""
+        if status < 200 or status == 204 or status == 304 or status > 999:
             return None
         lines = [b"HTTP/1.1 %d \r\n" % status]
         for name, value in headers:
@@ -309,11 +335,26 @@ class PreparedH11(h11.Connection):
                 return None
             lines.append(b"%s: %s\r\n" % (name, value))
         lines.append(b"Transfer-Encoding: chunked\r\n\r\n")
+        return b"".join(lines)
+
+    def send_prepared(self, head: bytes) -> bytes | None:
+        """send_head for a head head_bytes built: `head`, with h11's state moved on as
+        send_head moves it, or None (nothing changed) in any state send_head declines."""
+        return self._send_built(head)
+
+    def _send_built(self, head: bytes) -> bytes | None:
+        cs = self._cstate
+        states = cs.states
+        if (
+            states[_SERVER] is not _SEND_RESPONSE or states[_CLIENT] is not _DONE or not cs.keep_alive or cs.pending_switch_proposals
+            or self._request_method != b"POST" or self.their_http_version != b"1.1" or self._writer is not _WRITE_RESPONSE
+        ):
+            return None
         states[_SERVER] = _SEND_BODY
         self.client_is_waiting_for_100_continue = False
         self._writer = ChunkedWriter()
         self.prepared = None
-        return b"".join(lines)
+        return head
 
     def send_end(self) -> bytes | None:
         """A chunked body's end, as h11's send of EndOfMessage (no trailers) writes it: the

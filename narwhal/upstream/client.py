@@ -122,11 +122,13 @@ class EngineClient:
         self._pool = H1Pool(connect_timeout_s=connect_timeout_s, idle_timeout_s=idle_timeout_s, max_idle_per_host=max_connections)
         self._json_headers = {"content-type": "application/json", "accept": "text/event-stream, application/json"}
 
-    async def open(self, method: str, url: str, *, body: bytes | None = None, headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Upstream:
-        """Send a request and return once the engine's response head arrived."""
+    async def open(self, method: str, url: str, *, body: bytes | None = None, headers: dict[str, str] | None = None, timeout_s: float | None = None,
+                   sent: Callable[[], None] | None = None) -> Upstream:
+        """Send a request and return once the engine's response head arrived; `sent()`
+        is called once the request is written, before the wait (H1Pool.request)."""
         h = self._json_headers if not headers else {**self._json_headers, **headers}
         try:
-            resp = await self._pool.request(method, url, body=body or b"", headers=h, timeout_s=timeout_s)
+            resp = await self._pool.request(method, url, body=body or b"", headers=h, timeout_s=timeout_s, sent=sent)
         except H1Error as e:
             raise _map(e) from None
         return Upstream(resp)

@@ -662,8 +662,11 @@ class H1Pool:
         """Send `Authorization: authorization` on every request to url's host and port."""
         self._auth[self._key(urlsplit(url))] = authorization
 
-    async def request(self, method: str, url: str, *, body: bytes = b"", headers: dict[str, str] | None = None, timeout_s: float | None = None) -> H1Response:
-        """Send a request; return once the response head arrived."""
+    async def request(self, method: str, url: str, *, body: bytes = b"", headers: dict[str, str] | None = None, timeout_s: float | None = None,
+                      sent: Callable[[], None] | None = None) -> H1Response:
+        """Send a request; return once the response head arrived. `sent()`, if given, is
+        called once the request is written, before the wait for the head (work the caller
+        does while the engine works on the request); once only, a raise ends the request."""
         t = self._targets.get(url)
         if t is None:
             t = self._target(url)
@@ -689,6 +692,9 @@ class H1Pool:
                 conn.idle_timeout = self.idle_timeout
             conn.start(data)
             try:
+                if sent is not None:
+                    sent, done = None, sent
+                    done()
                 await conn.wait_head()
             except ConnectionFailed:
                 conn._abort()

@@ -50,6 +50,11 @@ class Sink(Protocol):
 
     async def start_stream(self) -> None: ...
 
+    def prepare_start(self) -> None:
+        """The stream's head may be built now, while the engine works on the first token
+        (start_now or start_stream then only writes it); a sink may do nothing here."""
+        ...
+
     async def write(self, data: bytes) -> None: ...
 
     async def end_stream(self, last: bytes = b"") -> None:

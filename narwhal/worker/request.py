@@ -229,35 +229,34 @@ class _Run:
         dialect = DIALECTS[e.dialect]
         checks_ids = dialect.token_accounting == "token_ids"
         rejoin = None
+        made: tuple[StreamRelay, Assembler | None] | None = None
         if cont is not None and self.relay is not None:
-            body, path, rejoin, relay, assembler = cont.body, "/v1/completions", cont.rejoin, self.relay, None
+            body, path, rejoin = cont.body, "/v1/completions", cont.rejoin
+            made = self.relay, None
         else:
             body = decode_body(self.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
             path = _ROUTE_PATH[req.route]
-            assembler = None
-            if not req.stream:
-                assembler = Assembler(req.route, content_null_when_empty=dialect.content_null_when_empty, include_token_ids=req.return_token_ids and checks_ids)
-            relay = StreamRelay(
-                checks_ids=checks_ids,
-                client_ids=req.return_token_ids,
-                client_usage=req.client_usage,
-                assembler=assembler,
-                normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
-                prompt_tokens_override=self.prefill_prompt_tokens,
-                max_event_bytes=r.config.upstream.max_event_bytes,
-                max_answer_bytes=r.config.upstream.max_answer_bytes,
-                hosts=r.engine_hosts,
-            )
-            if self.max_migrations and checks_ids and assembler is None:  # G01/G02: only then a record
-                relay.recorder = Recorder(tail_len=stop_tail(self.body))
-            self.relay = relay
+        sink = self.sink
+
+        def sent() -> None:
+            """Item 21: once the engine has the request, while it works on it, not on the
+            request's way there: the relay (only the response's body needs it) and a
+            streaming client's head (only the first token needs it) are made."""
+            nonlocal made
+            if made is None:
+                made = self._new_relay(dialect, checks_ids)
+                if req.stream and not sink.headers_sent:
+                    sink.prepare_start()
+
         try:
             headers = self._leg_headers({"x-request-id": self.rid} if dialect.propagate_request_id else None)
-            up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers)
+            up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers, sent=sent if made is None else None)
         except UpstreamError as x:
             raise self._upstream(x, e) from None
         del body, headers  # sent: not held for the stream's life (memory per open stream)
-        sink = self.sink
+        sent()  # (made already, unless the request went out some other way)
+        assert made is not None
+        relay, assembler = made
         buffered: list[bytes] = []
         last = b""  # a streaming client's last bytes: they go with the stream's end (one write)
         complete = False
@@ -376,6 +375,28 @@ class _Run:
             await sink.end_stream(last)
         self.ok_engine = e.name
         return "completed"
+
+    def _new_relay(self, dialect: Any, checks_ids: bool) -> tuple[StreamRelay, Assembler | None]:
+        """A new leg's relay (and assembler, for a non-streaming client): self.relay from now."""
+        req, r = self.req, self.r
+        assembler = None
+        if not req.stream:
+            assembler = Assembler(req.route, content_null_when_empty=dialect.content_null_when_empty, include_token_ids=req.return_token_ids and checks_ids)
+        relay = StreamRelay(
+            checks_ids=checks_ids,
+            client_ids=req.return_token_ids,
+            client_usage=req.client_usage,
+            assembler=assembler,
+            normalise_tool_calls="repeated_tool_call_fields" in dialect.quirks,
+            prompt_tokens_override=self.prefill_prompt_tokens,
+            max_event_bytes=r.config.upstream.max_event_bytes,
+            max_answer_bytes=r.config.upstream.max_answer_bytes,
+            hosts=r.engine_hosts,
+        )
+        if self.max_migrations and checks_ids and assembler is None:  # G01/G02: only then a record
+            relay.recorder = Recorder(tail_len=stop_tail(self.body))
+        self.relay = relay
+        return relay, assembler
 
     def _prompt_usage(self, assembler: Assembler, e: EngineSpec) -> tuple[int, str]:
         """The assembled answer's prompt tokens and their source (x-narwhal-usage-source):

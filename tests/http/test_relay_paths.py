@@ -148,16 +148,21 @@ _REQUESTS = {
 }
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["built_at_start", "built_ahead"])
 @pytest.mark.parametrize("first", [b"", b"data: {}\n\n"], ids=["head_only", "with_first_event"])
 @pytest.mark.parametrize("request_kind", list(_REQUESTS))
 @pytest.mark.parametrize("cls", [h11.Connection, hyper.PreparedH11], ids=["h11", "prepared"])
-def test_h1direct_start_writes_byte_for_byte_what_h11_writes(cls: type[h11.Connection], request_kind: str, first: bytes) -> None:
+def test_h1direct_start_writes_byte_for_byte_what_h11_writes(cls: type[h11.Connection], request_kind: str, first: bytes, ahead: bool) -> None:
     """Item 15: the head built as h11 would leave it (PreparedH11), or h11's own clean-up
     (a client that asked to close, HTTP/1.0): the same bytes and states as h11 sending the
-    Response and then the first Data, in one write."""
+    Response and then the first Data, in one write. Item 21: so too with the head built
+    ahead (H1Direct.prepare), where a state in which h11 would write another head (close,
+    HTTP/1.0) has it built at the start as before."""
     d, _, conn, t = _fresh(cls, _REQUESTS[request_kind])
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-request-id", b"abc")]
-    assert d.start(200, headers, first)
+    prepared = d.prepare(200, headers) if ahead else None
+    assert (prepared is not None) == (ahead and cls is hyper.PreparedH11)
+    assert d.start(200, headers, first, prepared)
     ref = h11.Connection(h11.SERVER)
     ref.receive_data(_REQUESTS[request_kind])
     ref.next_event(), ref.next_event()
@@ -168,6 +173,38 @@ def test_h1direct_start_writes_byte_for_byte_what_h11_writes(cls: type[h11.Conne
     assert conn.our_state is ref.our_state and type(conn._writer) is type(ref._writer)
     assert getattr(conn, "prepared", None) is None  # nothing left to mistake for a later response
     assert conn.send(h11.EndOfMessage()) == ref.send(h11.EndOfMessage())
+
+
+@pytest.mark.parametrize("stale", ["status", "a_header_added", "the_next_second", "a_bad_value"])
+def test_h1direct_start_never_writes_a_head_built_ahead_that_is_not_the_head_now(stale: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 21: a head built ahead is written only for the same status, as many headers
+    and within the same second (hypercorn's Date); otherwise the head of now is built."""
+    from narwhal.http import h1fast
+
+    clock = [1_000_000.2]
+    monkeypatch.setattr(h1fast, "_time", lambda: clock[0])
+    d, _, conn, t = _fresh(hyper.PreparedH11, _REQUESTS["keep_alive"])
+    d._proto.config.response_headers = lambda proto: [(b"date", b"second %d" % int(clock[0]))]
+    headers = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"abc")]
+    prepared = d.prepare(200, headers)
+    assert prepared is not None
+    status = 200
+    if stale == "status":
+        status = 201
+    elif stale == "a_header_added":  # (the app appends: x-narwhal-projected-ttft-ms)
+        headers = [*headers, (b"x-narwhal-projected-ttft-ms", b"5")]
+    elif stale == "the_next_second":
+        clock[0] += 1.0
+    else:  # built ahead for good headers, started with a value h11 would refuse: declined
+        headers = [headers[0], (b"x-request-id", b"a\r\nset-cookie: x")]
+        assert d.start(status, headers, b"", prepared) is False and t.out == []
+        return
+    assert d.start(status, headers, b"", prepared)
+    ref = h11.Connection(h11.SERVER)
+    ref.receive_data(_REQUESTS["keep_alive"])
+    ref.next_event(), ref.next_event()
+    assert t.out == [ref.send(h11.Response(status_code=status, headers=[*headers, (b"date", b"second %d" % int(clock[0]))]))]
+    assert conn.our_state is ref.our_state is h11.SEND_BODY
 
 
 def test_prepared_h11_builds_any_other_response_as_h11_does() -> None:
@@ -439,8 +476,8 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         n["direct_ends"] += ok and bool(last)
         return ok
 
-    def counting_start(self: hyper.H1Direct, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> bool:
-        ok = start(self, status, headers, first)
+    def counting_start(self: hyper.H1Direct, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"", prepared: Any = None) -> bool:
+        ok = start(self, status, headers, first, prepared)
         n["direct_starts"] += ok and bool(first)
         return ok
 

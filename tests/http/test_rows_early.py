@@ -123,6 +123,26 @@ def test_x_request_id_is_propagated(rr: RunningRouter) -> None:
     assert r.headers["x-request-id"] == "abc-123"
 
 
+def test_x_request_id_is_generated_when_absent_as_a_uuid4(rr: RunningRouter) -> None:
+    import uuid
+
+    from narwhal.http.completions import new_request_id
+
+    ids = {new_request_id() for _ in range(2000)}
+    assert len(ids) == 2000
+    for x in ids:  # uuid.uuid4().hex's form: 32 lower-case hex digits, version 4, RFC 4122 variant
+        u = uuid.UUID(hex=x)
+        assert u.hex == x and u.version == 4 and u.variant == uuid.RFC_4122
+    # every bit but the six fixed ones varies
+    fixed = ~0
+    for x in ids:
+        fixed &= ~(int(x, 16) ^ int(next(iter(ids)), 16))
+    assert bin(fixed & ((1 << 128) - 1)).count("1") == 6
+    r = rr.post("/v1/chat/completions", json={**CHAT, "n": 2})
+    u = uuid.UUID(hex=r.headers["x-request-id"])
+    assert u.version == 4 and u.hex == r.headers["x-request-id"]
+
+
 def test_H01_H02_unknown_routes_and_methods(rr: RunningRouter) -> None:
     envelope(rr.get("/v2/nothing"), E.H01)
     envelope(rr.get("/v1/chat/completions"), E.H02)
