@@ -96,7 +96,7 @@ class _Run:
 
     __slots__ = ("r", "req", "order", "lease", "sink", "rid", "prefill_prompt_tokens", "first_token_at", "body", "ok_engine", "tpot",
                  "output_tokens", "finish_reason", "reported_prompt", "cached_tokens", "max_migrations", "relay", "migrations", "rec", "trace", "leg",
-                 "events", "client_tp", "tracestate")
+                 "events", "client_tp", "tracestate", "_todo")
 
     def __init__(self, plane: DataPlane, req: ParsedRequest, order: Order, lease: Lease, sink: Sink, rid: str, rec: RequestRecord | None = None) -> None:
         self.r = plane
@@ -118,6 +118,7 @@ class _Run:
         # stream migration (worker/migrate.py): the relay read on by continuations, how many
         self.max_migrations = plane.config.upstream.migration.max_attempts
         self.relay: StreamRelay | None = None
+        self._todo: tuple[Any, bool] | None = None  # a leg's relay to make once its request is out (_sent)
         self.migrations = 0
         # observability: the record (None: JSON logs and tracing off), the trace when
         # sampled, the leg being run, the client's trace context passed on when not traced
@@ -229,34 +230,23 @@ class _Run:
         dialect = DIALECTS[e.dialect]
         checks_ids = dialect.token_accounting == "token_ids"
         rejoin = None
-        made: tuple[StreamRelay, Assembler | None] | None = None
-        if cont is not None and self.relay is not None:
+        if cont is not None and self.relay is not None:  # the relay read on
             body, path, rejoin = cont.body, "/v1/completions", cont.rejoin
-            made = self.relay, None
         else:
             body = decode_body(self.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
             path = _ROUTE_PATH[req.route]
-        sink = self.sink
-
-        def sent() -> None:
-            """Item 21: once the engine has the request, while it works on it, not on the
-            request's way there: the relay (only the response's body needs it) and a
-            streaming client's head (only the first token needs it) are made."""
-            nonlocal made
-            if made is None:
-                made = self._new_relay(dialect, checks_ids)
-                if req.stream and not sink.headers_sent:
-                    sink.prepare_start()
-
+            self._todo = (dialect, checks_ids)  # a new relay: made once the request is out (_sent)
         try:
             headers = self._leg_headers({"x-request-id": self.rid} if dialect.propagate_request_id else None)
-            up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers, sent=sent if made is None else None)
+            up = await r.client.open("POST", e.url + path, body=orjson.dumps(body), headers=headers, sent=self._sent if self._todo is not None else None)
         except UpstreamError as x:
             raise self._upstream(x, e) from None
         del body, headers  # sent: not held for the stream's life (memory per open stream)
-        sent()  # (made already, unless the request went out some other way)
-        assert made is not None
-        relay, assembler = made
+        self._sent()  # (done already, unless the request went out some other way)
+        relay = self.relay
+        assert relay is not None
+        assembler = relay.assembler
+        sink = self.sink
         buffered: list[bytes] = []
         last = b""  # a streaming client's last bytes: they go with the stream's end (one write)
         complete = False
@@ -376,8 +366,19 @@ class _Run:
         self.ok_engine = e.name
         return "completed"
 
-    def _new_relay(self, dialect: Any, checks_ids: bool) -> tuple[StreamRelay, Assembler | None]:
-        """A new leg's relay (and assembler, for a non-streaming client): self.relay from now."""
+    def _sent(self) -> None:
+        """Item 21: once the engine has the request (H1Pool.request's `sent`), while it
+        works on it, not on the request's way there: the leg's relay is made (only the
+        response's body needs it) and a streaming client's head built (only its first
+        token needs it)."""
+        todo, self._todo = self._todo, None
+        if todo is not None:
+            self._new_relay(*todo)
+            if self.req.stream and not self.sink.headers_sent:
+                self.sink.prepare_start()
+
+    def _new_relay(self, dialect: Any, checks_ids: bool) -> None:
+        """A new leg's relay (with an assembler, for a non-streaming client): self.relay."""
         req, r = self.req, self.r
         assembler = None
         if not req.stream:
@@ -396,7 +397,6 @@ class _Run:
         if self.max_migrations and checks_ids and assembler is None:  # G01/G02: only then a record
             relay.recorder = Recorder(tail_len=stop_tail(self.body))
         self.relay = relay
-        return relay, assembler
 
     def _prompt_usage(self, assembler: Assembler, e: EngineSpec) -> tuple[int, str]:
         """The assembled answer's prompt tokens and their source (x-narwhal-usage-source):
