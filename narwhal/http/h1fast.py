@@ -85,9 +85,8 @@ class H1Direct:
         conn = self._conn
         if type(conn) is not PreparedH11:
             return None
-        for _, v in headers:
-            if b"\r" in v or b"\n" in v or b"\0" in v:
-                return None
+        if _refused_value(headers):
+            return None
         second = int(_time())
         head = conn.head_bytes(status, [*headers, *self._proto.config.response_headers("h11")])
         return None if head is None else (status, second, headers, head)
@@ -112,9 +111,8 @@ class H1Direct:
         if prepared is not None and prepared[0] == status and prepared[1] == int(_time()) and prepared[2] == headers and type(conn) is PreparedH11:
             data = conn.send_prepared(prepared[3])
         if data is None:
-            for _, v in headers:
-                if b"\r" in v or b"\n" in v or b"\0" in v:
-                    return False
+            if _refused_value(headers):
+                return False
             hs = [*headers, *proto.config.response_headers("h11")]
             # item 19: the head h11 would write, written here, h11's state moved on as it would
             data = conn.send_head(status, hs) if type(conn) is PreparedH11 else None
@@ -189,6 +187,11 @@ class H1Direct:
         connection is recycled for the next request, or closed)."""
         st = self._stream
         await st.send(StreamClosed(stream_id=st.stream_id))
+
+
+def _refused_value(headers: list[tuple[bytes, bytes]]) -> bool:
+    """A header value with CR, LF or NUL: h11 would refuse it, so the head goes through ASGI."""
+    return any(b"\r" in v or b"\n" in v or b"\0" in v for _, v in headers)
 
 
 _EOM = h11.EndOfMessage()

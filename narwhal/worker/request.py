@@ -232,6 +232,7 @@ class _Run:
         rejoin = None
         if cont is not None and self.relay is not None:  # the relay read on
             body, path, rejoin = cont.body, "/v1/completions", cont.rejoin
+            self._todo = None  # (never a new one: an earlier leg's that never went out is void)
         else:
             body = decode_body(self.body, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode")
             path = _ROUTE_PATH[req.route]
