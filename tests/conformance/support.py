@@ -41,10 +41,28 @@ def _free(port: int) -> bool:
     return True
 
 
+PORT_BASES = (10000, 32000)  # below Linux's ephemeral range (32768-60999 by default)
+
+
+def _bases() -> tuple[int, int]:
+    """This test process's range of port bases: under pytest-xdist (tox.ini runs two
+    processes) worker gwI of N takes the I-th of N equal slices, so two processes never
+    pick the same base."""
+    lo, hi = PORT_BASES
+    worker, n = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if worker.startswith("gw") and worker[2:].isdigit() and n > 1:
+        i, span = int(worker[2:]) % n, (hi - lo) // n
+        lo, hi = lo + i * span, lo + (i + 1) * span
+    return lo, hi
+
+
 def free_port_base(profiles: list[Profile]) -> int:
-    """A base whose every port (fleet and routers) is free now."""
+    """A base whose every port (fleet and routers, offsets under 50) is free now. Never
+    in the ephemeral range: there every client connection of every test takes its
+    source port, and one taken between this check and the fleet's bind failed a run."""
+    lo, hi = _bases()
     for _ in range(200):
-        base = random.randrange(30000, 60000, 50)
+        base = random.randrange(lo, hi - 50, 50)
         ports = [int(p.listen(base).rsplit(":", 1)[1]) for p in profiles] + [e.port(base) for p in profiles for e in p.engines]
         if all(_free(p) for p in ports):
             return base
