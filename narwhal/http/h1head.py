@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 from h11 import Request
 from h11._headers import Headers
-from h11._util import LocalProtocolError
 
 __all__ = ["HEAD_MAX", "SCAN", "parse_head", "request_of", "scan"]
 
@@ -96,9 +95,22 @@ def request_of(got: tuple[bytes, bytes, Fields, int] | None) -> tuple[Request, i
     if got is None:
         return None
     method, target, fields, n = got
-    try:
-        # Headers as h11's normalize_and_validate leaves these (raw name, lower name, value)
-        req = Request(method=method, target=target, headers=Headers(fields), http_version=b"1.1", _parsed=True)
-    except LocalProtocolError:  # no Host, or two: h11 reads it and says so
+    hosts = 0
+    for f in fields:
+        if f[1] == b"host":
+            hosts += 1
+    if hosts != 1:  # no Host, or two: `Request` refuses it; h11 reads it and says so
         return None
+    # The Request h11's `Request(..., _parsed=True)` makes, without its checks again: the
+    # Host count is above, the method is POST or GET (h11's token) and the target is
+    # _TARGET (h11's request-target, visible ASCII), both checked by the scan.
+    req = _new(Request)
+    _set(req, "method", method)
+    _set(req, "headers", Headers(fields))  # as h11's normalize_and_validate leaves them (raw name, lower name, value)
+    _set(req, "target", target)
+    _set(req, "http_version", b"1.1")
     return req, n
+
+
+_new = object.__new__
+_set = object.__setattr__  # Request is a frozen dataclass: h11 sets its slots so too

@@ -314,13 +314,27 @@ def test_any_request_and_head_is_as_h11_reads_and_writes_it(
     assert _state(mine) == _state(theirs)
 
 
+@pytest.mark.parametrize("names", [[], ["127.0.0.1:8000"]], ids=["start_whole", "server-names"])
 @pytest.mark.parametrize("raw", [False, True], ids=["lower", "raw-names"])
-@pytest.mark.parametrize("data", [_COMMON + _BODY, _head(b"X-Mixed: A", b"connection: Keep-Alive", length=0)])
-def test_the_stream_is_made_as_hypercorn_makes_it(monkeypatch: pytest.MonkeyPatch, data: bytes, raw: bool) -> None:
+@pytest.mark.parametrize("data", [
+    _COMMON + _BODY,
+    _head(b"X-Mixed: A", b"connection: Keep-Alive", length=0),
+    _head(length=0).replace(b"/v1/chat/completions", b"/v1/chat%2Fcompletions?x=1&y=%20"),
+])
+def test_the_stream_is_made_as_hypercorn_makes_it(monkeypatch: pytest.MonkeyPatch, data: bytes, raw: bool, names: list[str]) -> None:
     """HardenedH11Protocol._create_whole makes the stream hypercorn's _create_stream would
     (the server's stream class, installed by hyper.install): the same scope handed to the
-    app, and the request counted as it counts it."""
+    app, and the request counted as it counts it -- by HardenedHTTPStream.start_whole
+    (item 22), or, with server names to check, by hypercorn's own handle."""
     monkeypatch.setattr(_h11mod, "HTTPStream", hyper.HardenedHTTPStream)  # as hyper.install() leaves it
+    lean: list[int] = []
+    start_whole = hyper.HardenedHTTPStream.start_whole
+
+    async def counted(self: Any, *args: Any) -> None:
+        lean.append(1)
+        await start_whole(self, *args)
+
+    monkeypatch.setattr(hyper.HardenedHTTPStream, "start_whole", counted)
 
     def run(method: Any) -> tuple[Any, ...]:
         spawned: list[Any] = []
@@ -335,6 +349,7 @@ def test_the_stream_is_made_as_hypercorn_makes_it(monkeypatch: pytest.MonkeyPatc
 
         config = HyperConfig()
         config.h11_pass_raw_headers = raw
+        config.server_names = names
         conn, _ = _pair(data)
         got = conn.next_whole()
         assert got is not None
@@ -350,6 +365,7 @@ def test_the_stream_is_made_as_hypercorn_makes_it(monkeypatch: pytest.MonkeyPatc
         return app, {**scope, "extensions": ext}, st.state, st.closed, st.stream_id, proto.keep_alive_requests, marked
 
     assert run(HardenedH11Protocol._create_whole) == run(H11Protocol._create_stream)
+    assert lean == ([] if names else [1])  # hypercorn's _create_stream never takes it
 
 
 # -- over real HTTP/1.1 ------------------------------------------------------------------
