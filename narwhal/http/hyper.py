@@ -393,8 +393,7 @@ class HardenedHTTPStream(HTTPStream):
         valid_server_name)."""
         self.start_time = time.time()
         path, _, query_string = raw_path.partition(b"?")
-        self._close_hook = hook = CloseHook()
-        ext: dict[str, Any] = {CLOSE: hook}
+        ext: dict[str, Any] = {}
         self.scope = scope = {
             "type": "http",
             "http_version": "1.1",
@@ -411,10 +410,17 @@ class HardenedHTTPStream(HTTPStream):
             "state": state.copy(),
             "extensions": ext,
         }
+        self._hook(ext, proto)
+        self.app_put = await self.task_group.spawn_app(self.app, self.config, scope, self.app_send)
+
+    def _hook(self, ext: dict[str, Any], proto: Any) -> None:
+        """The extensions the app finds in its scope: the stream's CloseHook, and over
+        HTTP/1.1 on a conn.LeanConnection (`proto` the H11Protocol the stream sends
+        through) its H1Direct."""
+        ext[CLOSE] = self._close_hook = CloseHook()
         server = getattr(getattr(proto, "send", None), "__self__", None)
         if isinstance(proto, H11Protocol) and getattr(server, "lean", False):  # conn.LeanConnection
             ext[DIRECT] = H1Direct(self, proto, server)
-        self.app_put = await self.task_group.spawn_app(self.app, self.config, scope, self.app_send)
 
     async def handle(self, event: Any) -> None:
         if isinstance(event, Request):
@@ -422,11 +428,7 @@ class HardenedHTTPStream(HTTPStream):
             # the app's task is spawned but has not run yet: it sees the extensions
             if not hasattr(self, "scope"):
                 return
-            self.scope["extensions"][CLOSE] = self._close_hook = CloseHook()
-            proto = getattr(self.send, "__self__", None)
-            server = getattr(getattr(proto, "send", None), "__self__", None)
-            if isinstance(proto, H11Protocol) and getattr(server, "lean", False):  # conn.LeanConnection
-                self.scope["extensions"][DIRECT] = H1Direct(self, proto, server)
+            self._hook(self.scope["extensions"], getattr(self.send, "__self__", None))
             return
         if isinstance(event, StreamClosed):
             hook = getattr(self, "_close_hook", None)
