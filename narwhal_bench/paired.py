@@ -17,6 +17,13 @@ A router's relayed events in a window are counted from its own streams' results 
 the run (each stream's tokens spread evenly over its first-to-last token, the part
 inside the window); the harness's global token counter over the window is printed
 beside as a check. `narwhal_generated` is the installed one for both trees.
+
+`--part ttft` compares the two trees' router-added first-token time the same way: both
+routers behind one mock engine at once, each an open loop of `--rate` req/s Poisson, and
+the engine's direct arm (`--direct-rate`) interleaved with them, in `--windows` rounds of
+`--window` seconds (the TTFT part of `narwhal bench versus`: prompt 64 tokens, 16 tokens
+10 ms apart); per round each tree's added p50 and p99 (routed minus direct), its router
+CPU per request, and B - A.
 """
 
 from __future__ import annotations
@@ -29,12 +36,12 @@ from typing import Any
 
 from . import harness as H
 from .client import SSERecorder, make_client
-from .experiments import _cleanup, _run, narwhal_overrides
-from .load import RequestShape, run_closed_loop
+from .experiments import _cleanup, _run, narwhal_overrides, phase, phases_at_once
+from .load import RequestShape, fixed_rate, run_closed_loop
 from .procs import layout, pin_self, run_bench
-from .stats import Result
+from .stats import Result, summarize
 
-__all__ = ["add_arguments", "run", "in_window"]
+__all__ = ["add_arguments", "run", "in_window", "ttft_round", "ttft_report"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval-ms", type=float, default=20.0, help="the ticker's token interval (default 20)")
     p.add_argument("--warm", type=float, default=4.0, help="seconds before the first window (default 4)")
     p.add_argument("--window", type=float, default=15.0, help="seconds per window (default 15)")
-    p.add_argument("--windows", type=int, default=4, help="windows (default 4)")
+    p.add_argument("--windows", type=int, default=4, help="windows (default 4); with --part ttft, rounds")
+    p.add_argument("--part", choices=("relay", "ttft"), default="relay", help="relay: CPU per relayed event (default); ttft: the added first-token time, rounds of --window s")
+    p.add_argument("--rate", type=float, default=150.0, help="ttft: req/s per router, Poisson (default 150: 300 on the router's core)")
+    p.add_argument("--direct-rate", type=float, default=50.0, help="ttft: req/s of the engine's direct arm, interleaved (default 50)")
 
 
 def in_window(results: list[Result], t0: float, t1: float) -> float:
@@ -85,12 +95,74 @@ async def _side_by_side(routers: list[H.Started], args: argparse.Namespace) -> l
     return rows
 
 
+_TTFT_SHAPE = {"prompt_tokens": 64, "output_tokens": 16}  # the TTFT part of `narwhal bench versus`
+
+
+def ttft_round(direct: list[Result], routed: list[list[Result]], cpu_s: list[float]) -> dict[str, Any]:
+    """One round of --part ttft: each router's added p50 and p99 (ms, routed minus the
+    direct arm's), its CPU per completed request (µs) and B - A of the added p50 (µs)."""
+    d = summarize(direct)["ttft"]
+    row: dict[str, Any] = {"added_p50_ms": [], "added_p99_ms": [], "cpu_us_per_request": [], "ok": [], "offered": []}
+    for res, cpu in zip(routed, cpu_s, strict=True):
+        s = summarize(res)
+        row["added_p50_ms"].append((s["ttft"]["p50"] - d["p50"]) * 1e3)
+        row["added_p99_ms"].append((s["ttft"]["p99"] - d["p99"]) * 1e3)
+        row["cpu_us_per_request"].append(cpu / max(1, s["ok"]) * 1e6)
+        row["ok"].append(s["ok"])
+        row["offered"].append(s["offered"])
+    row["b_minus_a_us"] = (row["added_p50_ms"][1] - row["added_p50_ms"][0]) * 1e3
+    return row
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+def ttft_report(rounds: list[dict[str, Any]]) -> list[str]:
+    """The rounds of --part ttft as a table, then the medians."""
+    lines = ["| round | A ok | A added p50 / p99 ms | A CPU µs per request | B ok | B added p50 / p99 ms | B CPU µs per request | B − A p50 µs |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rounds):
+        cells = [f"{r['ok'][k]}/{r['offered'][k]} | {r['added_p50_ms'][k]:.3f} / {r['added_p99_ms'][k]:.3f} | {r['cpu_us_per_request'][k]:.0f}" for k in (0, 1)]
+        lines.append(f"| {i + 1} | {cells[0]} | {cells[1]} | **{r['b_minus_a_us']:+.0f}** |")
+    diffs = [r["b_minus_a_us"] for r in rounds]
+    lines += ["", f"added p50, median of {len(rounds)} rounds: A {_median([r['added_p50_ms'][0] for r in rounds]):.3f} ms, B {_median([r['added_p50_ms'][1] for r in rounds]):.3f} ms; "
+              f"CPU per request A {_median([r['cpu_us_per_request'][0] for r in rounds]):.0f} µs, B {_median([r['cpu_us_per_request'][1] for r in rounds]):.0f} µs",
+              f"B − A added p50 per round: median **{_median(diffs):+.0f} µs** (rounds {', '.join(f'{x:+.0f}' for x in diffs)})"]
+    return lines
+
+
+def _ttft(routers: list[H.Started], eng: H.Engine, args: argparse.Namespace) -> list[dict[str, Any]]:
+    shape = RequestShape(stream=True, mock={"prefill_ms": 0, "tpot_ms": 10})
+    for r in routers:  # warm: connections to the engine, the first requests' imports
+        phase(r.url, r.headers, "1", fixed_rate(50, 2.0, seed=99, **_TTFT_SHAPE), shape)
+    rows = []
+    for j in range(args.windows):
+        arms = [(eng.url, {}, fixed_rate(args.direct_rate, args.window, seed=j + 7919, **_TTFT_SHAPE))]
+        arms += [(r.url, r.headers, fixed_rate(args.rate, args.window, seed=j * 2 + i + 1, **_TTFT_SHAPE)) for i, r in enumerate(routers)]
+        c0 = [r.proc.cpu() for r in routers]
+        res = phases_at_once(arms, "1", shape, drain_s=20.0)
+        rows.append(ttft_round(res[0], res[1:], [r.proc.cpu() - c for r, c in zip(routers, c0, strict=True)]))
+    return rows
+
+
 def paired(args: argparse.Namespace) -> dict[str, Any]:
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     if len(trees) != 2:
         raise SystemExit("--trees takes two source trees, A,B")
     rcpu, lcpu = layout()
     pin_self(lcpu)
+    if getattr(args, "part", "relay") == "ttft":
+        with _cleanup() as things:
+            eng = H.mock_engine("u0", cpus=lcpu, timing={"time_scale": 0.1})
+            things.append(eng)
+            routers = []
+            for name, tree in zip(("narwhal-a", "narwhal-b"), trees, strict=True):
+                r = H.start_narwhal(H.narwhal_config([eng], **narwhal_overrides("open", 1)), cpus=rcpu, name=name, tree=tree)
+                things.append(r)
+                routers.append(r)
+            return {"trees": [str(t) for t in trees], "part": "ttft", "rate": args.rate, "direct_rate": args.direct_rate, "rounds": _ttft(routers, eng, args)}
     with _cleanup() as things:
         tk = H.ticker_engine("t-paired", interval_ms=args.interval_ms, cpus=lcpu)
         things.append(tk)
@@ -109,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
     if rc:
         return rc
     print(f"A = {data['trees'][0]}\nB = {data['trees'][1]}\n")
+    if data.get("part") == "ttft":
+        print(f"{data['rate']:g} req/s per router, the direct arm {data['direct_rate']:g} req/s, interleaved\n")
+        print("\n".join(ttft_report(data["rounds"])))
+        return 0
     print("| window | events A / B (global counter) | A µs per event | B µs per event | B / A |")
     print("|---|---|---|---|---|")
     for i, w in enumerate(data["windows"]):
