@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from . import harness as H
@@ -114,12 +115,6 @@ def ttft_round(direct: list[Result], routed: list[list[Result]], cpu_s: list[flo
     return row
 
 
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
-
-
 def ttft_report(rounds: list[dict[str, Any]]) -> list[str]:
     """The rounds of --part ttft as a table, then the medians."""
     lines = ["| round | A ok | A added p50 / p99 ms | A CPU µs per request | B ok | B added p50 / p99 ms | B CPU µs per request | B − A p50 µs |", "|---|---|---|---|---|---|---|---|"]
@@ -127,9 +122,9 @@ def ttft_report(rounds: list[dict[str, Any]]) -> list[str]:
         cells = [f"{r['ok'][k]}/{r['offered'][k]} | {r['added_p50_ms'][k]:.3f} / {r['added_p99_ms'][k]:.3f} | {r['cpu_us_per_request'][k]:.0f}" for k in (0, 1)]
         lines.append(f"| {i + 1} | {cells[0]} | {cells[1]} | **{r['b_minus_a_us']:+.0f}** |")
     diffs = [r["b_minus_a_us"] for r in rounds]
-    lines += ["", f"added p50, median of {len(rounds)} rounds: A {_median([r['added_p50_ms'][0] for r in rounds]):.3f} ms, B {_median([r['added_p50_ms'][1] for r in rounds]):.3f} ms; "
-              f"CPU per request A {_median([r['cpu_us_per_request'][0] for r in rounds]):.0f} µs, B {_median([r['cpu_us_per_request'][1] for r in rounds]):.0f} µs",
-              f"B − A added p50 per round: median **{_median(diffs):+.0f} µs** (rounds {', '.join(f'{x:+.0f}' for x in diffs)})"]
+    lines += ["", f"added p50, median of {len(rounds)} rounds: A {median([r['added_p50_ms'][0] for r in rounds]):.3f} ms, B {median([r['added_p50_ms'][1] for r in rounds]):.3f} ms; "
+              f"CPU per request A {median([r['cpu_us_per_request'][0] for r in rounds]):.0f} µs, B {median([r['cpu_us_per_request'][1] for r in rounds]):.0f} µs",
+              f"B − A added p50 per round: median **{median(diffs):+.0f} µs** (rounds {', '.join(f'{x:+.0f}' for x in diffs)})"]
     return lines
 
 
