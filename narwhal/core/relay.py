@@ -170,6 +170,11 @@ class StreamRelay:
         self.recorder: Any = None
 
     def feed(self, raw: bytes, now: float) -> Step:
+        """Every complete engine event in `raw`, in order, exactly once: parse, check token
+        IDs (T02-T04), keep the books (tokens, arrivals, finish reason, usage), then forward
+        (streaming) or assemble (non-streaming). The first failure ends the read with the
+        bytes of the events before it. The common event (streaming, no error, nothing to
+        rewrite) stays inline here: the rarer branches are the named steps below."""
         out: list[bytes] = []
         first = False
         for payload in self._parser.feed(raw):
@@ -184,35 +189,23 @@ class StreamRelay:
             if self.assembler is not None:
                 self.answer_bytes += len(payload)
                 if self.answer_bytes > self.max_answer_bytes:
-                    self.failure_detail = f"{self.events} events, {self.answer_bytes} bytes"
-                    detail = f"the answer grew past upstream.max_answer_bytes ({self.max_answer_bytes} bytes)"
-                    return Step(b"", first, False, ("E02", detail), None)
+                    return self._answer_too_large(first)
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
-                self.failure_detail = _show(payload)
-                return Step(b"".join(out), first, False, ("E02", "an engine event is not JSON"), None)
+                return self._fail(out, first, "E02", "an engine event is not JSON", _show(payload))
             if type(obj) is not dict:
-                self.failure_detail = _show(payload)
-                return Step(b"".join(out), first, False, ("E02", "an engine event is not a JSON object"), None)
+                return self._fail(out, first, "E02", "an engine event is not a JSON object", _show(payload))
             err = obj.get("error")
             if err is not None:
-                if self.assembler is None and self.recorder is not None:
-                    # migration on: the caller decides (carry on, or pass this event on); the
-                    # relay may read on a continuation, so it keeps no engine_error of its own
-                    self.failure_detail = _show(payload)
-                    return Step(b"".join(out), first, False, ("E04", _event_error_words(err, self.hosts)), obj)
-                self.engine_error = obj
-                if self.assembler is None:
-                    out.append(_DATA + payload + _END)  # the engine's own shape
+                failed = self._error_event(obj, err, payload, out, first)
+                if failed is None:
                     continue
-                self.failure_detail = _show(payload)
-                return Step(b"".join(out), first, False, ("E04", _event_error_words(err, self.hosts)), obj)
+                return failed
             if self.checks_ids:
                 k, bad = token_id_failure(obj)
                 if bad is not None:
-                    self.failure_detail = bad.detail
-                    return Step(b"".join(out), first, False, ("E03", bad.words), None)
+                    return self._fail(out, first, "E03", bad.words, bad.detail)
                 if k:
                     self.token_count += k
                     self.arrivals.add(now, k)
@@ -237,22 +230,13 @@ class StreamRelay:
                             if not self.started:
                                 self.started = first = True
             if self.assembler is not None:
-                if self._normalise is not None:
-                    self._normalise(obj)
-                f = self.assembler.feed(obj)
-                if isinstance(f, Failure):
-                    self.failure_detail = f.log_detail or None
-                    return Step(b"", first, False, (f.row, f"{f.detail} ({f.rule})"), None)
-                continue
+                failed = self._assemble(obj, first)
+                if failed is None:
+                    continue
+                return failed
             if not choices and usage is not None and not self.client_usage:
                 continue  # the usage chunk the router asked for itself
-            rewrite = False
-            if self.prompt_tokens_override is not None and type(usage) is dict:
-                ct = usage.get("completion_tokens")
-                usage["prompt_tokens"] = self.prompt_tokens_override
-                if type(ct) is int:
-                    usage["total_tokens"] = self.prompt_tokens_override + ct
-                rewrite = True
+            rewrite = self.prompt_tokens_override is not None and self._override_prompt_tokens(usage)
             if self.checks_ids and not self.client_ids and _strip_ids(obj):
                 rewrite = True
             if rewrite:
@@ -263,6 +247,56 @@ class StreamRelay:
             detail = f"an event or line longer than upstream.max_event_bytes ({self._parser.max_event_bytes} bytes)"
             return Step(b"".join(out), first, False, ("E02", detail), None)
         return _step((out[0] if len(out) == 1 else b"".join(out), first, self.done, None, None))
+
+    def _fail(
+        self, out: list[bytes], first: bool, row: str, words: str, detail: str | None, engine_error: dict[str, Any] | None = None
+    ) -> Step:
+        """A failed read: the bytes of the events before the failure still go out; `words`
+        are for the client, `detail` (engine values included) for the log only."""
+        self.failure_detail = detail
+        return Step(b"".join(out), first, False, (row, words), engine_error)
+
+    def _answer_too_large(self, first: bool) -> Step:
+        """E02 for a non-streaming client: the engine events assembled so far outgrew
+        upstream.max_answer_bytes (nothing was written: the answer is whole or nothing)."""
+        self.failure_detail = f"{self.events} events, {self.answer_bytes} bytes"
+        detail = f"the answer grew past upstream.max_answer_bytes ({self.max_answer_bytes} bytes)"
+        return Step(b"", first, False, ("E02", detail), None)
+
+    def _error_event(self, obj: dict[str, Any], err: Any, payload: bytes, out: list[bytes], first: bool) -> Step | None:
+        """An engine error event (E04). With migration on (a streaming client and a
+        recorder), the caller decides: carry on, or pass this event on; the relay may read on
+        a continuation, so it keeps no engine_error of its own. A streaming client otherwise
+        gets the event in the engine's own shape (None: read on); a non-streaming one, E04."""
+        if self.assembler is None and self.recorder is not None:
+            return self._fail(out, first, "E04", _event_error_words(err, self.hosts), _show(payload), obj)
+        self.engine_error = obj
+        if self.assembler is None:
+            out.append(_DATA + payload + _END)  # the engine's own shape
+            return None
+        return self._fail(out, first, "E04", _event_error_words(err, self.hosts), _show(payload), obj)
+
+    def _assemble(self, obj: dict[str, Any], first: bool) -> Step | None:
+        """Non-streaming: the event, its dialect's quirks normalised (D01), into the
+        assembler; None while it takes it, else the assembler's failure as a Step."""
+        if self._normalise is not None:
+            self._normalise(obj)
+        f = self.assembler.feed(obj)  # type: ignore[union-attr]  # the caller checked
+        if isinstance(f, Failure):
+            self.failure_detail = f.log_detail or None
+            return Step(b"", first, False, (f.row, f"{f.detail} ({f.rule})"), None)
+        return None
+
+    def _override_prompt_tokens(self, usage: Any) -> bool:
+        """P/D: the usage a client reads takes its input count from prefill. True when the
+        event's usage was rewritten."""
+        if type(usage) is not dict:
+            return False
+        ct = usage.get("completion_tokens")
+        usage["prompt_tokens"] = self.prompt_tokens_override
+        if type(ct) is int:
+            usage["total_tokens"] = self.prompt_tokens_override + ct  # type: ignore[operator]  # checked by the caller
+        return True
 
     @property
     def native(self) -> bool:
