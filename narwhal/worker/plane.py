@@ -51,7 +51,7 @@ class DataPlane:
         self.now = self.clock.now  # one bound method for every stream's relay (memory per open stream)
         self.worker = worker  # the `worker` label of this plane's metrics
         self.engines: dict[str, EngineSpec] = {s.name: s for s in engines}
-        # the open exchanges with each engine (worker/request.py registers each leg), so
+        # the open exchanges with each engine (worker/legs.py registers each leg), so
         # that a cut (lifecycle M30) reaches them; a request's leg costs one add/discard
         self.legs: dict[str, set[Any]] = {}
         # decode legs that a continuation could carry on, by engine: leg -> "may it move now?"

@@ -50,7 +50,7 @@ class Telemetry:
         """An engine left the fleet for good: its labelled children go (TPOT), so a fleet
         whose engines come and go under new names does not grow the scrape or the
         process without bound (a request still streaming from it adds its child back
-        only while that engine is in the plane's fleet: _Run._learn)."""
+        only while that engine is in the plane's fleet: Run._learn, worker/legs.py)."""
         self._children.pop((self.tpot._name, name), None)
         try:
             self.tpot.remove(name)
