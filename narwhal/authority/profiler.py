@@ -235,105 +235,145 @@ def _outcome(a: Authority, e: EngineState, ok: bool, reason: str | None, detail:
         log.info("engine %s: profiling failed again (%s, %d in a row); next try in %.0f s", e.name, detail or reason, e.profile_failures, retry)
 
 
+class _Samples:
+    """One profile's measurements (prompt tokens or batch size, milliseconds), warm-up
+    excluded, and whether the engine's streams carried usage."""
+
+    __slots__ = ("prefill", "decode", "starts", "usage_seen")
+
+    def __init__(self) -> None:
+        self.prefill: list[tuple[float, float]] = []
+        self.decode: list[tuple[float, float]] = []
+        self.starts: list[tuple[float, float]] = []
+        self.usage_seen = False
+
+
+def _healthy_prefill(a: Authority) -> EngineState:
+    """A healthy prefill engine, to profile a decode engine with."""
+    p = next((x for x in a.engines.values() if x.role == "prefill" and x.healthy), None)
+    if p is None:
+        raise ProfileError("no healthy prefill engine to profile a decode engine with")
+    return p
+
+
 async def profile_engine(a: Authority, e: EngineState) -> None:
+    """Profile `e` by its role (module docstring): the lengths, the small batch, the
+    models fitted; the outcome recorded either way (a failure keeps the previous models)."""
     cfg = a.config.admission.prediction
     lengths = list(cfg.profile_prompt_tokens)
-    reps = cfg.profile_repeats
-    out_tokens = cfg.profile_output_tokens
     e.profile_status = "running"
     e.profile_attempted = a.clock.now()
     try:
-        prefill: list[tuple[float, float]] = []
-        decode: list[tuple[float, float]] = []
-        starts: list[tuple[float, float]] = []
-        usage_seen = False  # did the engine's streams carry usage?
+        s = _Samples()
         run = int(e.profile_attempted * 1000) % 1000000  # tags distinct across runs too: no prefix-cache hits
-        k = 0
-        # one warm-up measurement, discarded: it pays for connection set-up
-        warm = [lengths[0]]
-        for n in [*warm, *lengths]:
-            for _ in range(1 if k == 0 else reps):
-                k += 1
-                rid = f"narwhal-profile-{e.name}-{k}"
-                tag = f"{k}-{run}"
-                keep = k > 1
-                if e.role == "prefill":
-                    async with _Slot(a, e, n):
-                        dt, _, pt = await _prefill_leg(a, e, _body(a, e, n, 1, tag), rid)
-                    if keep:
-                        prefill.append((pt or n, dt * 1000.0))
-                elif e.role == "unified":
-                    body = decode_body(_body(a, e, n, out_tokens, tag), dialect=e.dialect, model=e.model)
-                    async with _Slot(a, e, n):
-                        ttft, tp, pt, _ = await _stream(a, e, body, rid)
-                    usage_seen = usage_seen or pt is not None
-                    if keep:
-                        prefill.append((pt or n, ttft * 1000.0))
-                        if tp is not None:
-                            decode.append((1.0, tp * 1000.0))
-                else:
-                    p = next((x for x in a.engines.values() if x.role == "prefill" and x.healthy), None)
-                    if p is None:
-                        raise ProfileError("no healthy prefill engine to profile a decode engine with")
-                    base = _body(a, e, n, out_tokens, tag)
-                    async with _Slot(a, p, n):
-                        _, kv, pt = await _prefill_leg(a, p, base, rid + "-p")
-                    body = decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=True)
-                    start, tp, pt2, _ = await _stream(a, e, body, rid)
-                    if keep:
-                        starts.append((pt or pt2 or n, start * 1000.0))
-                        if tp is not None:
-                            decode.append((1.0, tp * 1000.0))
-        # TPOT under a small batch, for the slope of the load-conditioned profile; never
-        # more at once than the engine's max_concurrency (at 1 the slope stays a prior)
-        batch = min(4, e.max_concurrency or 4)
-        if e.role in ("unified", "decode") and batch >= 2:
-            bodies = []
-            for i in range(batch):
-                base = _body(a, e, lengths[0], out_tokens * 2, f"b{i}-{k}-{run}")
-                kv = None
-                if e.role == "decode":
-                    p = next(x for x in a.engines.values() if x.role == "prefill" and x.healthy)
-                    async with _Slot(a, p, lengths[0]):
-                        _, kv, _ = await _prefill_leg(a, p, base, f"narwhal-profile-{e.name}-b{i}-p")
-                bodies.append(decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode"))
-
-            async def one(i: int, b: dict[str, Any]) -> tuple[float, float | None, int | None, int]:
-                async with _Slot(a, e, lengths[0]):
-                    return await _stream(a, e, b, f"narwhal-profile-{e.name}-b{i}")
-
-            res = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
-            for _, tp, _, _ in res:
-                if tp is not None:
-                    decode.append((float(batch), tp * 1000.0))
-        # Delays from a busy machine only ever add time: per prompt length the fastest of
-        # the repeats is the measurement (TPOT: the median per batch size).
-        if prefill:
-            e.prefill.fit(_fastest(prefill))
-        if decode:
-            e.decode.fit(_median(decode))
-        if starts:
-            fs = _fastest(starts)
-            e.start_model.fit([[1.0, n / 1000.0] for n, _ in fs], [ms for _, ms in fs])
-        e.profile_samples = {
-            "prefill_ms_by_prompt_tokens": [[round(n), round(ms, 3)] for n, ms in prefill],
-            "tpot_ms_by_batch": [[b, round(ms, 3)] for b, ms in decode],
-            "decode_start_ms_by_prompt_tokens": [[round(n), round(ms, 3)] for n, ms in starts],
-        }
-        if e.role == "unified" and not usage_seen and e.name not in a.prompt_counters:
-            # its streams carry no usage: can it count prompts exactly? (usage.py)
-            async with _Slot(a, e, lengths[0]):
-                pc = await detect(CountTarget(a.client, e.url, e.name, e.model or a.config.serving.model))
-            if pc is not None:
-                a.add_prompt_counter(e.name, pc)
-            log.info("engine %s: its streams carry no usage; prompt tokens of assembled answers: %s", e.name, pc.kind if pc else "an estimate")
+        k = await _measure_lengths(a, e, s, lengths, cfg.profile_repeats, cfg.profile_output_tokens, run)
+        await _measure_batch(a, e, s, lengths[0], cfg.profile_output_tokens, f"{k}-{run}")
+        _fit(e, s)
+        if e.role == "unified" and not s.usage_seen and e.name not in a.prompt_counters:
+            await _find_prompt_counter(a, e, lengths[0])
         _outcome(a, e, True, None)
-    except (ProfileError, UpstreamError, StopIteration) as x:
+    except (ProfileError, UpstreamError) as x:
         reason = str(x) or type(x).__name__
         _outcome(a, e, False, reason, x.log_detail if isinstance(x, UpstreamError) and x.log_detail else None)
     except Exception as x:  # a bug: say so where operators look, keep serving
         log.exception("engine %s: profiling failed with an internal error", e.name)
         _outcome(a, e, False, f"internal error: {type(x).__name__}")
+
+
+async def _measure_lengths(a: Authority, e: EngineState, s: _Samples, lengths: list[int], reps: int, out_tokens: int, run: int) -> int:
+    """Each prompt length `reps` times, after one warm-up measurement at the first length
+    (discarded: it pays for connection set-up). Returns the measurements made."""
+    k = 0
+    for n in [lengths[0], *lengths]:
+        for _ in range(1 if k == 0 else reps):
+            k += 1
+            await _measure_one(a, e, s, n, out_tokens, f"narwhal-profile-{e.name}-{k}", f"{k}-{run}", keep=k > 1)
+    return k
+
+
+async def _measure_one(a: Authority, e: EngineState, s: _Samples, n: int, out_tokens: int, rid: str, tag: str, *, keep: bool) -> None:
+    """One measurement at `n` prompt tokens, by role: a prefill engine's prefill leg; a
+    unified engine's stream (TTFT ~ prefill, and TPOT); a decode engine's stream after a
+    prefill leg on a prefill engine (its start latency, and TPOT)."""
+    if e.role == "prefill":
+        async with _Slot(a, e, n):
+            dt, _, pt = await _prefill_leg(a, e, _body(a, e, n, 1, tag), rid)
+        if keep:
+            s.prefill.append((pt or n, dt * 1000.0))
+    elif e.role == "unified":
+        body = decode_body(_body(a, e, n, out_tokens, tag), dialect=e.dialect, model=e.model)
+        async with _Slot(a, e, n):
+            ttft, tp, pt, _ = await _stream(a, e, body, rid)
+        s.usage_seen = s.usage_seen or pt is not None
+        if keep:
+            s.prefill.append((pt or n, ttft * 1000.0))
+            if tp is not None:
+                s.decode.append((1.0, tp * 1000.0))
+    else:
+        p = _healthy_prefill(a)
+        base = _body(a, e, n, out_tokens, tag)
+        async with _Slot(a, p, n):
+            _, kv, pt = await _prefill_leg(a, p, base, rid + "-p")
+        body = decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=True)
+        start, tp, pt2, _ = await _stream(a, e, body, rid)
+        if keep:
+            s.starts.append((pt or pt2 or n, start * 1000.0))
+            if tp is not None:
+                s.decode.append((1.0, tp * 1000.0))
+
+
+async def _measure_batch(a: Authority, e: EngineState, s: _Samples, n: int, out_tokens: int, tag: str) -> None:
+    """TPOT under a small batch, for the slope of the load-conditioned profile; never more
+    at once than the engine's max_concurrency (at 1 the slope stays a prior)."""
+    batch = min(4, e.max_concurrency or 4)
+    if e.role not in ("unified", "decode") or batch < 2:
+        return
+    bodies = []
+    for i in range(batch):
+        base = _body(a, e, n, out_tokens * 2, f"b{i}-{tag}")
+        kv = None
+        if e.role == "decode":
+            p = _healthy_prefill(a)
+            async with _Slot(a, p, n):
+                _, kv, _ = await _prefill_leg(a, p, base, f"narwhal-profile-{e.name}-b{i}-p")
+        bodies.append(decode_body(base, dialect=e.dialect, model=e.model, kv_transfer_params=kv, disaggregated=e.role == "decode"))
+
+    async def one(i: int, b: dict[str, Any]) -> tuple[float, float | None, int | None, int]:
+        async with _Slot(a, e, n):
+            return await _stream(a, e, b, f"narwhal-profile-{e.name}-b{i}")
+
+    res = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+    for _, tp, _, _ in res:
+        if tp is not None:
+            s.decode.append((float(batch), tp * 1000.0))
+
+
+def _fit(e: EngineState, s: _Samples) -> None:
+    """The models fitted to the samples, kept for /v1/engines. Delays from a busy machine
+    only ever add time: per prompt length the fastest of the repeats is the measurement
+    (TPOT: the median per batch size)."""
+    if s.prefill:
+        e.prefill.fit(_fastest(s.prefill))
+    if s.decode:
+        e.decode.fit(_median(s.decode))
+    if s.starts:
+        fs = _fastest(s.starts)
+        e.start_model.fit([[1.0, n / 1000.0] for n, _ in fs], [ms for _, ms in fs])
+    e.profile_samples = {
+        "prefill_ms_by_prompt_tokens": [[round(n), round(ms, 3)] for n, ms in s.prefill],
+        "tpot_ms_by_batch": [[b, round(ms, 3)] for b, ms in s.decode],
+        "decode_start_ms_by_prompt_tokens": [[round(n), round(ms, 3)] for n, ms in s.starts],
+    }
+
+
+async def _find_prompt_counter(a: Authority, e: EngineState, n: int) -> None:
+    """A unified engine whose streams carry no usage: can it count prompts exactly?
+    (upstream/usage.py); assembled answers' prompt tokens are an estimate otherwise."""
+    async with _Slot(a, e, n):
+        pc = await detect(CountTarget(a.client, e.url, e.name, e.model or a.config.serving.model))
+    if pc is not None:
+        a.add_prompt_counter(e.name, pc)
+    log.info("engine %s: its streams carry no usage; prompt tokens of assembled answers: %s", e.name, pc.kind if pc else "an estimate")
 
 
 # -- when to profile ---------------------------------------------------------------------
