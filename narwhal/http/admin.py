@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -39,30 +40,47 @@ def _ok(**extra: Any) -> Response:
     return JSONResponse({"ok": True, **extra})
 
 
-def admin_routes(plane: DataPlane) -> list[Route]:
-    controls = plane.controls
+Handler = Callable[[Request], Awaitable[Response]]
 
-    def known_waves() -> set[str | None]:  # the fleet changes at run time
-        return {e.wave for e in plane.engines.values()} | {plane.config.serving.wave}
 
-    async def guard(request: Request) -> Response | None:
-        want = admin_token(plane)
-        if want is None:
-            return row_response(E.H01, method=request.method, path=request.url.path)
-        got = request.headers.get("authorization", "")
-        scheme, _, value = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), want.encode()):
-            r = row_response(E.H03)
-            r.headers["www-authenticate"] = "Bearer"
-            return r
-        return None
+class _Admin:
+    """The admin operations of one plane. Every route passes `guard` first (`guarded`);
+    the steps `json`, `field` and `engine` answer a bad request with its row (H04, H05) as
+    a Response, which the operation returns as it is."""
 
-    async def body(request: Request, key: str, kind: type) -> Any:
-        raw = await request.body()
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+        self.controls = plane.controls
+
+    def guarded(self, op: Handler) -> Handler:
+        """`op` behind the bearer token: H01 with admin off, H03 without the token."""
+
+        async def endpoint(request: Request) -> Response:
+            want = admin_token(self.plane)
+            if want is None:
+                return row_response(E.H01, method=request.method, path=request.url.path)
+            got = request.headers.get("authorization", "")
+            scheme, _, value = got.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), want.encode()):
+                r = row_response(E.H03)
+                r.headers["www-authenticate"] = "Bearer"
+                return r
+            return await op(request)
+
+        return endpoint
+
+    async def json(self, request: Request) -> Any:
+        """The request's body as JSON, or H04."""
         try:
-            obj = orjson.loads(raw)
+            return orjson.loads(await request.body())
         except orjson.JSONDecodeError:
             return row_response(E.H04, param=None, detail="the body is not valid JSON")
+
+    async def field(self, request: Request, key: str, kind: type) -> Any:
+        """The value of a body that is an object with exactly `key`, of type `kind`; or H04."""
+        obj = await self.json(request)
+        if isinstance(obj, Response):
+            return obj
         if not isinstance(obj, dict) or set(obj) != {key}:
             return row_response(E.H04, param=key, detail=f"the body must be an object with exactly the key {key!r}")
         v = obj[key]
@@ -70,57 +88,53 @@ def admin_routes(plane: DataPlane) -> list[Route]:
             return row_response(E.H04, param=key, detail=f"{key} must be a {kind.__name__}")
         return v
 
-    async def set_state(request: Request) -> Response:
-        if (g := await guard(request)) is not None:
-            return g
-        v = await body(request, "state", str)
+    def engine(self, request: Request) -> Any:
+        """The fleet's engine the path names, or H05."""
+        e = self.plane.engines.get(request.path_params["name"])
+        if e is None:
+            return row_response(E.H05, param="name", detail=f"no engine named {request.path_params['name']!r}")
+        return e
+
+    async def set_state(self, request: Request) -> Response:
+        v = await self.field(request, "state", str)
         if isinstance(v, Response):
             return v
         if v not in ("active", "standby"):
             return row_response(E.H04, param="state", detail="state must be 'active' or 'standby'")
-        return _ok(state=await controls.set_state(v))
+        return _ok(state=await self.controls.set_state(v))
 
-    async def wave(request: Request) -> Response:
-        if (g := await guard(request)) is not None:
-            return g
+    async def wave(self, request: Request) -> Response:
         name = request.path_params["wave"]
-        v = await body(request, "maintenance", bool)
+        v = await self.field(request, "maintenance", bool)
         if isinstance(v, Response):
             return v
-        if name not in known_waves():
+        # the fleet changes at run time: its waves are read now
+        if name not in {e.wave for e in self.plane.engines.values()} | {self.plane.config.serving.wave}:
             return row_response(E.H05, param="wave", detail=f"no engine and not this router is in wave {name!r}")
-        await controls.set_wave(name, v)
+        await self.controls.set_wave(name, v)
         return _ok(wave=name, maintenance=v)
 
-    async def drain(request: Request) -> Response:
-        if (g := await guard(request)) is not None:
-            return g
-        e = plane.engines.get(request.path_params["name"])
-        if e is None:
-            return row_response(E.H05, param="name", detail=f"no engine named {request.path_params['name']!r}")
-        v = await body(request, "drain", bool)
+    async def drain(self, request: Request) -> Response:
+        e = self.engine(request)
+        if isinstance(e, Response):
+            return e
+        v = await self.field(request, "drain", bool)
         if isinstance(v, Response):
             return v
-        await controls.drain(e.name, v)
+        await self.controls.drain(e.name, v)
         return _ok(engine=e.name, draining=v)
 
-    async def profile(request: Request) -> Response:
-        if (g := await guard(request)) is not None:
-            return g
-        e = plane.engines.get(request.path_params["name"])
-        if e is None:
-            return row_response(E.H05, param="name", detail=f"no engine named {request.path_params['name']!r}")
-        return _ok(engine=e.name, profile=await controls.profile(e.name))
+    async def profile(self, request: Request) -> Response:
+        e = self.engine(request)
+        if isinstance(e, Response):
+            return e
+        return _ok(engine=e.name, profile=await self.controls.profile(e.name))
 
-    async def put_engine(request: Request) -> Response:
-        if (g := await guard(request)) is not None:
-            return g
+    async def put_engine(self, request: Request) -> Response:
         name = request.path_params["name"]
-        raw = await request.body()
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return row_response(E.H04, param=None, detail="the body is not valid JSON")
+        obj = await self.json(request)
+        if isinstance(obj, Response):
+            return obj
         if not isinstance(obj, dict):
             return row_response(E.H04, param=None, detail="the body must be one engines[] entry (an object)")
         if obj.setdefault("name", name) != name:
@@ -132,33 +146,34 @@ def admin_routes(plane: DataPlane) -> list[Route]:
             msg = str(x).split(": ", 1)[-1]
             field = msg.split(":", 1)[0].removeprefix("engine[0]").lstrip(".") or None
             return row_response(E.H04, param=field, detail=msg.replace("engine[0].", ""))
-        return _ok(**await controls.put_engine(engine_spec(entry).as_dict()))
+        return _ok(**await self.controls.put_engine(engine_spec(entry).as_dict()))
 
-    async def delete_engine(request: Request) -> Response:
-        if (g := await guard(request)) is not None:
-            return g
-        name = request.path_params["name"]
-        if name not in plane.engines:
-            return row_response(E.H05, param="name", detail=f"no engine named {name!r}")
-        got = await controls.delete_engine(name)
-        if got.get("lifecycle") is None:
-            return row_response(E.H05, param="name", detail=f"no engine named {name!r}")
+    async def delete_engine(self, request: Request) -> Response:
+        e = self.engine(request)
+        if isinstance(e, Response):
+            return e
+        got = await self.controls.delete_engine(e.name)
+        if got.get("lifecycle") is None:  # gone meanwhile
+            return row_response(E.H05, param="name", detail=f"no engine named {e.name!r}")
         return _ok(**got)
 
-    async def reload(request: Request) -> Response:
-        if (g := await guard(request)) is not None:
-            return g
-        got = await controls.reload()
+    async def reload(self, request: Request) -> Response:
+        got = await self.controls.reload()
         if not got.pop("ok"):
             return row_response(E.ROWS[got["row"]], param=None, detail=got["detail"])
         return _ok(**got)
 
+
+def admin_routes(plane: DataPlane) -> list[Route]:
+    """The admin API's routes, every one behind the bearer token."""
+    a = _Admin(plane)
+    g = a.guarded
     return [
-        Route("/admin/config/reload", reload, methods=["POST"]),
-        Route("/admin/engines/{name}", put_engine, methods=["PUT"]),
-        Route("/admin/engines/{name}", delete_engine, methods=["DELETE"]),
-        Route("/admin/state", set_state, methods=["POST"]),
-        Route("/admin/waves/{wave}/maintenance", wave, methods=["POST"]),
-        Route("/admin/engines/{name}/drain", drain, methods=["POST"]),
-        Route("/admin/engines/{name}/profile", profile, methods=["POST"]),
+        Route("/admin/config/reload", g(a.reload), methods=["POST"]),
+        Route("/admin/engines/{name}", g(a.put_engine), methods=["PUT"]),
+        Route("/admin/engines/{name}", g(a.delete_engine), methods=["DELETE"]),
+        Route("/admin/state", g(a.set_state), methods=["POST"]),
+        Route("/admin/waves/{wave}/maintenance", g(a.wave), methods=["POST"]),
+        Route("/admin/engines/{name}/drain", g(a.drain), methods=["POST"]),
+        Route("/admin/engines/{name}/profile", g(a.profile), methods=["POST"]),
     ]

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
 
@@ -47,75 +47,24 @@ def create_app(plane: DataPlane, *, lifespan_hooks: tuple[Any, Any] | None = Non
     (a router's background tasks, when the app owns them)."""
     # client connections are the server's (hyper.py counts them per process)
     plane.telemetry.registry.register(hyper.ConnectionCollector())  # type: ignore[arg-type]
-    created = int(time.time())
-    controls = plane.controls
-    auth = plane.auth
-    if auth is not None:  # the keys loaded and the keys files' errors (never a key)
-        plane.telemetry.registry.register(auth)  # type: ignore[arg-type]
-
-    async def models(request: Request) -> Response:
-        if auth is not None:  # R15, R16 as on the completion routes (not offered: no books)
-            who = auth.check(request.scope["headers"])
-            if not isinstance(who, Identity):
-                return row_response(who)
-        return JSONResponse({"object": "list", "data": [{"id": plane.config.serving.model, "object": "model", "created": created, "owned_by": "narwhal"}]})
-
-    async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def ready(_: Request) -> Response:
-        status, body = await controls.ready()
-        return JSONResponse(body, status_code=status)
-
-    async def engines(_: Request) -> Response:
-        return JSONResponse(await controls.engines(plane.sizing()))
-
-    async def metrics(_: Request) -> Response:
-        return Response(await controls.metrics(), media_type=CONTENT_TYPE_LATEST)
-
-    async def openapi(_: Request) -> Response:
-        return Response(_OPENAPI, media_type="application/json")
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        # H01 note: with no admin token configured the admin surface is off, every method
-        if request.url.path.startswith("/admin/") and admin_token(plane) is None:
-            return row_response(E.H01, method=request.method, path=request.url.path)
-        if isinstance(exc, HTTPException) and exc.status_code == 405:
-            return row_response(E.H02, method=request.method, path=request.url.path)
-        return row_response(E.H01, method=request.method, path=request.url.path)
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        return row_response(E.H06, request_id="-")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[dict[str, Any]]:
-        # auth.keys_file / jwks_file are watched by every process that serves (keys.py)
-        watch = asyncio.ensure_future(auth.run()) if auth is not None else None
-        if lifespan_hooks is not None:
-            await lifespan_hooks[0]()
-        try:
-            yield {}
-        finally:
-            if watch is not None:
-                watch.cancel()
-            if lifespan_hooks is not None:
-                await lifespan_hooks[1]()
-
+    if plane.auth is not None:  # the keys loaded and the keys files' errors (never a key)
+        plane.telemetry.registry.register(plane.auth)  # type: ignore[arg-type]
+    ep = _Endpoints(plane)
     routes = [
         Route("/v1/chat/completions", CompletionEndpoint(plane, "chat")),
         Route("/v1/completions", CompletionEndpoint(plane, "completion")),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/v1/engines", engines, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/v1/models", ep.models, methods=["GET"]),
+        Route("/health", ep.health, methods=["GET"]),
+        Route("/ready", ep.ready, methods=["GET"]),
+        Route("/v1/engines", ep.engines, methods=["GET"]),
+        Route("/metrics", ep.metrics, methods=["GET"]),
+        Route("/openapi.json", ep.openapi, methods=["GET"]),
         *admin_routes(plane),
     ]
     app = Starlette(
         routes=routes,
-        exception_handlers={404: not_found, 405: not_found, 500: server_error},
-        lifespan=lifespan,
+        exception_handlers={404: ep.not_found, 405: ep.not_found, 500: ep.server_error},
+        lifespan=_lifespan(plane, lifespan_hooks),
     )
     app.state.plane = plane
     # no 307 to a `Location` built from the client's Host for a trailing slash: an unknown
@@ -123,6 +72,73 @@ def create_app(plane: DataPlane, *, lifespan_hooks: tuple[Any, Any] | None = Non
     app.router.redirect_slashes = False
     hot = {"/v1/chat/completions": routes[0].endpoint, "/v1/completions": routes[1].endpoint}
     return _Front(app, hot)  # type: ignore[return-value]
+
+
+class _Endpoints:
+    """The routes besides completions and admin, and the answers to unknown paths and
+    methods (H01, H02) and to a bug (H06)."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+        self.controls = plane.controls
+        self.auth = plane.auth
+        self.created = int(time.time())
+
+    async def models(self, request: Request) -> Response:
+        if self.auth is not None:  # R15, R16 as on the completion routes (not offered: no books)
+            who = self.auth.check(request.scope["headers"])
+            if not isinstance(who, Identity):
+                return row_response(who)
+        model = {"id": self.plane.config.serving.model, "object": "model", "created": self.created, "owned_by": "narwhal"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, _: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, _: Request) -> Response:
+        status, body = await self.controls.ready()
+        return JSONResponse(body, status_code=status)
+
+    async def engines(self, _: Request) -> Response:
+        return JSONResponse(await self.controls.engines(self.plane.sizing()))
+
+    async def metrics(self, _: Request) -> Response:
+        return Response(await self.controls.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, _: Request) -> Response:
+        return Response(_OPENAPI, media_type="application/json")
+
+    async def not_found(self, request: Request, exc: Exception) -> Response:
+        # H01 note: with no admin token configured the admin surface is off, every method
+        if request.url.path.startswith("/admin/") and admin_token(self.plane) is None:
+            return row_response(E.H01, method=request.method, path=request.url.path)
+        if isinstance(exc, HTTPException) and exc.status_code == 405:
+            return row_response(E.H02, method=request.method, path=request.url.path)
+        return row_response(E.H01, method=request.method, path=request.url.path)
+
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        return row_response(E.H06, request_id="-")
+
+
+def _lifespan(plane: DataPlane, hooks: tuple[Any, Any] | None) -> Callable[[Starlette], Any]:
+    """The app's lifespan: the keys files watched (auth.keys_file / jwks_file, by every
+    process that serves: keys.py) and the router's `hooks` (start, stop) run."""
+    auth = plane.auth
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[dict[str, Any]]:
+        watch = asyncio.ensure_future(auth.run()) if auth is not None else None
+        if hooks is not None:
+            await hooks[0]()
+        try:
+            yield {}
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if hooks is not None:
+                await hooks[1]()
+
+    return lifespan
 
 
 class _Front:
