@@ -236,6 +236,17 @@ class Drift:
             return True
         return False
 
+    def calibrate(self, pairs: list[tuple[float, float]]) -> None:
+        """After a profile fit, from its (measured, predicted) ms pairs: sigma0 is the
+        standard deviation of their log residuals (at least 0.05; kept with fewer than three
+        positive measurements), and the correction starts again at 1.0."""
+        resid = [math.log(y / max(pred, 1e-6)) for y, pred in pairs if y > 0]
+        if len(resid) >= 3:
+            m = sum(resid) / len(resid)
+            sd = math.sqrt(sum((r - m) ** 2 for r in resid) / (len(resid) - 1))
+            self.sigma0 = max(0.05, sd)
+        self.correction = 1.0
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "score": round(self.score, 4),
@@ -279,12 +290,7 @@ class PrefillModel:
     def fit(self, samples: list[tuple[float, float]]) -> None:
         """Profiling: (prompt tokens, measured ms) pairs."""
         self.lin.fit([self._x(n) for n, _ in samples], [y for _, y in samples])
-        resid = [math.log(y / max(self.predict_ms(n), 1e-6)) for n, y in samples if y > 0]
-        if len(resid) >= 3:
-            m = sum(resid) / len(resid)
-            sd = math.sqrt(sum((r - m) ** 2 for r in resid) / (len(resid) - 1))
-            self.drift.sigma0 = max(0.05, sd)
-        self.drift.correction = 1.0
+        self.drift.calibrate([(y, self.predict_ms(n)) for n, y in samples])
 
     def observe(self, n: float, measured_ms: float) -> None:
         """Online refinement from one measured prefill (service) time."""
@@ -336,12 +342,7 @@ class DecodeModel:
             self.lin.samples = len(samples)
         else:
             self.lin.fit([[1.0, b] for b, _ in samples], [y for _, y in samples])
-        resid = [math.log(y / max(self.predict_ms(b), 1e-6)) for b, y in samples if y > 0]
-        if len(resid) >= 3:
-            m = sum(resid) / len(resid)
-            sd = math.sqrt(sum((r - m) ** 2 for r in resid) / (len(resid) - 1))
-            self.drift.sigma0 = max(0.05, sd)
-        self.drift.correction = 1.0
+        self.drift.calibrate([(y, self.predict_ms(b)) for b, y in samples])
 
     def observe(self, batch: float, tpot_ms: float) -> bool:
         """One measured TPOT (from token IDs): drift first, then the profile's own refinement.
