@@ -50,8 +50,9 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from .app import DIALECTS, ROLES, MockConfig, MockEngine, create_mock_app
+from .app import MockEngine, create_mock_app
 from .cache import PrefixCache
+from .config import DIALECTS, ROLES, MockConfig
 from .kv_events import decode_batch
 from .scenarios import EOS_ID, FAULTS, SCENARIOS, VOCAB, Behaviour, content_piece
 from .timing import Timing

@@ -45,101 +45,40 @@ import asyncio
 import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from . import wire
-from .cache import DEFAULT_BLOCK_SIZE, PrefixCache
-from .kv_events import FORMATS as KV_EVENT_FORMATS
+from .cache import PrefixCache
+from .config import MockConfig
 from .kv_events import KvEventPublisher
+from .request import Refusal, max_tokens_of, reply_for, validate
 from .scenarios import (
     PIECE_FAULTS,
     STREAM_FAULTS,
-    TOOL_FAULTS,
-    TOOL_OPEN,
     Behaviour,
     BehaviourError,
-    Script,
     build_script,
     parse_behaviour,
     sequence_script,
     without_reasoning,
 )
-from .timing import EngineLoad, Timing
+from .stream import renderer
+from .timing import EngineLoad
 from .tokens import prompt_size, prompt_token_ids
 
 # GET /metrics: (running, waiting) gauges by dialect, the names of spec/tables/dialects.yaml
 _LOAD_GAUGES = {"vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"), "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs")}
 
-__all__ = ["MockConfig", "MockEngine", "create_mock_app", "read_body", "DIALECTS", "ROLES"]
+__all__ = ["MockEngine", "create_mock_app", "read_body"]
 
-DIALECTS = ("vllm", "sglang", "openai")
-ROLES = ("unified", "prefill", "decode")
 _ROUTES = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 _JSON = (b"content-type", b"application/json")
-_SGLANG_STREAM_IDS = "return_token_ids is not supported with streaming on /v1/chat/completions. Please set stream=false when using return_token_ids=true."
 _DECODE_NEEDS_KV = "this is a decode engine: kv_transfer_params from a prefill engine (do_remote_prefill: true) are required"
 _MALFORMED = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"trunc\n\n'
 _OWNER = {"vllm": "vllm", "sglang": "sglang", "openai": "system"}
-
-
-@dataclass(frozen=True, slots=True)
-class MockConfig:
-    """One simulated engine. `name` defaults to f"{role}-{port}"."""
-
-    dialect: str = "vllm"
-    role: str = "unified"
-    model: str = "narwhal-demo"
-    name: str | None = None
-    port: int | None = None  # set by serve_mock/running_mock; names the engine
-    host: str = "127.0.0.1"  # advertised as kv_transfer_params.remote_host
-    timing: Timing = field(default_factory=Timing)
-    bytes_per_token: float = 4.0
-    output_tokens: int = 16  # natural output length when a request does not say
-    stream_interval: int = 1  # the server's interval; vLLM requests may only raise it
-    max_model_len: int | None = None  # prompt + max_tokens above it -> 400 (None: no limit)
-    quirks: frozenset[str] = frozenset()  # e.g. {"tgi_repeat_ids"} for every request
-    record_limit: int = 1000
-    block_size: int = DEFAULT_BLOCK_SIZE  # prefix cache block, in tokens
-    prefix_cache_tokens: int = 0  # prefix cache capacity in tokens (0: no cache)
-    kv_events: str | None = None  # vllm: ZMQ PUB endpoint to bind, e.g. tcp://127.0.0.1:5557 (port * = any)
-    kv_events_topic: str = ""
-    kv_events_format: str = "array"  # array (vLLM's positional events) | map (newer vLLM)
-    # content answers as a function of the whole token sequence (scenarios.sequence_script):
-    # a continuation from prompt + output IDs equals the uninterrupted answer (issue 24)
-    sequence_output: bool = False
-    sequence_eos_every: int = 64  # mean answer length of a sequence answer without max_tokens (0: no EOS)
-
-    def __post_init__(self) -> None:
-        if self.dialect not in DIALECTS:
-            raise ValueError(f"dialect must be one of {DIALECTS}, not {self.dialect!r}")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
-        if self.stream_interval < 1 or self.output_tokens < 0 or self.bytes_per_token <= 0:
-            raise ValueError("stream_interval >= 1, output_tokens >= 0, bytes_per_token > 0")
-        if self.sequence_eos_every < 0:
-            raise ValueError("sequence_eos_every >= 0")
-        if self.block_size < 1 or self.prefix_cache_tokens < 0:
-            raise ValueError("block_size >= 1, prefix_cache_tokens >= 0")
-        if self.kv_events is not None:
-            if self.dialect != "vllm":
-                raise ValueError("kv_events: only the vllm dialect publishes KV events")
-            if self.prefix_cache_tokens <= 0:
-                raise ValueError("kv_events needs the prefix cache (prefix_cache_tokens > 0)")
-        if self.kv_events_format not in KV_EVENT_FORMATS:
-            raise ValueError(f"kv_events_format must be one of {KV_EVENT_FORMATS}, not {self.kv_events_format!r}")
-
-    def engine_name(self, port: int | None = None) -> str:
-        return self.name or f"{self.role}-{self.port if self.port is not None else port}"
-
-
-class _Refusal(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 class _Watch:
@@ -177,37 +116,6 @@ async def read_body(receive: Any) -> bytes | None:
 async def _send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [_JSON, *(headers or ())]})
     await send({"type": "http.response.body", "body": body})
-
-
-def _max_tokens(route: str, body: dict[str, Any]) -> int | None:
-    keys = ("max_completion_tokens", "max_tokens") if route == "chat" else ("max_tokens",)
-    for k in keys:
-        v = body.get(k)
-        if v is None:
-            continue
-        if type(v) is not int or v < 1:
-            raise _Refusal(400, f"{k} must be at least 1, got {v!r}.", k)
-        return v
-    return None
-
-
-def _validate(cfg: MockConfig, route: str, body: dict[str, Any]) -> None:
-    if route == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-            raise _Refusal(400, "messages must be a non-empty list of message objects", "messages")
-    elif not isinstance(body.get("prompt"), (str, list)):
-        raise _Refusal(400, "prompt must be a string, a list of strings or a list of token IDs", "prompt")
-    if "stream" in body and type(body["stream"]) is not bool:
-        raise _Refusal(400, "stream must be a boolean", "stream")
-    stream = body.get("stream") is True
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise _Refusal(400, "stream_options must be an object", "stream_options")
-    if cfg.dialect == "vllm" and so is not None and not stream:
-        raise _Refusal(400, "Stream options can only be defined when `stream=True`.", "stream_options")
-    if cfg.dialect == "sglang" and route == "chat" and stream and body.get("return_token_ids") is True:
-        raise _Refusal(400, _SGLANG_STREAM_IDS, "return_token_ids")  # ENGINES.md pitfall 5
 
 
 class MockEngine:
@@ -410,31 +318,31 @@ class MockEngine:
         self.records.append(rec)
         try:
             if not isinstance(body, dict):
-                raise _Refusal(400, "the request body is not a JSON object")
+                raise Refusal(400, "the request body is not a JSON object")
             if "model" not in body and cfg.dialect != "openai":
                 body["model"] = cfg.model  # vLLM and SGLang default to the served model
             if body.get("model") != cfg.model:
                 code = "model_not_found" if cfg.dialect == "openai" else None
-                raise _Refusal(404, f"The model `{body.get('model')}` does not exist.", "model", code)
+                raise Refusal(404, f"The model `{body.get('model')}` does not exist.", "model", code)
             try:
                 beh = parse_behaviour(route, body)
             except BehaviourError as e:
-                raise _Refusal(400, e.message, "mock") from None
-            _validate(cfg, route, body)
+                raise Refusal(400, e.message, "mock") from None
+            validate(cfg, route, body)
             kv = body.get("kv_transfer_params")
             remote = isinstance(kv, dict) and kv.get("do_remote_prefill") is True
-            max_tokens = _max_tokens(route, body)
+            max_tokens = max_tokens_of(route, body)
             n_prompt, exact_ids = prompt_size(route, body, cfg.bytes_per_token)
             if cfg.role == "decode" and not remote and exact_ids is None:
-                raise _Refusal(400, _DECODE_NEEDS_KV, "kv_transfer_params")
+                raise Refusal(400, _DECODE_NEEDS_KV, "kv_transfer_params")
             if cfg.max_model_len is not None and n_prompt + (max_tokens or 0) > cfg.max_model_len:
-                raise _Refusal(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested {n_prompt + (max_tokens or 0)} tokens ({n_prompt} in the messages, {max_tokens or 0} in the completion).", "max_tokens")
+                raise Refusal(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested {n_prompt + (max_tokens or 0)} tokens ({n_prompt} in the messages, {max_tokens or 0} in the completion).", "max_tokens")
             fault = beh.fault_on(self.name)
             if fault == "reject":
-                raise _Refusal(400, "mock: request rejected (fault reject)")
+                raise Refusal(400, "mock: request rejected (fault reject)")
             if fault == "error_before":
-                raise _Refusal(500, "mock: internal engine error (fault error_before)")
-        except _Refusal as r:
+                raise Refusal(500, "mock: internal engine error (fault error_before)")
+        except Refusal as r:
             self.refused += 1
             return await self._error(send, r.status, r.message, r.param, r.code, hdrs)
 
@@ -478,66 +386,6 @@ class MockEngine:
                     task.cancel()
                 return
 
-    def _reply(self, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, script: Script, n_prompt: int, prompt_ids: list[int] | None, stream: bool, kv_out: dict[str, Any] | None) -> wire.Reply:
-        d = self.config.dialect
-        so = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else None
-        want_ids = body.get("return_token_ids") is True
-        hide = d == "vllm" and route == "chat" and body.get("include_reasoning") is False
-        if d == "vllm":
-            # ENGINES.md pitfall 4: include_reasoning false hides IDs and logprobs as well
-            ids = want_ids and not hide
-        elif d == "sglang":
-            ids = want_ids and (route == "completions" or not stream)
-        else:
-            ids = False
-        if route == "chat":
-            k = body.get("top_logprobs")
-            on = (body.get("logprobs") is True or beh.logprobs) and not hide
-            logprobs = max(1, k if type(k) is int else 0) if on else None
-        else:
-            lp = body.get("logprobs")
-            if type(lp) is int or lp is True or beh.logprobs:
-                logprobs = max(1, lp if type(lp) is int else 1)
-            else:
-                logprobs = None
-        usage = continuous = False
-        if so is not None:
-            if d == "vllm":
-                usage = so.get("include_usage", True) is not False  # default true once sent
-                continuous = usage and so.get("continuous_usage_stats") is True
-            else:
-                usage = so.get("include_usage") is True
-                continuous = d == "sglang" and so.get("continuous_usage_stats") is True
-        if beh.usage is not None:
-            usage = beh.usage
-        tool_fault = None
-        if fault in TOOL_FAULTS:
-            opens = [p for i, p in enumerate(script.pieces) if p.kind == TOOL_OPEN and i >= beh.fault_after]
-            opens = opens or [p for p in script.pieces if p.kind == TOOL_OPEN]
-            tool_fault = (fault, opens[0].index) if opens else None
-        return wire.Reply(
-            dialect=d,
-            route=route,
-            scenario=beh.scenario,
-            id=wire.new_id(d, route, xrid),
-            created=int(time.time()),
-            model=self.config.model,
-            prompt_tokens=n_prompt,
-            prompt_ids=prompt_ids if prompt_ids is not None else [],
-            script=script,
-            ids=ids,
-            logprobs=logprobs,
-            usage=usage,
-            continuous_usage=continuous,
-            usage_null=d == "openai" and usage,
-            obfuscation=not (so is not None and so.get("include_obfuscation") is False),
-            quirks=self.config.quirks | beh.quirks,
-            piece_fault=fault if (fault in PIECE_FAULTS and not stream) else None,
-            tool_fault=tool_fault,
-            no_finish_reason=fault == "no_finish_reason",
-            kv_transfer_params=kv_out,
-        )
-
     def _kv_out(self, xrid: str | None, n_prompt: int) -> dict[str, Any]:
         blocks = max(1, -(-n_prompt // 16))
         start = self._blocks
@@ -571,7 +419,7 @@ class MockEngine:
             script = without_reasoning(script)
         wants_kv = cfg.role == "prefill" and isinstance(kv_in, dict) and kv_in.get("do_remote_decode") is True
         kv_out = self._kv_out(xrid, n_prompt) if wants_kv and not stream else None
-        reply = self._reply(route, body, beh, fault, xrid, script, n_prompt, prompt_ids, stream, kv_out)
+        reply = reply_for(cfg, route, body, beh, fault, xrid, script, n_prompt, prompt_ids, stream, kv_out)
         if fault is not None:
             self.faulted += 1
         if fault == "stall_before":
@@ -619,7 +467,7 @@ class MockEngine:
         return cfg.stream_interval
 
     async def _stream(self, send: Any, reply: wire.Reply, beh: Behaviour, fault: str | None, watch: _Watch, body: dict[str, Any]) -> None:
-        rend = wire.renderer(reply)
+        rend = renderer(reply)
 
         async def write(ev: bytes) -> None:
             await send({"type": "http.response.body", "body": ev, "more_body": True})

@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
+from typing import Any
 
-from .app import DIALECTS, ROLES, MockConfig, MockEngine
+from .app import MockEngine
+from .config import DIALECTS, ROLES, MockConfig
 from .scenarios import QUIRKS
 from .timing import Timing
 
@@ -69,39 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> MockConfig:
-    timing = Timing(
-        prefill_base_ms=args.prefill_base_ms,
-        prefill_per_token_ms=args.prefill_per_token_ms,
-        prefill_quadratic_ms=args.prefill_quadratic_ms,
-        tpot_base_ms=args.tpot_base_ms,
-        tpot_per_seq_ms=args.tpot_per_seq_ms,
-        transfer_base_ms=args.transfer_base_ms,
-        transfer_per_token_ms=args.transfer_per_token_ms,
-        time_scale=args.time_scale,
-        noise_sigma=args.noise_sigma,
-        seed=args.seed,
-    )
-    return MockConfig(
-        dialect=args.dialect,
-        role=args.role,
-        model=args.model,
-        name=args.name,
-        port=args.port,
-        host=args.host,
-        timing=timing,
-        bytes_per_token=args.bytes_per_token,
-        output_tokens=args.output_tokens,
-        stream_interval=args.stream_interval,
-        max_model_len=args.max_model_len,
-        quirks=frozenset(args.quirk),
-        block_size=args.block_size,
-        prefix_cache_tokens=args.prefix_cache_tokens,
-        kv_events=args.kv_events,
-        kv_events_topic=args.kv_events_topic,
-        kv_events_format=args.kv_events_format,
-        sequence_output=args.sequence_output,
-        sequence_eos_every=args.sequence_eos_every,
-    )
+    """The engine the command line describes: every field of Timing and MockConfig is the
+    option of the same name, but `quirks` (from the repeatable `--quirk`) and
+    `record_limit` (no option: its default)."""
+    timing = Timing(**_options(Timing, args))
+    return MockConfig(**_options(MockConfig, args, skip=("timing", "quirks", "record_limit")), timing=timing, quirks=frozenset(args.quirk))
+
+
+def _options(cls: Any, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The values of the options named as the dataclass `cls`'s fields (but `skip`)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in skip}
 
 
 def _announce(app: MockEngine) -> None:
