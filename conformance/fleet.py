@@ -177,6 +177,9 @@ class ControlledEngine:
         return await _send_json(send, 404, {"error": "unknown conformance control route"})
 
     async def _completion(self, scope: dict[str, Any], receive: Any, send: Any, path: str) -> None:
+        """A completion request: its `mock` options made this engine's (`_rewrite`), recorded
+        under its request id with what the engine answers (`_Capture`), then served by the
+        mock engine; an abort through the control API cuts it."""
         raw = await _read(receive)
         if raw is None:
             return
@@ -189,35 +192,9 @@ class ControlledEngine:
         sent = raw
         attempt = 0
         if isinstance(body, dict):
-            changed = False
-            mock = body.get("mock")
-            if isinstance(mock, dict) and isinstance(mock.get("rid"), str):
-                rid = mock["rid"]  # the runner's id survives a router that rewrites x-request-id
-            if (mock is None or (isinstance(mock, dict) and set(mock) <= {"rid"})) and ctl.defaults is not None:
-                body = {**body, "mock": ctl.defaults}
-                changed = True
-            mock = body.get("mock")
-            if isinstance(mock, dict) and ("fault_attempts" in mock or "fault_roles" in mock):
-                mock = dict(mock)
-                keep = True
-                if "fault_roles" in mock:
-                    roles = mock.pop("fault_roles")
-                    roles = {r for x in roles for r in (("decode", "unified") if x == "output" else (x,))} if isinstance(roles, list) else set()
-                    keep = ctl.role in roles
-                if "fault_attempts" in mock:
-                    n = mock.pop("fault_attempts")
-                    if ctl.role in ("decode", "unified"):
-                        attempt = fleet.attempts.get(rid, 0) + 1
-                        fleet.attempts[rid] = attempt
-                        keep = keep and isinstance(n, int) and attempt <= n
-                    else:
-                        keep = False
-                if not keep:
-                    mock.pop("fault", None)
-                body = {**body, "mock": mock}
-                changed = True
-            if changed:
-                sent = orjson.dumps(body)
+            rid, attempt, rewritten = self._rewrite(body, rid)
+            if rewritten is not None:
+                sent = orjson.dumps(rewritten)
         rec: dict[str, Any] = {"engine": ctl.name, "role": ctl.role, "dialect": ctl.dialect, "path": path, "attempt": attempt,
                                "body": orjson.loads(raw) if isinstance(body, dict) else raw[:2000].decode("utf-8", "replace"),
                                "status": None, "response": None, "meta": None}
@@ -232,33 +209,11 @@ class ControlledEngine:
                 return {"type": "http.request", "body": sent, "more_body": False}
             return await receive()
 
-        captured: list[bytes] = []
-        kind = ""
-
-        async def inner_send(msg: dict[str, Any]) -> None:
-            nonlocal kind
-            if msg["type"] == "http.response.start":
-                rec["status"] = msg["status"]
-                ctype = next((v for k, v in msg.get("headers", ()) if k == b"content-type"), b"")
-                kind = "json" if ctype.startswith(b"application/json") else "sse" if ctype.startswith(b"text/event-stream") else ""
-            elif msg["type"] == "http.response.body" and kind == "json":
-                captured.append(msg.get("body", b""))
-                if not msg.get("more_body"):
-                    data = b"".join(captured)
-                    if len(data) <= _RESPONSE_LIMIT:
-                        with contextlib.suppress(orjson.JSONDecodeError):
-                            rec["response"] = orjson.loads(data)
-                            if isinstance(rec["response"], dict):
-                                rec["meta"] = {k: rec["response"].get(k) for k in ("id", "created", "model")}
-            elif msg["type"] == "http.response.body" and kind == "sse" and rec["meta"] is None:
-                rec["meta"] = _first_chunk(msg.get("body", b""))
-            await send(msg)
-
         task = asyncio.current_task()
         assert task is not None
         fleet.serving.add(task)
         try:
-            await self.inner(scope, inner_receive, inner_send)
+            await self.inner(scope, inner_receive, _Capture(rec, send))
         except asyncio.CancelledError:
             if task not in fleet.aborted:
                 raise
@@ -266,6 +221,77 @@ class ControlledEngine:
         finally:
             fleet.serving.discard(task)
             fleet.aborted.discard(task)
+
+    def _rewrite(self, body: dict[str, Any], rid: str) -> tuple[str, int, dict[str, Any] | None]:
+        """The body's `mock` options as this engine is to see them (module docstring): the
+        runner's mock.rid names the request (it survives a router that rewrites
+        x-request-id); the fleet's defaults stand in for options with none besides rid;
+        fault_attempts and fault_roles decide whether the fault stays, and go. Returns (the
+        request id, the attempt counted at a decode or unified engine or 0, the body to
+        send, or None: the one received)."""
+        ctl, fleet = self.ctl, self.fleet
+        attempt = 0
+        changed = False
+        mock = body.get("mock")
+        if isinstance(mock, dict) and isinstance(mock.get("rid"), str):
+            rid = mock["rid"]
+        if (mock is None or (isinstance(mock, dict) and set(mock) <= {"rid"})) and ctl.defaults is not None:
+            body = {**body, "mock": ctl.defaults}
+            changed = True
+        mock = body.get("mock")
+        if isinstance(mock, dict) and ("fault_attempts" in mock or "fault_roles" in mock):
+            mock = dict(mock)
+            keep = True
+            if "fault_roles" in mock:
+                roles = mock.pop("fault_roles")
+                roles = {r for x in roles for r in (("decode", "unified") if x == "output" else (x,))} if isinstance(roles, list) else set()
+                keep = ctl.role in roles
+            if "fault_attempts" in mock:
+                n = mock.pop("fault_attempts")
+                if ctl.role in ("decode", "unified"):
+                    attempt = fleet.attempts.get(rid, 0) + 1
+                    fleet.attempts[rid] = attempt
+                    keep = keep and isinstance(n, int) and attempt <= n
+                else:
+                    keep = False
+            if not keep:
+                mock.pop("fault", None)
+            body = {**body, "mock": mock}
+            changed = True
+        return rid, attempt, body if changed else None
+
+
+class _Capture:
+    """The ASGI `send` of one recorded request: every message passes on to the client;
+    `rec` gets the status, a JSON answer up to _RESPONSE_LIMIT bytes (with its id, created
+    and model as `meta`), or a streamed answer's first chunk's meta."""
+
+    __slots__ = ("rec", "send", "kind", "captured")
+
+    def __init__(self, rec: dict[str, Any], send: Any) -> None:
+        self.rec = rec
+        self.send = send
+        self.kind = ""
+        self.captured: list[bytes] = []
+
+    async def __call__(self, msg: dict[str, Any]) -> None:
+        rec = self.rec
+        if msg["type"] == "http.response.start":
+            rec["status"] = msg["status"]
+            ctype = next((v for k, v in msg.get("headers", ()) if k == b"content-type"), b"")
+            self.kind = "json" if ctype.startswith(b"application/json") else "sse" if ctype.startswith(b"text/event-stream") else ""
+        elif msg["type"] == "http.response.body" and self.kind == "json":
+            self.captured.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                data = b"".join(self.captured)
+                if len(data) <= _RESPONSE_LIMIT:
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        rec["response"] = orjson.loads(data)
+                        if isinstance(rec["response"], dict):
+                            rec["meta"] = {k: rec["response"].get(k) for k in ("id", "created", "model")}
+        elif msg["type"] == "http.response.body" and self.kind == "sse" and rec["meta"] is None:
+            rec["meta"] = _first_chunk(msg.get("body", b""))
+        await self.send(msg)
 
 
 def _first_chunk(data: bytes) -> dict[str, Any] | None:
