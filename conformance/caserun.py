@@ -306,7 +306,7 @@ class CaseRun:
         err = body.get("error") if isinstance(body, dict) else None
         strict = self._narwhal_vocabulary()
         if strict:
-            # NARWHAL.md: {"error": {"message", "type", "param", "code"}}, code a string
+            # docs/contract.md "Refusals": {"error": {"message", "type", "param", "code"}}, code a string
             ok = isinstance(body, dict) and set(body) == {"error"} and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"} \
                 and isinstance(err["message"], str) and bool(err["message"]) and isinstance(err["type"], str) and isinstance(err["code"], str) \
                 and (err["param"] is None or isinstance(err["param"], str))

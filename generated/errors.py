@@ -366,7 +366,7 @@ R13 = ErrorRow(
     quote='Original request deadline expires before response headers\t504\tTerminal expiry',
 )
 
-# R14: Narwhal's decode-side check (predictive mode, only when admission.prediction.tpot_budget_ms is set; PREDICTION.md section 6). The batch the request will join on the best decode engine: sequences decoding there + its share of those waiting for decode, in prefill or queued for prefill + 1; projected TPOT = the engine's load-conditioned decode profile with decode correction at that batch. Retry-After = max(1, round-half-up(the time for the excess sequences to finish)). Appended after R13 so the contract's rows keep their relative order; it is evaluated at arrival, after R11.
+# R14: Narwhal's decode-side check (predictive mode, only when admission.prediction.tpot_budget_ms is set; docs/prediction.md section 6). The batch the request will join on the best decode engine: sequences decoding there + its share of those waiting for decode, in prefill or queued for prefill + 1; projected TPOT = the engine's load-conditioned decode profile with decode correction at that batch. Retry-After = max(1, round-half-up(the time for the excess sequences to finish)). Appended after R13 so the contract's rows keep their relative order; it is evaluated at arrival, after R11.
 R14 = ErrorRow(
     id='R14',
     order=20,
@@ -380,7 +380,7 @@ R14 = ErrorRow(
     unsized=False,
     retryable=False,
     message='Projected time per output token {projected_ms} ms on the best decode engine exceeds admission.prediction.tpot_budget_ms ({budget_ms} ms); retry after {retry_after} s.',
-    quote='A TTFT-only check is not enough. The decode check must be predictive (reference/PREDICTION.md section 1.1, Mooncake).',
+    quote='A TTFT-only check is not enough. The decode check must be predictive (docs/prediction.md section 1, Mooncake).',
 )
 
 # E01: Non-streaming only (streaming relays unknown fields in the engine's shape). Row A12 of the assembly table names the fields.

@@ -1,4 +1,4 @@
-"""The `narwhal` command (NARWHAL.md "Commands")."""
+"""The `narwhal` command (docs/contract.md "Commands")."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the router (no config: the embedded default)")
-    s.add_argument("--config", help="YAML configuration file (keys: NARWHAL.md 'Configuration')")
+    s.add_argument("--config", help="YAML configuration file (keys: generated/CONFIG.md)")
     s.add_argument("--listen", help="HOST:PORT, overrides serving.listen")
     s.add_argument("--workers", help="N or auto: data-plane worker processes (overrides serving.workers)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -94,7 +94,7 @@ def build_router(config: NarwhalConfig, engines: list[EngineSpec]) -> Router:
 
 @contextlib.asynccontextmanager
 async def embedded_fleet(config: NarwhalConfig, host: str = "127.0.0.1") -> AsyncIterator[list[EngineSpec]]:
-    """NARWHAL.md: the embedded default's simulated fleet (one prefill and one decode
+    """docs/contract.md "Commands": the embedded default's simulated fleet (one prefill and one decode
     engine of the vllm dialect), served in this process on free loopback ports."""
     from .mock import MockConfig, serve_mock
 

@@ -31,7 +31,7 @@ from narwhal_generated.models.config import Engine, NarwhalConfig
 
 __all__ = ["ConfigError", "load_config", "parse_config", "parse_engines", "has_discovery", "NarwhalConfig", "EMBEDDED_FLEET"]
 
-# NARWHAL.md: with no engines, the embedded simulated fleet (one prefill and one decode
+# docs/contract.md "Commands": with no engines, the embedded simulated fleet (one prefill and one decode
 # engine of the vllm dialect) runs in-process on free loopback ports.
 EMBEDDED_FLEET = (
     {"name": "p0", "role": "prefill", "dialect": "vllm", "wave": "a"},

@@ -6,7 +6,7 @@ Rules
   * The HTTP/1.1 client is an `asyncio.Protocol`: bytes are parsed in `data_received`,
     with no stream reader, no per-line awaits and no header objects. It costs a few
     microseconds per SSE event, so one load-tool core drives far more events than a
-    Python router relays (STACK.md: 7-8k events/s per core).
+    Python router relays (docs/stack.md: 7-8k events/s per core).
   * A `Recorder` receives the response: status and headers once, then body bytes as they
     arrive, then the end. `SSERecorder` splits events, timestamps the first and last
     output-carrying event and counts tokens (the `token_ids` list length when present,
@@ -16,7 +16,7 @@ Rules
   * HTTP/2: `H2Pool` drives the `h2` state machine from an asyncio.Protocol (h2c by prior
     knowledge, a few connections, streams spread over them, a large receive window so no
     per-event WINDOW_UPDATE); `H2Client` uses httpx (needed for https/ALPN; httpx speaks
-    h2c only with `http1=False, http2=True`, STACK.md) and costs several times more CPU
+    h2c only with `http1=False, http2=True`, docs/stack.md) and costs several times more CPU
     per event.
 """
 

@@ -11,7 +11,7 @@ Rules
     or a stream that ends with an error event is an *error*.
   * TPOT of one stream = (last token time - first token time) / (tokens - 1), for
     streams with at least 2 tokens (vLLM bench's definition).
-  * Goodput (PREDICTION.md section 10) is counted over OFFERED requests: the share of all
+  * Goodput (docs/prediction.md section 10) is counted over OFFERED requests: the share of all
     requests sent that completed with TTFT <= the target (and, when given, TPOT <= the
     TPOT target); a refusal or an error is a miss.
 """

@@ -27,7 +27,7 @@ grant when queued, and reports phase ends (`first_token`, `prefill_done`, `finis
 Every call that frees a slot returns the `Dispatch` grants it made possible; the shell
 wakes those waiters. Nothing here blocks, sleeps or reads a clock.
 
-Projection (predictive mode, PREDICTION.md sections 3-5), for each eligible phase-1
+Projection (predictive mode, docs/prediction.md sections 3-5), for each eligible phase-1
 engine e:
     TTFT(e) = backlog_e + prefill_e(n) [+ start_d(n) + decode wait, when e is a prefill
     engine: the KV transfer and the decode engine's first token]
@@ -224,7 +224,7 @@ class Scheduler:
         predictive = self.mode == "predictive"
         # With R14 on, "the best projection" has two sides: among the engines whose
         # projected TTFT fits the budget, the one with the lowest projected TPOT (for a
-        # unified engine, the batch it would join: PREDICTION.md section 6), then the lower
+        # unified engine, the batch it would join: docs/prediction.md section 6), then the lower
         # TTFT; when none fits, the lowest TTFT (R10 then refuses on it). A TTFT-only
         # ranking ties on engines whose prefill is idle and piles the decode batches onto
         # one of them (docs/performance.md, decode-bound overload).
@@ -398,7 +398,7 @@ class Scheduler:
     def project_tpot(self, engine: EngineState) -> tuple[float, float, EngineState] | None:
         """(projected TPOT ms, batch it assumes, decode engine) for a request placed with
         `engine` as its first phase: the batch it will join when it reaches decode
-        (PREDICTION.md section 6), on the best eligible decode engine."""
+        (docs/prediction.md section 6), on the best eligible decode engine."""
         if engine.role == "unified":
             nb = float(engine.joining_batch())
             return engine.decode.predict_ms(nb), nb, engine

@@ -7,7 +7,7 @@ Rules
   * The router always streams from the engine and always asks for usage
     (stream_options.include_usage), which it needs for accounting and sizing; what the
     client did not ask for is stripped on the way back (see narwhal/core/relay.py).
-  * The vLLM two-phase protocol (ENGINES.md section 11): the prefill leg is
+  * The vLLM two-phase protocol (docs/engines.md section 11): the prefill leg is
     non-streaming with max_tokens 1 and kv_transfer_params {"do_remote_decode": true};
     the decode leg carries the kv_transfer_params the prefill answer returned, unchanged
     (an object, or null: connectors that locate the KV themselves return null).
@@ -34,7 +34,7 @@ __all__ = [
 DIALECTS = _d.BY_NAME
 _VLLM_ONLY: tuple[str, ...] = tuple(_d.V01.request_fields)  # return_token_ids, stream_interval
 
-# ENGINES.md section 11, step 1.
+# docs/engines.md section 11, step 1.
 PREFILL_KV_REQUEST: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

@@ -99,7 +99,7 @@ class EngineState:
         self.decode_in_use = 0  # changed only through decode_moved (it keeps decode_area)
         # the integral of decode_in_use over time up to decode_seen_at (sequence-seconds):
         # a request's TPOT is measured over its whole decode, so the batch its residual is
-        # scored at is this integral's mean over that span (PREDICTION.md section 8, B_k),
+        # scored at is this integral's mean over that span (docs/prediction.md section 8, B_k),
         # not the batch left at its close (mean_decode_batch)
         self.decode_area = 0.0
         self.decode_seen_at = 0.0
@@ -186,7 +186,7 @@ class EngineState:
         return self.decode_in_use + self.external < self.decode_slots
 
     def backlog_ms(self, now: float) -> float:
-        """Predicted prefill work ahead of a new request here (PREDICTION.md section 3)."""
+        """Predicted prefill work ahead of a new request here (docs/prediction.md section 3)."""
         return max(0.0, (self.busy_until - now) * 1000.0) + self.queued_work_ms
 
     def depth(self) -> int:
@@ -194,7 +194,7 @@ class EngineState:
 
     def joining_batch(self) -> int:
         """Unified engine: the decode batch a request placed here now would join (the
-        running sequences, those queued ahead of it, and itself; PREDICTION.md section 6)."""
+        running sequences, those queued ahead of it, and itself; docs/prediction.md section 6)."""
         return self.decode_in_use + self.external + len(self.queue) + 1
 
     def decode_start_ms(self, n: float) -> float:

@@ -1,4 +1,4 @@
-"""What the router learns about each engine (reference/PREDICTION.md).
+"""What the router learns about each engine (docs/prediction.md).
 
   * PrefillModel: T(n) = s * max(0, b0 + b1*n + b2*n^2) ms (section 2), fitted from
     profiling by weighted least squares with a ridge toward the prior and b >= 0, then
@@ -389,7 +389,7 @@ class TokenArrivals:
 
 
 def tpot_from_arrivals(arrivals: list[tuple[float, int]]) -> float | None:
-    """TPOT = (t_last - t_first) / (N - 1) over identified tokens (PREDICTION.md section 9).
+    """TPOT = (t_last - t_first) / (N - 1) over identified tokens (docs/prediction.md section 9).
 
     `arrivals` holds (time, IDs in the event) per event; N is the total of IDs. The first
     event's IDs all count as arriving at t_first."""
@@ -455,7 +455,7 @@ class OutputLengthLearner:
 
     def observe(self, route: str, prompt_tokens: float, max_tokens: int | None, output_tokens: int, *, finish_reason: str | None = None) -> None:
         # A "length" finish is censored at max_tokens: stored as is, so it can only raise
-        # the quantiles of its key (a stand-in for Kaplan-Meier, PREDICTION.md section 7).
+        # the quantiles of its key (a stand-in for Kaplan-Meier, docs/prediction.md section 7).
         self.observed += 1
         if finish_reason == "length":
             self.censored += 1

@@ -2,7 +2,7 @@
 
 Prompt tokens come from an exact counter when one is configured (serving.tokenizer),
 else from an estimate that learns its bytes-per-token ratio from the prompt_tokens the
-engines report (an EWMA over requests, NARWHAL.md "Sizing"). Token-ID prompts are exact.
+engines report (an EWMA over requests, docs/contract.md "Sizing"). Token-ID prompts are exact.
 """
 
 from __future__ import annotations

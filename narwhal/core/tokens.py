@@ -5,7 +5,7 @@ T02: every choice that carries output (non-empty text, reasoning, tool calls, re
 T03: a valid list is a JSON array of integers >= 0; a Boolean is not an integer.
 T04: IDs on events without output count too (vLLM's `delta: {}` while a parser holds
      tokens back).
-The role chunk carries no output and needs no list (ENGINES.md pitfall 3).
+The role chunk carries no output and needs no list (docs/engines.md pitfall 3).
 
 A failure comes in two forms (`IdFailure`): `words`, which a client may read (row E03's
 message, /v1/engines' profiling error) and which carry no engine-supplied value — not the

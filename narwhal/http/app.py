@@ -3,7 +3,7 @@
 The completion routes run on the data plane; /ready, /v1/engines, /metrics and the admin
 API ask the authority (`plane.controls`), so they answer the same from every worker.
 
-Routes (NARWHAL.md "HTTP surface"): the two completion routes (raw ASGI, see
+Routes (docs/contract.md "HTTP surface"): the two completion routes (raw ASGI, see
 completions.py), /v1/models, /health, /ready, /v1/engines, /metrics, the admin API, and
 /openapi.json (the generated document). Unknown paths and methods answer rows H01/H02.
 With auth, the completion routes and /v1/models need a valid key (R15/R16); /health,

@@ -5,7 +5,7 @@ connection of defects 5, 6, 8 and items 14 and 16 in conn.py).
 `install(limits)` swaps the subclasses in before serving; everything else is hypercorn's
 own code.
 
-Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 4.x):
+Upstream defects (docs/stack.md "hypercorn's defects"; hypercorn 0.18.0, h2 4.x):
   1. h2 flow control: `H2Protocol._send_data` pops min(window, frame size) bytes; with a
      zero window that is `StreamBuffer.pop(0)`, which un-pauses the writer, so an app's
      sends never block and a stream's buffer grows without bound while the client reads

@@ -12,7 +12,7 @@ connection task it still has: a completion handler cancelled so ends in the clas
 once (graceful timeout 0, or the running shutdown cancelled).
 
 hypercorn closes a connection after keep_alive_max_requests requests (HTTP/2: GOAWAY)
-by default after 1000 (STACK.md); a router holds long-lived client connections, so the
+by default after 1000 (docs/stack.md); a router holds long-lived client connections, so the
 limit is raised far out of reach.
 """
 

@@ -1,4 +1,4 @@
-"""What a mock engine puts on the wire, per dialect (reference/ENGINES.md sections 3-12).
+"""What a mock engine puts on the wire, per dialect (docs/engines.md sections 3-12).
 
 Rules
   * vllm: chunks look dumped with exclude_unset (fields the server set appear, others are
@@ -287,7 +287,7 @@ def _message(r: Reply, c: dict[str, Any], tool_ids: list[str]) -> dict[str, Any]
 
 
 def response(r: Reply) -> dict[str, Any]:
-    """The engine's own non-streaming answer (ENGINES.md section 12; fixtures' expected files)."""
+    """The engine's own non-streaming answer (docs/engines.md section 12; fixtures' expected files)."""
     s = r.script
     pieces = list(s.pieces)
     ids = [p.token_id for p in pieces]
@@ -369,7 +369,7 @@ def _fault_response(choice: dict[str, Any], fault: str, chat: bool) -> None:
         target["content" if chat else "text"] = 42
 
 
-# --- errors (ENGINES.md section 10) -----------------------------------------------------
+# --- errors (docs/engines.md section 10) ------------------------------------------------
 
 ERROR_TYPES: dict[tuple[str, int], str] = {
     ("vllm", 400): "BadRequestError",

@@ -2,7 +2,7 @@
 
 The router talks HTTP/1.1 to engines: closing an HTTP/1.1 connection aborts the engine
 request, which is how a client's disconnect reaches the engine (httpx over HTTP/2 never
-sends RST_STREAM, STACK.md). Transport failures become values of one small table, most
+sends RST_STREAM, docs/stack.md). Transport failures become values of one small table, most
 specific first, mapped to failure rows:
 
     no byte for the idle timeout         -> E07 engine_timeout (upstream.idle_timeout_ms)

@@ -94,7 +94,7 @@ def test_a_grant_freed_in_the_same_read_reaches_the_queued_request() -> None:
 
 
 def test_the_door_scores_a_decode_close_at_the_mean_batch_it_ran_at() -> None:
-    """PREDICTION.md section 8 (B_k), tests/core/test_decode_batch.py: a request that decoded
+    """docs/prediction.md section 8 (B_k), tests/core/test_decode_batch.py: a request that decoded
     alone for 0.95 s while three others joined only for its last 0.05 s; its TPOT is what
     the profile projects at the mean batch 1.15, so its residual is zero. The batch at its
     close (4) would have scored it at half the TPOT it projects there."""

@@ -396,7 +396,7 @@ def test_prefill_measurements_refine_the_model_online() -> None:
     assert abs(e.prefill.predict_ms(1000) - 300.0) / 300.0 < 0.1
 
 
-# -- precedence (STYLE.md P3) ----------------------------------------------------------
+# -- precedence (docs/style.md P3) -----------------------------------------------------
 
 
 @given(st.fixed_dictionaries({p: st.booleans() for p in PREDICATES}))

@@ -1,7 +1,7 @@
 """The house's rules, read from the imports (every import counts, those under
 TYPE_CHECKING and inside functions too):
 
-  * the sans-IO core imports no web framework, no socket, no event loop (STYLE.md P4);
+  * the sans-IO core imports no web framework, no socket, no event loop (docs/style.md P4);
   * the layers import only downwards, and the two planes meet only at the seam
     (narwhal/core/lease.py): the data plane (narwhal/worker) never reaches the authority's
     scheduler or fleet state, the authority never the data plane or HTTP;

@@ -1,4 +1,4 @@
-"""The batch a measured TPOT is scored at (PREDICTION.md section 8: "r_k = log(TPOT_measured
+"""The batch a measured TPOT is scored at (docs/prediction.md section 8: "r_k = log(TPOT_measured
 / TPOT_profile(B_k))"): the mean decode batch over the span the TPOT was measured, from the
 request's first token to its close, not the batch left on the engine at its close. Sans-IO
 with a manual clock (the authority's door scoring a close: tests/authority/test_channel.py)."""

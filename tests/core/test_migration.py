@@ -123,7 +123,7 @@ def _events(raw: bytes) -> list[object]:
     return out
 
 
-CONT = [  # a vLLM completions stream on a token-ID prompt (ENGINES.md section 4)
+CONT = [  # a vLLM completions stream on a token-ID prompt (docs/engines.md section 4)
     b'data: {"id":"cmpl-9","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":" brave","logprobs":null,"finish_reason":null,'
     b'"stop_reason":null,"prompt_token_ids":[1,2,3,1000],"token_ids":[1007]}]}\n\n',
     b'data: {"id":"cmpl-9","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length",'

@@ -1,4 +1,4 @@
-"""What the router learns (PREDICTION.md): prefill model, decode profile, drift, output
+"""What the router learns (docs/prediction.md): prefill model, decode profile, drift, output
 lengths, margin, TPOT from token IDs."""
 
 from __future__ import annotations

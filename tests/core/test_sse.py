@@ -1,4 +1,4 @@
-"""SSE parsing, fed whole, one byte at a time, and in random splits (STYLE.md P10)."""
+"""SSE parsing, fed whole, one byte at a time, and in random splits (docs/style.md P10)."""
 
 from __future__ import annotations
 

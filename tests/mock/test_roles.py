@@ -1,4 +1,4 @@
-"""Prefill/decode roles: the vLLM two-phase protocol (ENGINES.md section 11)."""
+"""Prefill/decode roles: the vLLM two-phase protocol (docs/engines.md section 11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fault-free mock output has the dialects' wire shapes (ENGINES.md sections 3-12).
+"""Fault-free mock output has the dialects' wire shapes (docs/engines.md sections 3-12).
 
 Checked three ways: key sets against the engine fixtures, the token-ID and usage presence
 rules per dialect, and the core assembler (narwhal/core/assembly.py) rebuilding each

@@ -105,7 +105,7 @@ def test_narwhal_routes_to_llamacpp(llamacpp: Any) -> None:
 # arrives (health polls and profiling included). Through Narwhal with
 # engines[].max_concurrency: 1 its answers must be the engine's own: the same finish,
 # counts and usage, request by request (its greedy text depends on its own prompt cache,
-# ENGINES.md/STACK.md, so the text is only checked to be there).
+# docs/stack.md, so the text is only checked to be there).
 
 PROMPTS = [
     "Name three colors.",

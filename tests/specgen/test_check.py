@@ -1,5 +1,5 @@
 """`narwhal spec check`: regenerating gives a byte-identical tree, and any hand edit to
-generated/ or changed row in spec/ is caught (STYLE.md P7)."""
+generated/ or changed row in spec/ is caught (docs/style.md P7)."""
 
 from __future__ import annotations
 
