@@ -107,3 +107,89 @@ def test_every_path_a_doc_names_exists(doc: Path) -> None:
         if target.exists() and anchor not in slugs(target.read_text()):
             wrong.append(f"link ({f}#{anchor}): {f or doc.name} has no heading with that anchor")
     assert not wrong, f"{doc.relative_to(ROOT)} names paths that are not in the tree:\n" + "\n".join(wrong)
+
+
+# -- commands and flags the docs name ------------------------------------------------------
+
+_CMD = re.compile(r"\s*(?:[A-Z_]+=\S*\s+)*narwhal ((?:bench |spec )?[a-z][a-z-]*)((?: +[^\s`]+)*)")
+
+
+def commands(text: str) -> set[tuple[str, str]]:
+    """(subcommand, --flag) pairs, and (subcommand, "") for each subcommand, that backticked
+    `narwhal ...` command lines in a Markdown text use."""
+    out: set[tuple[str, str]] = set()
+    for code in _CODE.findall(text):
+        for part in re.split(r"&&|;|\|(?!\|)| then ", code):
+            m = _CMD.match(part)
+            if not m:
+                continue
+            sub = m.group(1).strip()
+            if sub.startswith("spec "):
+                sub = "spec"
+            out.add((sub, ""))
+            for word in m.group(2).split():
+                flag = word.strip("[]()…,.").split("=", 1)[0]
+                if flag.startswith("--") and len(flag) > 2 and not _placeholder(flag):
+                    out.add((sub, flag))
+    return out
+
+
+def test_commands_are_read_from_code_spans() -> None:
+    text = ("Run `narwhal bench relay --window 10 [--http 2]` or `narwhal serve --config FILE`; `narwhal spec check`, "
+            "`pip install -e . && narwhal serve`, `NARWHAL_BENCH_NOPIN=1 narwhal bench paired` and `kubectl -n narwhal delete pod x`.")
+    assert commands(text) == {("bench relay", ""), ("bench relay", "--window"), ("bench relay", "--http"), ("serve", ""), ("serve", "--config"), ("spec", ""), ("bench paired", "")}
+
+
+def _help(sub: str) -> str | None:
+    """`narwhal SUB --help`'s text, or None when SUB is no subcommand."""
+    import contextlib
+    import io
+
+    from narwhal.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main([*sub.split(), "--help"])
+        except SystemExit as e:
+            if e.code:
+                return None
+    return buf.getvalue()
+
+
+_NAMED = sorted({c for d in DOCS for c in commands(d.read_text())})
+
+
+@pytest.mark.parametrize("sub", sorted({s for s, _ in _NAMED}))
+def test_every_command_and_flag_the_docs_name_exists(sub: str) -> None:
+    text = _help(sub)
+    assert text is not None, f"`narwhal {sub}` is named in the docs and is no subcommand"
+    flags = set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", text))
+    unknown = sorted({f for s, f in _NAMED if s == sub and f and f not in flags})
+    where = {f: [str(d.relative_to(ROOT)) for d in DOCS if (sub, f) in commands(d.read_text())] for f in unknown}
+    assert not unknown, f"`narwhal {sub}` has no flag(s): {where}"
+
+
+# -- spec/README.md's table of tables ------------------------------------------------------
+
+
+def _ranges(ids: list[str]) -> str:
+    """IDs as spec/README.md writes them: one "X01–Xnn" per letter, in order of appearance."""
+    by: dict[str, list[int]] = {}
+    for i in ids:
+        by.setdefault(i[0], []).append(int(i[1:]))
+    return ", ".join(f"{k}{min(v):02d}–{k}{max(v):02d}" for k, v in by.items())
+
+
+def test_spec_readme_names_every_table_with_its_rows() -> None:
+    import yaml
+
+    text = (ROOT / "spec" / "README.md").read_text()
+    wrong = []
+    for table in sorted((ROOT / "spec" / "tables").glob("*.yaml")):
+        doc = yaml.safe_load(table.read_text())
+        ids = [r["id"] for v in doc.values() if isinstance(v, list) for r in v if isinstance(r, dict) and re.fullmatch(r"[A-Z]\d\d", str(r.get("id")))]
+        want = f"| `tables/{table.name}` | {_ranges(ids)} |"
+        if want not in text:
+            wrong.append(want)
+    assert not wrong, "spec/README.md should have these rows (file and row IDs):\n" + "\n".join(wrong)
