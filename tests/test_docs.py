@@ -193,3 +193,55 @@ def test_spec_readme_names_every_table_with_its_rows() -> None:
         if want not in text:
             wrong.append(want)
     assert not wrong, "spec/README.md should have these rows (file and row IDs):\n" + "\n".join(wrong)
+
+
+# -- configuration keys and tox environments the docs name ---------------------------------
+
+
+def _schema_keys() -> set[str]:
+    import json
+
+    from narwhal.specgen.config_doc import config_keys
+
+    return {k["path"] for k in config_keys(json.loads((ROOT / "spec" / "schema" / "config.schema.json").read_text()))}
+
+
+def config_keys_named(text: str, sections: set[str]) -> set[str]:
+    """Dotted configuration keys in a text's code spans (`serving.workers`,
+    `engines[].model`, `tenants.NAME.weight`); file names and placeholders are not keys."""
+    alt = "|".join(sorted(sections))
+    pat = re.compile(r"(?<![\w./-])((?:" + alt + r")(?:\[\])?(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+    out = set()
+    for code in _CODE.findall(text):
+        for m in pat.finditer(code):
+            key = m.group(1)
+            if not re.search(r"\.(py|md|yaml|json|c|NAME)$", key):
+                out.add(key)
+    return out
+
+
+def test_config_keys_are_read_from_code_spans() -> None:
+    text = "`serving.workers: 4`, `engines[].model`, `ha.py`, `tenants.quiet.weight`, serving.prose and `x.serving.no`"
+    assert config_keys_named(text, {"serving", "engines", "ha", "tenants"}) == {"serving.workers", "engines[].model", "tenants.quiet.weight"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_configuration_key_a_doc_names_is_in_the_schema(doc: Path) -> None:
+    keys = _schema_keys()
+    sections = {k.split(".")[0].split("[")[0] for k in keys}
+    wrong = []
+    for key in sorted(config_keys_named(doc.read_text(), sections)):
+        k = re.sub(r"^engines\.", "engines[].", re.sub(r"^tenants\.(?!NAME\b)[A-Za-z0-9_-]+", "tenants.NAME", key))
+        if k not in keys and not any(x.startswith(k + ".") for x in keys):
+            wrong.append(key)
+    assert not wrong, f"{doc.relative_to(ROOT)} names configuration keys the schema does not have: {wrong}"
+
+
+def test_every_tox_environment_the_docs_name_exists() -> None:
+    import configparser
+
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read(ROOT / "tox.ini")
+    envs = {s.split(":", 1)[1] for s in ini.sections() if s.startswith("testenv:")}
+    named = {e for d in DOCS for e in re.findall(r"tox -e ([a-z0-9-]+)", d.read_text())}
+    assert named and named <= envs, f"tox environments named in the docs but not in tox.ini: {sorted(named - envs)}"
