@@ -36,7 +36,7 @@ TOY = {
                 "xs": {"type": "array", "items": {"type": "integer", "minimum": 1}, "maxItems": 4, "default": [1]},
             },
         },
-        "B": {"type": "object", "properties": {"k": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 9}}},
+        "B": {"type": "object", "required": ["k"], "properties": {"k": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 9}}},
     },
 }
 
@@ -70,6 +70,8 @@ def test_a_cell_never_breaks_the_table() -> None:
     row = next(line for line in md.splitlines() if line.startswith("| `a.n`"))
     assert row == "| `a.n` | integer | `3` | >= 1, <= 10 | a \\| b |"
     assert "| **`a`** | section | `{}` |  | section A |" in md
+    assert "| `list[].k` | string | *required* | length <= 9, pattern `^[a-z]+$` |  |" in md
+    assert [k["path"] for k in config_keys(TOY) if k["required"]] == ["b.k", "list[].k", "map.NAME.k"]
 
 
 def test_every_schema_key_is_in_the_reference_with_its_default_and_a_bound() -> None:
