@@ -2,9 +2,12 @@
 (`narwhal/...py`, `tests/...`, `docs/...`, `spec/...`, `deploy/...`, `scripts/...`,
 `conformance/...`, `generated/...`, `benchmarks/...`, `narwhal_bench/...`) and relative
 Markdown links (and their #anchors: a heading of the page they point to), in README.md,
-conformance/README.md and every page under docs/. A `path.py::name` also names a test or
-function in that file, which must be defined there.
-Placeholders (`<ROW>`, `*`, `{a,b}`, `...`, NAME) are not paths."""
+conformance/README.md, spec/README.md, scripts/*/README.md and every page under docs/. A
+`path.py::name` also names a test or function in that file, which must be defined there.
+Placeholders (`<ROW>`, `*`, `{a,b}`, `...`, NAME) are not paths.
+The same pages' other facts: every `narwhal ...` command and flag they name exists, every
+configuration key is in the schema, every `tox -e` environment is in tox.ini, and
+spec/README.md names every table with its row IDs."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", ROOT / "conformance" / "README.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "conformance" / "README.md", ROOT / "spec" / "README.md", *ROOT.glob("scripts/*/README.md"), *(ROOT / "docs").glob("*.md")])
 PREFIXES = ("narwhal/", "narwhal_bench/", "tests/", "docs/", "spec/", "deploy/", "scripts/", "conformance/", "generated/", "benchmarks/")
 _CODE = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
