@@ -248,3 +248,9 @@ def test_every_tox_environment_the_docs_name_exists() -> None:
     envs = {s.split(":", 1)[1] for s in ini.sections() if s.startswith("testenv:")}
     named = {e for d in DOCS for e in re.findall(r"tox -e ([a-z0-9-]+)", d.read_text())}
     assert named and named <= envs, f"tox environments named in the docs but not in tox.ini: {sorted(named - envs)}"
+
+
+def test_conformance_readme_names_the_suite_version() -> None:
+    from narwhal_conformance import SUITE_VERSION
+
+    assert f"Suite version: **{SUITE_VERSION}**" in (ROOT / "conformance" / "README.md").read_text()
