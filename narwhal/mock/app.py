@@ -18,7 +18,7 @@ Rules
     response); sglang always (--enable-cache-report); openai always (its own field).
   * KV events (vllm dialect, `kv_events` endpoint; kv_events.py): a batch per prefill
     that changed the cache (its evictions, then its stored blocks) and per reset.
-  * Roles (ENGINES.md section 11): `unified` prefills then decodes; `prefill` answers
+  * Roles (docs/engines.md section 11): `unified` prefills then decodes; `prefill` answers
     after its prefill and, when asked with kv_transfer_params.do_remote_decode, returns
     top-level kv_transfer_params; `decode` refuses (400) a completion request whose
     kv_transfer_params lack do_remote_prefill: true, and with them skips the prefill

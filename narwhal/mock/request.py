@@ -59,7 +59,7 @@ def validate(cfg: MockConfig, route: str, body: dict[str, Any]) -> None:
     if cfg.dialect == "vllm" and so is not None and not stream:
         raise Refusal(400, "Stream options can only be defined when `stream=True`.", "stream_options")
     if cfg.dialect == "sglang" and route == "chat" and stream and body.get("return_token_ids") is True:
-        raise Refusal(400, _SGLANG_STREAM_IDS, "return_token_ids")  # ENGINES.md pitfall 5
+        raise Refusal(400, _SGLANG_STREAM_IDS, "return_token_ids")  # docs/engines.md pitfall 5
 
 
 def reply_for(cfg: MockConfig, route: str, body: dict[str, Any], beh: Behaviour, fault: str | None, xrid: str | None, script: Script, n_prompt: int, prompt_ids: list[int] | None, stream: bool, kv_out: dict[str, Any] | None) -> wire.Reply:
@@ -70,7 +70,7 @@ def reply_for(cfg: MockConfig, route: str, body: dict[str, Any], beh: Behaviour,
     want_ids = body.get("return_token_ids") is True
     hide = d == "vllm" and route == "chat" and body.get("include_reasoning") is False
     if d == "vllm":
-        # ENGINES.md pitfall 4: include_reasoning false hides IDs and logprobs as well
+        # docs/engines.md pitfall 4: include_reasoning false hides IDs and logprobs as well
         ids = want_ids and not hide
     elif d == "sglang":
         ids = want_ids and (route == "completions" or not stream)
