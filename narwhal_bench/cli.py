@@ -262,9 +262,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from .client import make_client
+    from .harness.client import make_client
     from .experiments import _run
-    from .load import (
+    from .harness.load import (
         RequestShape,
         default_trace,
         fixed_rate,
@@ -272,8 +272,8 @@ def _load(args: argparse.Namespace) -> int:
         run_open_loop,
         trace_arrivals,
     )
-    from .procs import cpu_seconds
-    from .stats import LATENCY_HEADER, fmt_ms, latency_rows, markdown_table, summarize
+    from .harness.processes import cpu_seconds
+    from .harness.stats import LATENCY_HEADER, fmt_ms, latency_rows, markdown_table, summarize
 
     if (args.rate is None) == (args.trace is None):
         print("narwhal bench load: give exactly one of --rate or --trace", file=sys.stderr)

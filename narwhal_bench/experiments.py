@@ -10,7 +10,7 @@
             peers: goodput over offered requests, refusals, TTFT p99, refusal latency.
 
 Every run pins the router under test to one core and the load tool and engines to the
-other (procs.layout()), stops every process it started, and is bounded in time.
+other (harness.processes.layout()), stops every process it started, and is bounded in time.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from . import harness as H
-from .client import SSERecorder, make_client
+from .harness.client import SSERecorder, make_client
 from .hold import PER_HOLDER, hold_spread
-from .load import (
+from .harness.load import (
     Arrival,
     RequestShape,
     default_trace,
@@ -38,8 +38,8 @@ from .load import (
     run_open_loop,
     trace_arrivals,
 )
-from .procs import layout, pin_self, raise_nofile
-from .stats import Result, fmt_ms, markdown_table, percentile, summarize
+from .harness.processes import layout, pin_self, raise_nofile
+from .harness.stats import Result, fmt_ms, markdown_table, percentile, summarize
 
 __all__ = ["overhead", "relay", "memory", "peers", "overload", "Report"]
 
@@ -453,7 +453,7 @@ def memory_preflight(streams: int, *, margin: int = 256) -> dict[str, Any]:
     """Can this machine hold `streams` open HTTP/1.1 streams, and how? A router process
     holds two descriptors per stream (client and engine connections), a holder
     (narwhal_bench.hold) or a ticker engine one; RLIMIT_NOFILE bounds each process (its
-    soft limit is raised to the hard one here and in every child, procs.Proc). Past one
+    soft limit is raised to the hard one here and in every child, harness.processes.Proc). Past one
     router process's `max_streams`, Narwhal spreads the streams over `narwhal_workers`
     data-plane workers (half of each one's room left for an uneven accept spread: the
     kernel hands each connection to whichever worker accepts first) and a peer, one
@@ -638,7 +638,7 @@ async def _burst(urls: Sequence[str], arrivals: Sequence[Arrival]) -> float:
     clients = [make_client(u, "1") for u in urls]
     shape = RequestShape(stream=True)
     res: list[Result] = []
-    from .load import _one
+    from .harness.load import _one
 
     t0 = time.perf_counter()
     await asyncio.gather(*(_one(clients[i % len(clients)], shape, a, t0, 120.0, res) for i, a in enumerate(arrivals)))

@@ -45,8 +45,8 @@ none failed (nor cut); take-over after SIGTERM under 1 s at the default TTL (300
 
 Every loop is bounded in time and count; every process started here runs in its own
 session and is stopped by its PID / process group in a `finally`. Routers are pinned to
-the router CPU; etcd, the engines and this process to the load CPUs (procs.layout();
-NARWHAL_BENCH_NOPIN=1 to not pin). Logs: procs.log_dir(). Output: Markdown on stdout and,
+the router CPU; etcd, the engines and this process to the load CPUs (harness.processes.layout();
+NARWHAL_BENCH_NOPIN=1 to not pin). Logs: harness.processes.log_dir(). Output: Markdown on stdout and,
 with --out (default out/bench/fleet), fleet.md and fleet.json (every request's record).
 """
 
@@ -89,9 +89,9 @@ from .ha import (
     read_ha,
     threading_main,
 )
-from .load import Arrival, RequestShape
-from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
-from .stats import REFUSAL_STATUSES, Result, markdown_table, percentile
+from .harness.load import Arrival, RequestShape
+from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
+from .harness.stats import REFUSAL_STATUSES, Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "classify", "analyse", "tables", "etcd_source_available", "StepRecord", "SigtermRecord"]
 

@@ -50,7 +50,7 @@ What is reported, per round and per TTL (median and max over rounds)
 Every loop is bounded in time and count; every process started here (etcd, routers,
 the mock engine) runs in its own session and is stopped by its PID / process group in a
 `finally`. Routers are pinned to the router CPU, etcd, the engine and this process to the
-load CPUs (procs.layout(); NARWHAL_BENCH_NOPIN=1 to not pin). Logs: procs.log_dir().
+load CPUs (harness.processes.layout(); NARWHAL_BENCH_NOPIN=1 to not pin). Logs: harness.processes.log_dir().
 The commit printed is `git rev-parse HEAD` (+"dirty narwhal/" when narwhal/ has changes);
 NARWHAL_BENCH_COMMIT overrides it (a run from an exported tree).
 """
@@ -79,10 +79,10 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from .client import H1Pool, SSERecorder
-from .load import Arrival, RequestShape, fixed_rate
-from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
-from .stats import Result, markdown_table, percentile
+from .harness.client import H1Pool, SSERecorder
+from .harness.load import Arrival, RequestShape, fixed_rate
+from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
+from .harness.stats import Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "failover_round", "main"]
 

@@ -78,12 +78,12 @@ import orjson
 from narwhal.mock.scenarios import sequence_script
 from narwhal.mock.tokens import prompt_token_ids
 
-from .client import H1Pool, SSERecorder
+from .harness.client import H1Pool, SSERecorder
 from .fleet import Admin, Mock, active, classify, gone, wait_fleet
 from .ha import Attempt, Request, _arun, _commit, books_at_rest
 from .harness import Engine, narwhal_config, start_narwhal
-from .load import open_loop
-from .procs import (
+from .harness.load import open_loop
+from .harness.processes import (
     Proc,
     command_line,
     free_port,
@@ -94,7 +94,7 @@ from .procs import (
     run_bench,
     wait_http,
 )
-from .stats import Result, markdown_table, percentile
+from .harness.stats import Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "ARMS", "MReq", "MigRec", "KillRecord", "RollStep", "expected_ids", "request_body",
            "analyse_kill", "analyse_roll", "read_migrations", "tables"]

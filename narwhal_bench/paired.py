@@ -36,11 +36,11 @@ from statistics import median
 from typing import Any
 
 from . import harness as H
-from .client import SSERecorder, make_client
+from .harness.client import SSERecorder, make_client
 from .experiments import _cleanup, _run, narwhal_overrides, phase, phases_at_once
-from .load import RequestShape, fixed_rate, run_closed_loop
-from .procs import layout, pin_self, run_bench
-from .stats import Result, summarize
+from .harness.load import RequestShape, fixed_rate, run_closed_loop
+from .harness.processes import layout, pin_self, run_bench
+from .harness.stats import Result, summarize
 
 __all__ = ["add_arguments", "run", "in_window", "ttft_round", "ttft_report"]
 

@@ -74,10 +74,10 @@ from typing import Any
 import orjson
 
 from . import harness as H
-from .client import SSERecorder, make_client
-from .load import open_loop
-from .procs import Proc, free_port, layout, log_dir, pin_self, wait_http
-from .stats import Result, fmt_ms, markdown_table, percentile, summarize
+from .harness.client import SSERecorder, make_client
+from .harness.load import open_loop
+from .harness.processes import Proc, free_port, layout, log_dir, pin_self, wait_http
+from .harness.stats import Result, fmt_ms, markdown_table, percentile, summarize
 
 __all__ = [
     "TraceRequest", "load_mooncake", "select", "scale", "block_text", "prompt_content", "request_body",

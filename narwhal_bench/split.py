@@ -21,7 +21,7 @@ How
     a `socketpair(AF_UNIX)`; the client is a separate `python -m narwhal_bench.split
     client ...` process under uvloop (like `python -m narwhal.workers`) holding a `Link`
     on the other end and driving `RemoteDoor` exactly as a worker's request does. This
-    process runs on the router CPU, the clients on the load CPU (procs.layout()).
+    process runs on the router CPU, the clients on the load CPU (harness.processes.layout()).
   * A cycle: arrive, admit, [granted], then (cycle "full", the default: what a streamed
     request on a unified engine sends) first_token and close with a full Outcome (ok
     engine, TPOT, output tokens, finish reason, reported prompt tokens), or (cycle
@@ -68,9 +68,9 @@ from typing import Any
 
 from . import harness as H
 from .experiments import Report, _run, phase
-from .load import RequestShape, fixed_rate
-from .procs import cpu_seconds, layout, pin_self, python
-from .stats import fmt_ms, markdown_table, percentile, summarize
+from .harness.load import RequestShape, fixed_rate
+from .harness.processes import cpu_seconds, layout, pin_self, python
+from .harness.stats import fmt_ms, markdown_table, percentile, summarize
 
 __all__ = ["split", "decisions", "saturation", "relay_split", "ttft_split", "floor", "await_quiet", "Others", "tree_pids", "tree_cpu"]
 
@@ -84,7 +84,7 @@ _stopping = False
 
 
 def _layout() -> tuple[set[int] | None, set[int] | None]:
-    """procs.layout(), taken once: each part pins this process, after which layout()
+    """harness.processes.layout(), taken once: each part pins this process, after which layout()
     would see one CPU."""
     global _LAYOUT
     if _LAYOUT is None:
@@ -772,8 +772,8 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
 
 
 async def _relay_window(url: str, streams: int, tokens: int, root: int, warm_s: float, window_s: float, engine_pid: int) -> dict[str, Any]:
-    from .client import SSERecorder, make_client
-    from .load import run_closed_loop
+    from .harness.client import SSERecorder, make_client
+    from .harness.load import run_closed_loop
 
     c = make_client(url, "1")
     total = warm_s + window_s + 1.0

@@ -60,7 +60,7 @@ alone (narwhal vs narwhal-alone); the noisy tenant refused with Retry-After; not
 failed; books balanced.
 
 Every loop is bounded in time and count; every process is stopped by its PID / process
-group in a `finally` (procs.Proc). Output: Markdown on stdout and, with --out (default
+group in a `finally` (harness.processes.Proc). Output: Markdown on stdout and, with --out (default
 out/bench/tenants), tenants.md and tenants.json.
 """
 
@@ -81,11 +81,11 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 
 from . import harness as H
-from .client import make_client
+from .harness.client import make_client
 from .experiments import _burst, _cleanup, _pinning_note, _prefill_ms, _run, _wait_idle, capacity
-from .load import Arrival, RequestShape, fixed_rate, run_open_loop
-from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
-from .stats import Result, fmt_ms, markdown_table, percentile
+from .harness.load import Arrival, RequestShape, fixed_rate, run_open_loop
+from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
+from .harness.stats import Result, fmt_ms, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "ARMS"]
 

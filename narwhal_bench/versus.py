@@ -11,7 +11,7 @@ The run
     `memory` (experiments.relay_one, phase, memory_one): the same engines, the same load
     client (the raw HTTP/1.1 client), the router's CPU and RSS read from /proc over its
     whole process tree, the router pinned alone to one CPU and the engines and the load
-    tool to the other (procs.layout()). Peers are started by harness.start_peer as plain
+    tool to the other (harness.processes.layout()). Peers are started by harness.start_peer as plain
     relays (no retries, circuit breaker or health polling where they have a flag; Envoy
     with one worker thread per router CPU). Narwhal: `narwhal serve` (hypercorn; granian
     with --servers granian when installed), admission `--mode` (default open, as the
@@ -85,9 +85,9 @@ from .experiments import (
     phases_at_once,
     relay_one,
 )
-from .load import RequestShape, fixed_rate
-from .procs import command_line, layout, pin_self, run_bench
-from .stats import fmt_ms, markdown_table, summarize
+from .harness.load import RequestShape, fixed_rate
+from .harness.processes import command_line, layout, pin_self, run_bench
+from .harness.stats import fmt_ms, markdown_table, summarize
 
 __all__ = ["add_arguments", "run", "main", "versus", "command", "runs_order", "median", "summary", "verdict", "tables", "estimate_s", "PARTS", "ROUTERS", "TARGETS"]
 

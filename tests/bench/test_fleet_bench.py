@@ -23,7 +23,7 @@ from narwhal_bench.fleet import (
     tables,
 )
 from narwhal_bench.ha import Attempt, Poll, Request
-from narwhal_bench.stats import Result
+from narwhal_bench.harness.stats import Result
 
 T0 = 100.0
 

@@ -28,7 +28,7 @@ from narwhal_bench.migration import (
     run,
     tables,
 )
-from narwhal_bench.stats import Result
+from narwhal_bench.harness.stats import Result
 
 T0 = 100.0
 

@@ -1,9 +1,9 @@
 """Starting what a benchmark measures: mock engines, the ticker, Narwhal (hypercorn or
-granian) and the peer routers, each a pinned child process (procs.Proc).
+granian) and the peer routers, each a pinned child process (processes.Proc).
 
 Rules
   * Engines and the load tool share the "load" CPUs; every router under test gets the
-    "router" CPU alone (procs.layout()). Peers run one worker/process so that CPU per
+    "router" CPU alone (processes.layout()). Peers run one worker/process so that CPU per
     token compares like with like (Envoy: one worker thread per router CPU).
   * SMG 1.13 and vLLM's router (Rust) and Envoy 1.40 (C++, the baseline that adds
     nothing) run as plain relays: no retries, no circuit breaker, no health polling, no
@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from .procs import Proc, free_port, log_dir, python, wait_http
+from .processes import Proc, free_port, log_dir, python, wait_http
 
 __all__ = [
     "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
@@ -33,7 +33,7 @@ __all__ = [
     "start_envoy",
 ]
 
-REPO = Path(__file__).resolve().parents[1]  # narwhal_bench/harness.py -> the repository
+REPO = Path(__file__).resolve().parents[2]  # narwhal_bench/harness/__init__.py -> the repository
 MASTER_KEY = "sk-narwhal-bench-0123456789abcdef"
 PEERS = ("narwhal", "narwhal-granian", "litellm", "vllm-router", "xpyd-proxy", "smg", "envoy")
 RUST_PEERS = ("smg", "vllm-router")  # the routers Narwhal's targets compare with (issue 25); Envoy is the baseline
@@ -335,7 +335,7 @@ def start_envoy(engines: Sequence[Engine], *, cpus: set[int] | None = None, name
     CPU; ready once a GET through it reaches an engine (/health)."""
     import json
 
-    from . import envoy
+    from .. import envoy
 
     unified = [e for e in engines if e.role == "unified"]
     if not unified:
