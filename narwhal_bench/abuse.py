@@ -31,8 +31,8 @@ import h2.settings
 import httpx
 import orjson
 
-from .harness.client import H1Pool
 from .harness import mock_engine, narwhal_config, start_narwhal
+from .harness.client import H1Pool
 from .harness.load import RequestShape, fixed_rate, run_open_loop
 from .harness.processes import layout, pin_self, rss_bytes
 from .harness.stats import markdown_table, summarize

@@ -228,7 +228,9 @@ def run(args: argparse.Namespace) -> int:
                     img=Path(args.img) if args.img else None)
         elif cmd == "overload":
             arms = [_ARM_KEYS[a] for a in O.names(args.arms)]
-            X.overload(scenario=args.scenario, loads=O.floats(args.loads), arms=arms, peer_names=O.names(args.peers), engines=args.engines, duration_s=args.duration,
+            from .overload import overload
+
+            overload(scenario=args.scenario, loads=O.floats(args.loads), arms=arms, peer_names=O.names(args.peers), engines=args.engines, duration_s=args.duration,
                        drain_s=args.drain, trace=args.trace, queue_limit=args.queue_limit, out=out, img=Path(args.img) if args.img else None)
         return 0
     except KeyboardInterrupt:
@@ -241,12 +243,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace) -> int:
     from .harness.client import make_client
-    from .experiments import _run
     from .harness.load import (
         RequestShape,
         default_trace,
         fixed_rate,
         load_trace,
+        run_loop,
         run_open_loop,
         trace_arrivals,
     )
@@ -283,7 +285,7 @@ def _load(args: argparse.Namespace) -> int:
             await c.aclose()
 
     c0 = cpu_seconds(args.pid) if args.pid else None
-    res = _run(go())
+    res = run_loop(go())
     s = summarize(res, duration_s=args.duration, ttft_target_s=(args.ttft_target_ms / 1000.0) if args.ttft_target_ms else None)
     print(f"{args.url}: {what}, {args.duration:g} s, HTTP/{'1.1' if args.http == '1' else '2'}, {'streaming' if shape.stream else 'non-streaming'}")
     print()

@@ -90,7 +90,16 @@ from .ha import (
     threading_main,
 )
 from .harness.load import Arrival, RequestShape
-from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
+from .harness.processes import (
+    Proc,
+    command_line,
+    free_port,
+    layout,
+    log_dir,
+    pin_self,
+    python,
+    wait_http,
+)
 from .harness.stats import REFUSAL_STATUSES, Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "classify", "analyse", "tables", "etcd_source_available", "StepRecord", "SigtermRecord"]

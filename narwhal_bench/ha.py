@@ -81,7 +81,16 @@ import yaml  # type: ignore[import-untyped]
 
 from .harness.client import H1Pool, SSERecorder
 from .harness.load import Arrival, RequestShape, fixed_rate
-from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
+from .harness.processes import (
+    Proc,
+    command_line,
+    free_port,
+    layout,
+    log_dir,
+    pin_self,
+    python,
+    wait_http,
+)
 from .harness.stats import Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "failover_round", "main"]

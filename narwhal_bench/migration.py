@@ -78,10 +78,10 @@ import orjson
 from narwhal.mock.scenarios import sequence_script
 from narwhal.mock.tokens import prompt_token_ids
 
-from .harness.client import H1Pool, SSERecorder
 from .fleet import Admin, Mock, active, classify, gone, wait_fleet
 from .ha import Attempt, Request, _arun, _commit, books_at_rest
 from .harness import Engine, narwhal_config, start_narwhal
+from .harness.client import H1Pool, SSERecorder
 from .harness.load import open_loop
 from .harness.processes import (
     Proc,

@@ -36,9 +36,9 @@ from statistics import median
 from typing import Any
 
 from . import harness as H
+from .experiments import narwhal_overrides
 from .harness.client import SSERecorder, make_client
-from .experiments import _cleanup, _run, narwhal_overrides, phase, phases_at_once
-from .harness.load import RequestShape, fixed_rate, run_closed_loop
+from .harness.load import RequestShape, fixed_rate, phase, phases_at_once, run_closed_loop, run_loop
 from .harness.processes import layout, pin_self, run_bench
 from .harness.stats import Result, summarize
 
@@ -149,7 +149,7 @@ def paired(args: argparse.Namespace) -> dict[str, Any]:
     rcpu, lcpu = layout()
     pin_self(lcpu)
     if getattr(args, "part", "relay") == "ttft":
-        with _cleanup() as things:
+        with H.stopping() as things:
             eng = H.mock_engine("u0", cpus=lcpu, timing={"time_scale": 0.1})
             things.append(eng)
             routers = []
@@ -158,7 +158,7 @@ def paired(args: argparse.Namespace) -> dict[str, Any]:
                 things.append(r)
                 routers.append(r)
             return {"trees": [str(t) for t in trees], "part": "ttft", "rate": args.rate, "direct_rate": args.direct_rate, "rounds": _ttft(routers, eng, args)}
-    with _cleanup() as things:
+    with H.stopping() as things:
         tk = H.ticker_engine("t-paired", interval_ms=args.interval_ms, cpus=lcpu)
         things.append(tk)
         routers = []
@@ -167,7 +167,7 @@ def paired(args: argparse.Namespace) -> dict[str, Any]:
             r = H.start_narwhal(cfg, cpus=rcpu, name=name, tree=tree)
             things.append(r)
             routers.append(r)
-        rows = _run(_side_by_side(routers, args))
+        rows = run_loop(_side_by_side(routers, args))
     return {"trees": [str(t) for t in trees], "streams_per_router": args.streams, "windows": rows}
 
 

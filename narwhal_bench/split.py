@@ -67,9 +67,9 @@ from pathlib import Path
 from typing import Any
 
 from . import harness as H
-from .experiments import Report, _run, phase
-from .harness.load import RequestShape, fixed_rate
+from .harness.load import RequestShape, fixed_rate, phase, run_loop
 from .harness.processes import cpu_seconds, layout, pin_self, python
+from .harness.report import Report
 from .harness.stats import fmt_ms, markdown_table, percentile, summarize
 
 __all__ = ["split", "decisions", "saturation", "relay_split", "ttft_split", "floor", "await_quiet", "Others", "tree_pids", "tree_cpu"]
@@ -583,7 +583,7 @@ def decisions(*, rate: float = 2000.0, warm_s: float = 2.0, window_s: float = 10
     for k, attempt in _attempts(repeats, retries, lambda: bool(runs) and runs[-1]["others_cores"] > RETRY_OTHERS):
         quiet = await_quiet()
         at = time.strftime("%H:%M:%S", time.gmtime())
-        local, remote, echo, books = _run(go())
+        local, remote, echo, books = run_loop(go())
         fl, f_others = floor(rate, warm_s, window_s, lcpu)
         ls, rs, es = _summ(local), _summ(remote), _summ(echo)
         es["authority_cpu_us_per_cycle"] = echo["authority_cpu_s"] / max(1, es["completed"]) * 1e6
@@ -738,7 +738,7 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
         await controls.control.stop()
         return books
 
-    books = _run(go())
+    books = run_loop(go())
     best = None
     for s in sorted(steps, key=lambda s: (s["rate"], -s["attempt"])):  # the highest rate before the first step that failed (its last attempt)
         last = [x for x in steps if x["rate"] == s["rate"]][-1]
@@ -821,7 +821,7 @@ def relay_split(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 
                     things.append(r.proc)
                     try:
                         quiet = await_quiet([*tree_pids(r.proc.pid), tk.proc.pid])
-                        win = _run(_relay_window(r.url, streams, tokens, r.proc.pid, warm_s, window_s, tk.proc.pid))
+                        win = run_loop(_relay_window(r.url, streams, tokens, r.proc.pid, warm_s, window_s, tk.proc.pid))
                         win["quiet"] = quiet
                     finally:
                         r.stop()

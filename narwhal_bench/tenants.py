@@ -82,10 +82,11 @@ import yaml  # type: ignore[import-untyped]
 
 from . import harness as H
 from .harness.client import make_client
-from .experiments import _burst, _cleanup, _pinning_note, _prefill_ms, _run, _wait_idle, capacity
-from .harness.load import Arrival, RequestShape, fixed_rate, run_open_loop
+from .harness.load import Arrival, RequestShape, fixed_rate, run_loop, run_open_loop
 from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
+from .harness.report import pinning_note
 from .harness.stats import Result, fmt_ms, markdown_table, percentile
+from .overload import capacity, prefill_ms, wait_idle
 
 __all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "ARMS"]
 
@@ -307,7 +308,7 @@ def _arm(name: str, fleet: list[H.Engine], loads: dict[str, list[Arrival]], *, b
         raise ValueError(f"unknown arm {name!r} (known: {', '.join(ARMS)})")
     try:
         c0 = st.proc.cpu()
-        res = _run(_drive(st.url, loads, RequestShape(model=MODEL), timeout_s=duration_s + drain_s + 10, drain_s=drain_s))
+        res = run_loop(_drive(st.url, loads, RequestShape(model=MODEL), timeout_s=duration_s + drain_s + 10, drain_s=drain_s))
         cpu = st.proc.cpu() - c0
         books = narwhal_books(st.url) if router == "narwhal" else None
     finally:
@@ -343,22 +344,22 @@ def tenants(args: argparse.Namespace) -> dict[str, Any]:
     }
     data: dict[str, Any] = {
         "command": command_line("narwhal_bench.tenants"), "engines": args.engines, "timing": timing, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-        "prefill_ms": _prefill_ms(args.prompt_tokens, timing), "capacity": cap, "load": args.load, "noisy_factor": args.noisy_factor,
+        "prefill_ms": prefill_ms(args.prompt_tokens, timing), "capacity": cap, "load": args.load, "noisy_factor": args.noisy_factor,
         "rates": {"quiet": quiet_rps, "noisy": noisy_rps, "total": total}, "offered": {t: len(a) for t, a in loads_both.items()},
         "ttft_budget_ms": args.ttft_budget_ms, "duration_s": args.duration, "drain_s": args.drain, "equal_share_rps": share_rps,
-        "pinning": _pinning_note(rcpu, lcpu), "arms": [], "unavailable": {},
+        "pinning": pinning_note(rcpu, lcpu), "arms": [], "unavailable": {},
     }
     print(f"capacity: {cap['capacity_req_s']:.2f} req/s = {args.engines} engines / T({args.prompt_tokens}) = {data['prefill_ms']:.0f} ms; offered {total:.2f} req/s "
           f"({args.load:g}x): quiet {quiet_rps:.2f}/s ({quiet_rps / cap['capacity_req_s']:.3f}x), noisy {noisy_rps:.2f}/s ({noisy_rps / cap['capacity_req_s']:.3f}x)", flush=True)
-    with _cleanup() as things:
+    with H.stopping() as things:
         fleet = [H.mock_engine(f"u{i}", cpus=lcpu, model=MODEL, timing={**timing, "seed": i + 1}, output_tokens=args.output_tokens) for i in range(args.engines)]
         things.extend(fleet)
         burst = [Arrival(0.0, args.prompt_tokens, args.output_tokens)] * (10 * args.engines)
-        measured = _run(_burst([e.url for e in fleet], burst))
+        measured = run_loop(burst([e.url for e in fleet], burst))
         data["capacity"]["measured_req_s_burst"] = measured
         print(f"capacity check: {len(burst)} requests at once directly to the engines: prefills completed at {measured:.2f} req/s (computed {cap['capacity_req_s']:.2f})", flush=True)
         for name in arms:
-            if not _wait_idle(fleet, 20.0):  # a router that does not pass aborts upstream left work behind
+            if not wait_idle(fleet, 20.0):  # a router that does not pass aborts upstream left work behind
                 print(f"  engines still busy before {name}: restarting them", flush=True)
                 data.setdefault("engine_restarts", []).append(name)
                 for e in fleet:

@@ -74,19 +74,10 @@ from pathlib import Path
 from typing import Any
 
 from . import harness as H
-from .experiments import (
-    Report,
-    _cleanup,
-    _pinning_note,
-    memory_one,
-    memory_preflight,
-    narwhal_overrides,
-    phase,
-    phases_at_once,
-    relay_one,
-)
-from .harness.load import RequestShape, fixed_rate
+from .experiments import memory_one, memory_preflight, narwhal_overrides, relay_one
+from .harness.load import RequestShape, fixed_rate, phase, phases_at_once
 from .harness.processes import command_line, layout, pin_self, run_bench
+from .harness.report import Report, pinning_note
 from .harness.stats import fmt_ms, markdown_table, summarize
 
 __all__ = ["add_arguments", "run", "main", "versus", "command", "runs_order", "median", "summary", "verdict", "tables", "estimate_s", "PARTS", "ROUTERS", "TARGETS"]
@@ -401,13 +392,13 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
         "command": command(a), "routers": routers, "runs": a.runs, "parts": parts, "mode": a.mode, "mem_streams": a.mem_streams,
         "settings": {k: getattr(a, k) for k in ("streams", "tokens", "interval_ms", "warm", "window", "rate", "direct_rate", "ttft_duration", "prompt_tokens", "output_tokens", "tpot_ms",
                                                  "mem_interval_ms", "mem_ramp", "mem_hold", "quiet_wait", "workers")},
-        "pinning": _pinning_note(rcpu, lcpu), "nofile": pre["nofile"], "preflight": pre, "estimate_s": est, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "pinning": pinning_note(rcpu, lcpu), "nofile": pre["nofile"], "preflight": pre, "estimate_s": est, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "measurements": [], "notes": {}, "unavailable": {}, "targets": TARGETS,
     }
     data["mem_plan"] = {"narwhal_workers": mem_workers, "peer_streams": pre["peer_streams"], "holders": pre["spread"], "tickers": pre["spread"]}
     print(f"narwhal bench versus: {', '.join(routers)} x {a.runs} run(s), parts {', '.join(parts)}; expected ~{est / 60:.0f} min", flush=True)
     mem_tokens = int((a.mem_ramp + a.mem_hold + 40) * 1000 / a.mem_interval_ms) + 5
-    with _cleanup() as things:
+    with H.stopping() as things:
         eng: dict[str, H.Engine] = {}
         if "relay" in parts:
             eng["relay"] = H.ticker_engine("t-relay", interval_ms=a.interval_ms, cpus=lcpu)

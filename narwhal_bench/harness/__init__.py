@@ -17,8 +17,9 @@ Rules
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from .processes import Proc, free_port, log_dir, python, wait_http
 __all__ = [
     "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
     "Started", "PeerUnavailable", "start_peer", "PEERS", "RUST_PEERS", "router_names", "smg_argv", "smg_workers_file", "start_smg", "SMG_RELAY_FLAGS",
-    "start_envoy",
+    "start_envoy", "stopping",
 ]
 
 REPO = Path(__file__).resolve().parents[2]  # narwhal_bench/harness/__init__.py -> the repository
@@ -111,6 +112,19 @@ class Started:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[list[Any]]:
+    """A list to put what a bench starts in (engines, routers, Procs: anything with
+    .stop()); on exit each is stopped, in reverse, whatever happened."""
+    things: list[Any] = []
+    try:
+        yield things
+    finally:
+        for t in reversed(things):
+            with contextlib.suppress(Exception):
+                (t.proc if isinstance(t, Engine) else t).stop()
 
 
 class PeerUnavailable(Exception):

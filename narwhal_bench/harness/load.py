@@ -32,10 +32,11 @@ from typing import Any
 
 import orjson
 
-from .client import H1Pool, H2Client, H2Pool, SSERecorder
+from .client import H1Pool, H2Client, H2Pool, SSERecorder, make_client
 from .stats import Result
 
-__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace"]
+__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace", "run_loop", "phase",
+           "phases_at_once"]
 
 _FILLER = "the quick brown fox jumps over the lazy dog while narwhals route tokens "
 
@@ -252,3 +253,39 @@ async def run_closed_loop(
     if pending:
         await asyncio.wait(pending, timeout=5.0)
     return out
+
+
+def run_loop(coro: Any) -> Any:
+    """Run coro to its end in a fresh event loop: uvloop's when installed, else asyncio's."""
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+async def _phase(url: str, headers: dict[str, str], http: str, arrivals: Sequence[Arrival], shape: RequestShape, *, timeout_s: float = 60.0,
+                 drain_s: float = 30.0) -> list[Result]:
+    c = make_client(url, http, headers=headers)
+    try:
+        return await run_open_loop(c, arrivals, shape, timeout_s=timeout_s, drain_s=drain_s)
+    finally:
+        await c.aclose()
+
+
+def phase(url: str, headers: dict[str, str], http: str, arrivals: Sequence[Arrival], shape: RequestShape, **kw: Any) -> list[Result]:
+    """One open loop of these arrivals against url (a client of its own, closed after)."""
+    return run_loop(_phase(url, headers, http, arrivals, shape, **kw))
+
+
+async def _phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
+    return list(await asyncio.gather(*(_phase(url, headers, http, arrivals, shape, **kw) for url, headers, arrivals in arms)))
+
+
+def phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
+    """Each arm (url, headers, arrivals) an open loop of its own, all in one event loop at
+    the same time: their requests interleave, so whatever drifts on the machine during the
+    run (the VM's speed, the engine's load) drifts for every arm alike. One list of results
+    per arm, in the arms' order."""
+    return run_loop(_phases_at_once(arms, http, shape, **kw))

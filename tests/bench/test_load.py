@@ -9,8 +9,7 @@ import pytest
 
 from narwhal.mock import MockConfig, running_mock
 from narwhal_bench.harness.client import H1Pool, SSERecorder, _H1Conn, make_client
-from narwhal_bench.experiments import phases_at_once
-from narwhal_bench.harness.load import RequestShape, fixed_rate, run_open_loop
+from narwhal_bench.harness.load import RequestShape, fixed_rate, phases_at_once, run_open_loop
 from narwhal_bench.harness.stats import Result, summarize
 
 

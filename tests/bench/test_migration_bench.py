@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from narwhal_bench.harness.stats import Result
 from narwhal_bench.migration import (
     ARMS,
     KillRecord,
@@ -28,7 +29,6 @@ from narwhal_bench.migration import (
     run,
     tables,
 )
-from narwhal_bench.harness.stats import Result
 
 T0 = 100.0
 

@@ -12,6 +12,7 @@ from narwhal.mock import MockConfig, running_mock
 from narwhal.mock.cache import block_hashes
 from narwhal.mock.tokens import prompt_token_ids
 from narwhal_bench.harness.client import make_client
+from narwhal_bench.harness.stats import Result
 from narwhal_bench.prefix import (
     PrefixRecorder,
     TraceRequest,
@@ -23,7 +24,6 @@ from narwhal_bench.prefix import (
     scale,
     select,
 )
-from narwhal_bench.harness.stats import Result
 
 
 def _row(ts: int, ids: list[int], n: int | None = None, out: int = 100) -> dict[str, object]:
