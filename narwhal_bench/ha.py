@@ -68,7 +68,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +75,8 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
+from .ha_report import ATTEMPT_FIELDS, analyse, attempt_rows, summarize_ttl, tables
+from .harness import options as O
 from .harness.client import H1Pool
 from .harness.etcd import Etcd
 from .harness.follow import (
@@ -92,6 +93,7 @@ from .harness.follow import (
     read_ha,
 )
 from .harness.load import RequestShape, fixed_rate, run_loop
+from .harness.options import opt
 from .harness.processes import (
     Proc,
     command_line,
@@ -103,7 +105,6 @@ from .harness.processes import (
     wait_http,
 )
 from .harness.report import commit
-from .harness.stats import markdown_table, percentile
 
 __all__ = ["add_arguments", "run", "failover_round", "main"]
 
@@ -112,29 +113,30 @@ KEY = "/narwhal-bench/leader"
 ROUTERS = 3
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 # -- arguments ---------------------------------------------------------------------------------
 
 
+OPTIONS = (
+    opt("--rounds", type=int, default=3, help="kills per TTL (default 3); etcd and routers are fresh each round"),
+    opt("--ttls", default="3000", help="ha.lease_ttl_ms values, comma-separated (default 3000, the config's default; e.g. 3000,2000)"),
+    opt("--renew-ms", type=int, default=None, help="ha.renew_interval_ms (default: the config's 1000 when the TTL allows, else TTL/3 rounded down to 100 ms)"),
+    opt("--fence-margin-ms", type=int, default=500, help="ha.fence_margin_ms (default 500, the config's)"),
+    opt("--request-timeout-ms", type=int, default=None, help="ha.request_timeout_ms (default: the config's 1000, at most the renew interval)"),
+    opt("--rate", type=float, default=50.0, help="requests/s, uniform gaps (default 50)"),
+    opt("--kill-after", type=float, default=4.0, help="seconds of load before the leader is killed (default 4)"),
+    opt("--after", type=float, default=10.0, help="seconds of load after the kill (default 10)"),
+    opt("--jitter", type=float, default=None, help="add a random 0..JITTER s to --kill-after, so the kill falls at any point of the renewal cycle (default: the renew interval; 0 for none)"),
+    opt("--seed", type=int, default=1, help="seed of the kill jitter (default 1)"),
+    opt("--output-tokens", type=int, default=16, help="tokens per streamed answer (default 16)"),
+    opt("--tpot-ms", type=float, default=10.0, help="mock engine ms per token (default 10: a 16-token answer streams in ~0.16 s)"),
+    opt("--timeout", type=float, default=10.0, help="per-attempt timeout, s (default 10)"),
+    O.drain(15.0),
+    opt("--json", help="write the rounds (with every attempt) and the summary to this JSON file"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=3, help="kills per TTL (default 3); etcd and routers are fresh each round")
-    p.add_argument("--ttls", default="3000", help="ha.lease_ttl_ms values, comma-separated (default 3000, the config's default; e.g. 3000,2000)")
-    p.add_argument("--renew-ms", type=int, default=None, help="ha.renew_interval_ms (default: the config's 1000 when the TTL allows, else TTL/3 rounded down to 100 ms)")
-    p.add_argument("--fence-margin-ms", type=int, default=500, help="ha.fence_margin_ms (default 500, the config's)")
-    p.add_argument("--request-timeout-ms", type=int, default=None, help="ha.request_timeout_ms (default: the config's 1000, at most the renew interval)")
-    p.add_argument("--rate", type=float, default=50.0, help="requests/s, uniform gaps (default 50)")
-    p.add_argument("--kill-after", type=float, default=4.0, help="seconds of load before the leader is killed (default 4)")
-    p.add_argument("--after", type=float, default=10.0, help="seconds of load after the kill (default 10)")
-    p.add_argument("--jitter", type=float, default=None, help="add a random 0..JITTER s to --kill-after, so the kill falls at any point of the renewal cycle (default: the renew interval; 0 for none)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the kill jitter (default 1)")
-    p.add_argument("--output-tokens", type=int, default=16, help="tokens per streamed answer (default 16)")
-    p.add_argument("--tpot-ms", type=float, default=10.0, help="mock engine ms per token (default 10: a 16-token answer streams in ~0.16 s)")
-    p.add_argument("--timeout", type=float, default=10.0, help="per-attempt timeout, s (default 10)")
-    p.add_argument("--drain", type=float, default=15.0, help="wait at most this long for open requests after the last arrival (default 15)")
-    p.add_argument("--json", help="write the rounds (with every attempt) and the summary to this JSON file")
+    O.add(p, OPTIONS)
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -386,118 +388,6 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
 # -- one round ----------------------------------------------------------------------------------
 
 
-def _ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1000.0, 1)
-
-
-def analyse(run: LoadRun, rs: list[Router], books: dict[int, dict[str, Any]], ha: dict[int, dict[str, Any] | None], engine: Counter[str], cfg: dict[str, int]) -> dict[str, Any]:
-    t0 = run.t0
-    assert t0 is not None and run.killed is not None
-    killed = run.killed
-    survivors = [i for i in range(len(rs)) if i != killed]
-    atts = [(q, a) for q in run.requests for a in q.attempts]
-
-    # failover times
-    admits = [a for _, a in atts if a.router != killed and a.r.status == 200 and a.r.headers_at is not None and a.r.headers_at > t0]
-    first = min(admits, key=lambda a: a.r.headers_at or 0.0) if admits else None
-    t_admit = None if first is None else first.r.headers_at - t0  # type: ignore[operator]
-    readies = [p for p in run.polls if p.router != killed and p.status == 200 and p.sent > t0 and p.answered is not None]
-    ready_first = min(readies, key=lambda p: p.answered or 0.0) if readies else None
-    t_ready = None if ready_first is None else ready_first.answered - t0  # type: ignore[operator]
-    won: dict[int, float] = {}
-    for i in survivors:
-        for h in (ha.get(i) or {}).get("history", []):
-            if h.get("to") == "leader" and h["at"] > t0 - 0.001:
-                won[i] = min(won.get(i, h["at"]), h["at"])
-    new_leader = first.router if first is not None else (ready_first.router if ready_first is not None else None)
-    t_won = None if new_leader is None or new_leader not in won else won[new_leader] - t0
-    ttl_ms = cfg["lease_ttl_ms"]
-
-    # the lease: the old leader's last renewal (read just before the kill), and the key in etcd
-    t_due = None
-    lh = run.leader_ha
-    if lh is not None and lh.get("fence_in_ms") is not None and run.leader_ha_at is not None:
-        sent = run.leader_ha_at + (lh["fence_in_ms"] + cfg["fence_margin_ms"] - ttl_ms) / 1000.0
-        t_due = sent + ttl_ms / 1000.0 - t0  # etcd may expire the lease from here on (renewal received >= sent)
-    old_rev = next((k.create_revision for k in run.keys if k.answered <= t0 and k.create_revision is not None), None)
-    gone = next((k for k in run.keys if k.answered > t0 and k.create_revision is None), None)
-    new_key = next((k for k in run.keys if k.answered > t0 and k.create_revision is not None and k.create_revision != old_rev), None)
-    new_token = (ha.get(new_leader) or {}).get("fencing_token") if new_leader is not None else None
-
-    # requests, overall and in the window [t0, t0 + t_admit)
-    def counts(qs: Sequence[Request]) -> dict[str, Any]:
-        c = Counter(q.outcome for q in qs)
-        return {"requests": len(qs), "completed": c["completed"], "refused": c["refused"], "failed": c["failed"], "error": c["error"]}
-
-    overall = counts(run.requests)
-    end_w = t0 + (t_admit if t_admit is not None else float("inf"))
-    in_window = [q for q in run.requests if t0 <= q.first_sent < end_w]
-    window = counts(in_window)
-    window["refused_share"] = round(window["refused"] / window["requests"], 4) if window["requests"] else None
-    window["seconds"] = None if t_admit is None else round(t_admit, 3)
-    inflight = [q for q in run.requests if q.first_sent < t0 and q.outcome == "failed"]
-    kinds = Counter(a.kind for _, a in atts)
-    errors = Counter((a.r.error or f"HTTP {a.r.status} {a.r.code}")[:80] for _, a in atts if a.kind == "error")
-
-    # admitted twice
-    by_rid: dict[str, set[int]] = {}
-    for q, a in atts:
-        if a.r.status == 200:
-            by_rid.setdefault(q.rid, set()).add(a.router)
-    twice_client = sorted(rid for rid, s in by_rid.items() if len(s) > 1)
-    ours = {q.rid for q in run.requests}
-    twice_engine = sorted(rid for rid, n in engine.items() if n > 1 and rid in ours)
-    engine_seen = sum(1 for rid in engine if rid in ours)
-
-    # books
-    bk: dict[str, Any] = {}
-    books_ok = True
-    for i in survivors:
-        b = books[i]
-        mine = [a for _, a in atts if a.router == i]
-        answered = sum(1 for a in mine if a.r.status != 0)
-        ok200 = sum(1 for a in mine if a.kind == "completed")
-        r01 = sum(1 for a in mine if a.kind == "refused")
-        term = sum(b["terminal"].values())
-        balance = b["offered"] == term and b["open"] == 0
-        match = b["offered"] == answered and b["terminal"].get("completed") == ok200 and b["terminal"].get("unavailable") == r01
-        books_ok = books_ok and balance and match
-        bk[rs[i].name] = {"offered": b["offered"], "terminal_sum": term, "open": b["open"], "terminal": b["terminal"], "balance": balance,
-                          "client_answered": answered, "client_completed": ok200, "client_r01": r01, "matches_client": match}
-
-    target_s = ttl_ms / 1000.0 + 1.0
-    return {
-        "killed": rs[killed].name, "new_leader": None if new_leader is None else rs[new_leader].name,
-        "ready_first": None if ready_first is None else rs[ready_first.router].name,
-        "since_last_renewal_ms": None if t_due is None else _ms(ttl_ms / 1000.0 - t_due),
-        "t0_to_lease_due_ms": _ms(t_due), "t0_to_key_gone_seen_ms": None if gone is None else _ms(gone.answered - t0),
-        "t0_to_new_key_seen_ms": None if new_key is None else _ms(new_key.answered - t0),
-        "old_token": lh.get("fencing_token") if lh else None, "new_key_revision": None if new_key is None else new_key.create_revision,
-        "new_key_holder": None if new_key is None else new_key.holder, "new_token": new_token,
-        "t0_to_won_ms": _ms(t_won), "t0_to_ready_ms": _ms(t_ready), "t0_to_first_200_ms": _ms(t_admit),
-        "first_200_sent_ms": None if first is None else _ms(first.r.sent - t0),
-        "overall": overall, "window": window, "failed_in_flight_at_kill": len(inflight), "attempts": dict(kinds), "other_errors": dict(errors),
-        "admitted_twice_client": twice_client, "admitted_twice_engine": twice_engine, "engine_requests": engine_seen,
-        "client_200": sum(1 for _, a in atts if a.r.status == 200),
-        "books": bk, "books_ok": books_ok,
-        "target_s": target_s, "failover_ok": t_admit is not None and t_admit <= target_s,
-        "ok": t_admit is not None and t_admit <= target_s and not twice_client and not twice_engine and books_ok,
-    }
-
-
-def _attempt_rows(run: LoadRun, rs: list[Router]) -> list[list[Any]]:
-    t0 = run.t0 if run.t0 is not None else run.t_start
-
-    def rel(v: float | None) -> float | None:
-        return None if not v else round((v - t0) * 1000.0, 2)
-
-    return [[q.rid, n, rs[a.router].name, rel(a.r.sent), a.r.status, a.r.code, a.kind, rel(a.r.headers_at), rel(a.r.done_at), a.r.tokens, a.r.error]
-            for q in run.requests for n, a in enumerate(q.attempts)]
-
-
-ATTEMPT_FIELDS = ["rid", "attempt", "router", "sent_ms", "status", "code", "kind", "headers_ms", "done_ms", "tokens", "error"]
-
-
 def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str, rate: float, kill_after: float, after: float, output_tokens: int,
                    tpot_ms: float, timeout_s: float, drain_s: float, rcpu: set[int] | None, lcpu: set[int] | None) -> dict[str, Any]:
     """One kill under load with a fresh etcd and fresh routers; every process stopped in
@@ -523,7 +413,7 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
         engine = engine_ids(engine_url)
         res = analyse(run, rs, books, ha_views, engine, ha)
         res.update(tag=tag, ttl_ms=ttl_ms, ha=ha, kill_after_s=round(kill_after, 3), history={rs[i].name: (ha_views[i] or {}).get("history") for i in survivors},
-                   attempt_fields=ATTEMPT_FIELDS, attempts_log=_attempt_rows(run, rs),
+                   attempt_fields=ATTEMPT_FIELDS, attempts_log=attempt_rows(run, rs),
                    logs={r.name: str(r.proc.log_path) for r in rs})
         return res
     finally:
@@ -536,82 +426,10 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
 # -- the benchmark ------------------------------------------------------------------------------
 
 
-def _med(xs: list[float]) -> float | None:
-    m = percentile(xs, 50)
-    return None if m is None else round(m, 1)
-
-
-def summarize_ttl(rounds: list[dict[str, Any]], ttl_ms: int) -> dict[str, Any]:
-    ok = [r for r in rounds if "error" not in r]
-    adm = [r["t0_to_first_200_ms"] for r in ok if r["t0_to_first_200_ms"] is not None]
-    rdy = [r["t0_to_ready_ms"] for r in ok if r["t0_to_ready_ms"] is not None]
-    won = [r["t0_to_won_ms"] for r in ok if r["t0_to_won_ms"] is not None]
-    due_won = [r["t0_to_won_ms"] - r["t0_to_lease_due_ms"] for r in ok if r["t0_to_won_ms"] is not None and r["t0_to_lease_due_ms"] is not None]
-    won_adm = [r["t0_to_first_200_ms"] - r["t0_to_won_ms"] for r in ok if r["t0_to_won_ms"] is not None and r["t0_to_first_200_ms"] is not None]
-    wreq = sum(r["window"]["requests"] for r in ok)
-    wref = sum(r["window"]["refused"] for r in ok)
-    return {
-        "ttl_ms": ttl_ms, "rounds": len(rounds), "rounds_failed_to_run": len(rounds) - len(ok),
-        "first_200_ms": {"median": _med(adm), "max": round(max(adm), 1) if adm else None},
-        "ready_ms": {"median": _med(rdy), "max": round(max(rdy), 1) if rdy else None},
-        "won_ms": {"median": _med(won), "max": round(max(won), 1) if won else None},
-        "lease_due_to_won_ms": {"median": _med(due_won), "max": round(max(due_won), 1) if due_won else None},
-        "won_to_first_200_ms": {"median": _med(won_adm), "max": round(max(won_adm), 1) if won_adm else None},
-        "requests": sum(r["overall"]["requests"] for r in ok), "completed": sum(r["overall"]["completed"] for r in ok),
-        "refused": sum(r["overall"]["refused"] for r in ok), "failed": sum(r["overall"]["failed"] for r in ok), "error": sum(r["overall"]["error"] for r in ok),
-        "window_requests": wreq, "window_refused": wref, "window_failed": sum(r["window"]["failed"] for r in ok),
-        "window_refused_share": round(wref / wreq, 4) if wreq else None,
-        "failed_in_flight_at_kill": sum(r["failed_in_flight_at_kill"] for r in ok),
-        "admitted_twice": sum(len(r["admitted_twice_client"]) + len(r["admitted_twice_engine"]) for r in ok),
-        "books_ok": all(r["books_ok"] for r in ok) and bool(ok),
-        "target_ms": ttl_ms + 1000, "failover_ok": bool(ok) and all(r["failover_ok"] for r in ok) and len(ok) == len(rounds),
-        "ok": bool(ok) and len(ok) == len(rounds) and all(r["ok"] for r in ok),
-    }
-
-
-def _f(v: float | None) -> str:
-    return "—" if v is None else f"{v:.0f}"
-
-
-def _pct(v: float | None) -> str:
-    return "—" if v is None else f"{100.0 * v:.0f} %"
-
-
-def tables(rounds: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
-    head = ["TTL ms", "rounds", "failover to first 200, median / max ms", "to /ready 200, median / max ms", "to elected, median / max ms",
-            "lease due → elected, median / max ms", "elected → first 200, median / max ms",
-            "requests (completed / refused / failed / other)", "in the window: requests, refused (share), failed", "failed in flight at the kill",
-            "admitted twice", "books balance", "≤ TTL + 1 s"]
-    rows = []
-    for s in summary:
-        rows.append([s["ttl_ms"], s["rounds"], f"{_f(s['first_200_ms']['median'])} / {_f(s['first_200_ms']['max'])}",
-                     f"{_f(s['ready_ms']['median'])} / {_f(s['ready_ms']['max'])}", f"{_f(s['won_ms']['median'])} / {_f(s['won_ms']['max'])}",
-                     f"{_f(s['lease_due_to_won_ms']['median'])} / {_f(s['lease_due_to_won_ms']['max'])}",
-                     f"{_f(s['won_to_first_200_ms']['median'])} / {_f(s['won_to_first_200_ms']['max'])}",
-                     f"{s['requests']} ({s['completed']} / {s['refused']} / {s['failed']} / {s['error']})",
-                     f"{s['window_requests']}, {s['window_refused']} ({_pct(s['window_refused_share'])}), {s['window_failed']}",
-                     s["failed_in_flight_at_kill"], s["admitted_twice"], "yes" if s["books_ok"] else "NO", "yes" if s["failover_ok"] else "NO"])
-    out = [markdown_table(head, rows)]
-    head2 = ["TTL ms", "round", "killed → new leader", "last renewal before t0 ms", "t0 → lease due ms", "t0 → new key in etcd ms", "t0 → elected ms",
-             "t0 → /ready 200 ms", "t0 → first 200 ms", "requests", "completed", "refused", "failed", "window requests / refused", "twice", "books"]
-    rows2 = []
-    for r in rounds:
-        if "error" in r:
-            rows2.append([r["ttl_ms"], r["tag"], *(["—"] * 13), f"error: {r['error'][:60]}"])
-            continue
-        o, w = r["overall"], r["window"]
-        rows2.append([r["ttl_ms"], r["tag"], f"{r['killed']} → {r['new_leader']}", _f(r["since_last_renewal_ms"]), _f(r["t0_to_lease_due_ms"]),
-                      _f(r["t0_to_new_key_seen_ms"]), _f(r["t0_to_won_ms"]), _f(r["t0_to_ready_ms"]), _f(r["t0_to_first_200_ms"]),
-                      o["requests"], o["completed"], o["refused"], o["failed"], f"{w['requests']} / {w['refused']}",
-                      len(r["admitted_twice_client"]) + len(r["admitted_twice_engine"]), "ok" if r["books_ok"] else "NO"])
-    out.append(markdown_table(head2, rows2))
-    return "\n\n".join(out)
-
-
 def run(args: argparse.Namespace) -> int:
     if threading_main():
         signal.signal(signal.SIGTERM, _on_sigterm)
-    ttls = _ints(args.ttls)
+    ttls = O.ints(args.ttls)
     if args.rounds < 1 or not ttls:
         print("narwhal bench ha: --rounds >= 1 and at least one TTL", file=sys.stderr)
         return 2
@@ -684,9 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["mock"]:
         return _mock_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.ha", description="Failover benchmark: kill -9 the leader under load (narwhal bench ha).")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.ha", "Failover benchmark: kill -9 the leader under load (narwhal bench ha).", add_arguments, run, argv)
 
 
 if __name__ == "__main__":
