@@ -78,8 +78,9 @@ import orjson
 from narwhal.mock.scenarios import sequence_script
 from narwhal.mock.tokens import prompt_token_ids
 
-from .fleet import Admin, Mock, active, classify, gone, wait_fleet
+from .fleet_report import classify
 from .harness import Engine, narwhal_config, start_narwhal
+from .harness.admin import Admin, active, gone, wait_fleet
 from .harness.client import H1Pool, SSERecorder
 from .harness.follow import Attempt, Request, books_at_rest
 from .harness.load import open_loop, run_loop
@@ -509,7 +510,7 @@ class Fleet:
     def __init__(self, arm: str, args: argparse.Namespace, rcpu: set[int] | None, lcpu: set[int] | None, token: str) -> None:
         self.arm, self.args, self.rcpu, self.lcpu = arm, args, rcpu, lcpu
         self.admin = Admin(token)
-        self.mocks: dict[str, Mock] = {}
+        self.mocks: dict[str, Engine] = {}
         self.gen: Counter[str] = Counter()
         self.retired: list[Proc] = []
         self.router: Any = None
@@ -525,12 +526,12 @@ class Fleet:
                 "--sequence-output", "--tpot-base-ms", str(self.args.tpot_ms)]
         return Proc(f"migration-{self.arm}-{name}-{self.gen[name]}", argv, cpus=self.lcpu).start()
 
-    def start_mocks(self, names: Sequence[str]) -> list[Mock]:
+    def start_mocks(self, names: Sequence[str]) -> list[Engine]:
         """Start them all, then wait for each (faster than one by one)."""
         started = []
         for n in names:
             port = free_port()
-            m = Mock(n, f"http://127.0.0.1:{port}", self._proc(n, port))
+            m = Engine(n, "unified", f"http://127.0.0.1:{port}", self._proc(n, port))
             self.mocks[n] = m
             started.append(m)
         for m in started:
@@ -540,7 +541,7 @@ class Fleet:
     def start(self, upstream: dict[str, Any], discovery: dict[str, Any]) -> None:
         a = self.args
         ms = self.start_mocks([f"u{i}" for i in range(4)])
-        cfg = narwhal_config([Engine(m.name, "unified", m.url, m.proc) for m in ms], model=MODEL,
+        cfg = narwhal_config(ms, model=MODEL,
                              admission={"mode": "open", "prediction": {"profile_on_start": False}, "phase_concurrency": {"prefill": a.prefill_slots, "decode": 8192}},
                              monitoring={"poll_interval_ms": a.poll_interval_ms}, upstream=upstream)
         cfg["admin"] = {"token_env": TOKEN_ENV}
@@ -569,7 +570,7 @@ class Fleet:
         port = int(m.url.rsplit(":", 1)[1])
         for _ in range(5):
             p = self._proc(name, port)
-            self.mocks[name] = Mock(name, m.url, p)
+            self.mocks[name] = Engine(name, "unified", m.url, p)
             try:
                 wait_http(m.url + "/health", proc=p, timeout_s=30)
                 rec.restart_s = _clock() - t_kill

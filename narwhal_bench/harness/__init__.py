@@ -60,17 +60,28 @@ class Engine:
     url: str
     proc: Proc
 
+    def entry(self) -> dict[str, Any]:
+        """Its engines[] entry in a router's config (the file, etcd, the admin API)."""
+        return {"name": self.name, "url": self.url, "role": self.role, "dialect": "vllm"}
 
-def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo", dialect: str = "vllm", cpus: set[int] | None = None, timing: dict[str, float] | None = None, output_tokens: int = 16, port: int | None = None) -> Engine:
-    """`narwhal mock-engine` as a child process; timing keys are the CLI's flag names
-    without dashes (prefill_base_ms, tpot_per_seq_ms, time_scale, noise_sigma, ...)."""
+
+def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo", dialect: str = "vllm", cpus: set[int] | None = None,
+                timing: dict[str, float] | None = None, output_tokens: int = 16, port: int | None = None, log_name: str | None = None) -> Engine:
+    """`narwhal mock-engine` as a child process (its log: log_name, default mock-NAME);
+    timing keys are the CLI's flag names without dashes (prefill_base_ms,
+    tpot_per_seq_ms, time_scale, noise_sigma, ...). Stopped again when it does not
+    become healthy."""
     port = port or free_port()
     argv = [python(), "-m", "narwhal.mock", "--dialect", dialect, "--role", role, "--port", str(port), "--model", model, "--name", name, "--output-tokens", str(output_tokens)]
     for k, v in (timing or {}).items():
         argv += ["--" + k.replace("_", "-"), str(v)]
-    p = Proc(f"mock-{name}", argv, cpus=cpus).start()
+    p = Proc(log_name or f"mock-{name}", argv, cpus=cpus).start()
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc=p, timeout_s=30)
+    try:
+        wait_http(url + "/health", proc=p, timeout_s=30)
+    except BaseException:
+        p.stop()
+        raise
     return Engine(name, role, url, p)
 
 
@@ -91,7 +102,7 @@ def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admiss
     cfg: dict[str, Any] = {
         "serving": {"model": model, **(serving or {})},
         "admission": adm,
-        "engines": [{"name": e.name, "url": e.url, "role": e.role, "dialect": "vllm"} for e in engines],
+        "engines": [e.entry() for e in engines],
     }
     if monitoring:
         cfg["monitoring"] = monitoring

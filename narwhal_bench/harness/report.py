@@ -13,6 +13,7 @@ Rules
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "commit", "pinning_note"]
+__all__ = ["Report", "commit", "pinning_note", "run_meta"]
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -61,3 +62,12 @@ def pinning_note(rcpu: set[int] | None, lcpu: set[int] | None) -> str:
     if rcpu is None:
         return "Not pinned (one CPU, or NARWHAL_BENCH_NOPIN=1)."
     return f"Router under test pinned to CPU {sorted(rcpu)}; load tool and engines pinned to CPU {sorted(lcpu or ())}."
+
+
+def run_meta(module: str, rcpu: set[int] | None, lcpu: set[int] | None, others: str) -> dict[str, Any]:
+    """When (UTC, to the minute), at which commit, by which command, on how many CPUs and
+    how pinned (routers on rcpu; `others`, e.g. "etcd, engines and client", on lcpu)."""
+    from .processes import command_line
+
+    return {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "command": command_line(module), "cpus": os.cpu_count(),
+            "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; {others} on CPU {sorted(lcpu or ())}"}

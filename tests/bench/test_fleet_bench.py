@@ -13,10 +13,10 @@ import os
 
 import pytest
 
-from narwhal_bench.fleet import (
+from narwhal_bench.fleet import add_arguments
+from narwhal_bench.fleet_report import (
     SigtermRecord,
     StepRecord,
-    add_arguments,
     analyse,
     classify,
     sigterm_times,
