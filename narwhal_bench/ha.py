@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as _dt
 import json
 import os
 import random
@@ -96,15 +95,15 @@ from .harness.load import RequestShape, fixed_rate, run_loop
 from .harness.options import opt
 from .harness.processes import (
     Proc,
-    command_line,
     free_port,
     layout,
     log_dir,
     pin_self,
     python,
+    run_bench,
     wait_http,
 )
-from .harness.report import commit
+from .harness.report import run_meta
 
 __all__ = ["add_arguments", "run", "failover_round", "main"]
 
@@ -426,19 +425,9 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
 # -- the benchmark ------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> int:
-    if threading_main():
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    ttls = O.ints(args.ttls)
-    if args.rounds < 1 or not ttls:
-        print("narwhal bench ha: --rounds >= 1 and at least one TTL", file=sys.stderr)
-        return 2
-    rcpu, lcpu = layout()
-    pin_self(lcpu)
-    command = command_line("narwhal_bench.ha")
-    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "command": command, "cpus": os.cpu_count(),
-            "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; etcd, engine and client on CPU {sorted(lcpu or ())}",
-            "rate": args.rate, "kill_after_s": args.kill_after, "jitter_s": args.jitter, "seed": args.seed, "after_s": args.after, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms}
+def _rounds(args: argparse.Namespace, ttls: list[int], rcpu: set[int] | None, lcpu: set[int] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every round of every TTL against one mock engine (stopped on the way out); a round
+    that could not run is kept as its error. (rounds, one summary per TTL)."""
     rounds: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
     mock: Proc | None = None
@@ -467,15 +456,25 @@ def run(args: argparse.Namespace) -> int:
                 rounds.append(res)
                 mine.append(res)
             summary.append(summarize_ttl(mine, ttl))
-    except KeyboardInterrupt:
-        print("narwhal bench ha: interrupted", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, FileNotFoundError, OSError, ValueError) as e:
-        print(f"narwhal bench ha: {e}", file=sys.stderr)
-        return 1
     finally:
         if mock is not None:
             mock.stop()
+    return rounds, summary
+
+
+def run(args: argparse.Namespace) -> int:
+    ttls = O.ints(args.ttls)
+    if args.rounds < 1 or not ttls:
+        print("narwhal bench ha: --rounds >= 1 and at least one TTL", file=sys.stderr)
+        return 2
+    rcpu, lcpu = layout()
+    pin_self(lcpu)
+    meta = run_meta("narwhal_bench.ha", rcpu, lcpu, "etcd, engine and client")
+    meta.update(rate=args.rate, kill_after_s=args.kill_after, jitter_s=args.jitter, seed=args.seed, after_s=args.after, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms)
+    rc, got = run_bench("ha", lambda: _rounds(args, ttls, rcpu, lcpu))
+    if got is None:
+        return rc
+    rounds, summary = got
     print(f"Failover under load: {args.rate:g} req/s of {args.output_tokens}-token streams, leader killed (SIGKILL) {args.kill_after:g} s "
           f"+ 0..{'one renew interval' if args.jitter is None else f'{args.jitter:g} s'} in, "
           f"{args.after:g} s more; {meta['date']}, commit {meta['commit']}; {meta['pinning']}.")
@@ -486,16 +485,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary, "rounds": rounds}, indent=1, default=str))
     return 0 if summary and all(s["ok"] for s in summary) else 1
-
-
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwind: every round stops the processes it started
 
 
 def main(argv: list[str] | None = None) -> int:
