@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .harness.follow import Poll, Request
-from .harness.stats import REFUSAL_STATUSES, Result, markdown_table, percentile
+from .harness.stats import REFUSAL_STATUSES, Result, fmt_whole, markdown_table, percentile, to_ms
 
 if TYPE_CHECKING:
     from .fleet import RunLog
@@ -93,10 +93,6 @@ class SigtermRecord:
 # -- analysis (pure: tests/bench/test_fleet_bench.py) -------------------------------------------
 
 
-def _ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1000.0, 1)
-
-
 def analyse(requests: Sequence[Request], steps: Sequence[StepRecord], polls: Sequence[Poll], t_start: float,
             sig: SigtermRecord | None, books: dict[str, dict[str, Any]] | None = None, changes: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
     """Everything the tables show, from the client's records, the steps and the /ready polls."""
@@ -140,19 +136,19 @@ def analyse(requests: Sequence[Request], steps: Sequence[StepRecord], polls: Seq
         step_rows.append({
             "n": s.n, "kind": s.kind, "what": s.what, "at_s": round(s.t_start - t_start, 2),
             "took_s": None if s.t_end is None else round(s.t_end - s.t_start, 2),
-            "new_active_ms": _ms(s.new_active_s), "old_gone_ms": _ms(s.old_gone_s), "ok": s.ok, "note": s.note,
+            "new_active_ms": to_ms(s.new_active_s), "old_gone_ms": to_ms(s.old_gone_s), "ok": s.ok, "note": s.note,
             "requests": sum(c.values()), "ok_200": c["ok"], "refused": c["refused"], "failed": c["failed"], "cancelled": c["cancelled"],
-            "longest_gap_ms": _ms(max(g)) if g else None, **({"extra": s.extra} if s.extra else {}),
+            "longest_gap_ms": to_ms(max(g)) if g else None, **({"extra": s.extra} if s.extra else {}),
         })
 
     sig_out: dict[str, Any] | None = None
     if sig is not None:
-        sig_out = {"leader": f"r{sig.leader}", "leader_503_ms": _ms(sig.leader_503_s), "leader_closed_ms": _ms(sig.leader_closed_s),
-                   "leader_exit_ms": _ms(sig.leader_exit_s), "leader_exit_code": sig.leader_exit_code,
-                   "standby_ready_ms": _ms(sig.standby_ready_s), "standby_won_ms": _ms(sig.standby_won_s), "first_200_ms": _ms(sig.first_200_s),
+        sig_out = {"leader": f"r{sig.leader}", "leader_503_ms": to_ms(sig.leader_503_s), "leader_closed_ms": to_ms(sig.leader_closed_s),
+                   "leader_exit_ms": to_ms(sig.leader_exit_s), "leader_exit_code": sig.leader_exit_code,
+                   "standby_ready_ms": to_ms(sig.standby_ready_s), "standby_won_ms": to_ms(sig.standby_won_s), "first_200_ms": to_ms(sig.first_200_s),
                    "in_flight_at_signal": sig.in_flight_at_signal, "in_flight_ok": sig.in_flight_ok}
         t_over = sig.first_200_s if sig.first_200_s is not None else None
-        sig_out["takeover_ms"] = _ms(max(x for x in (sig.standby_ready_s, t_over) if x is not None)) if (sig.standby_ready_s is not None or t_over is not None) else None
+        sig_out["takeover_ms"] = to_ms(max(x for x in (sig.standby_ready_s, t_over) if x is not None)) if (sig.standby_ready_s is not None or t_over is not None) else None
         sig_out["takeover_ok"] = sig.standby_ready_s is not None and sig.first_200_s is not None and max(sig.standby_ready_s, sig.first_200_s) < 1.0
 
     no_ra = sum(c[0] - c[1] for c in refused.values())
@@ -162,22 +158,14 @@ def analyse(requests: Sequence[Request], steps: Sequence[StepRecord], polls: Seq
         "refused_by_row": {k: {"count": v[0], "with_retry_after": v[1]} for k, v in sorted(refused.items())},
         "refused_without_retry_after": no_ra,
         "failed": outcomes["failed"], "failed_by": dict(failed), "cancelled": outcomes["cancelled"], "cancelled_by": dict(cancelled),
-        "longest_gap_ms": None if longest is None else _ms(longest[0]), "longest_gap_at_s": None if longest is None else round(longest[1] - t_start, 2),
+        "longest_gap_ms": None if longest is None else to_ms(longest[0]), "longest_gap_at_s": None if longest is None else round(longest[1] - t_start, 2),
         "longest_gap_rid": None if longest is None else longest[2],
-        "gap_p50_ms": _ms(percentile(gap_values, 50)), "gap_p99_ms": _ms(percentile(gap_values, 99)),
-        "ttft_p50_ms": _ms(percentile(ttfts, 50)), "ttft_p99_ms": _ms(percentile(ttfts, 99)), "ttft_max_ms": _ms(max(ttfts)) if ttfts else None,
+        "gap_p50_ms": to_ms(percentile(gap_values, 50)), "gap_p99_ms": to_ms(percentile(gap_values, 99)),
+        "ttft_p50_ms": to_ms(percentile(ttfts, 50)), "ttft_p99_ms": to_ms(percentile(ttfts, 99)), "ttft_max_ms": to_ms(max(ttfts)) if ttfts else None,
         "steps": step_rows, "sigterm": sig_out, "books": books or {}, "fleet_changes": changes or {},
         "requests_ok": requests_ok,
         "ok": requests_ok and (sig_out is None or bool(sig_out["takeover_ok"])) and all(s.ok for s in steps),
     }
-
-
-def _f(v: Any) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.0f}"
-    return str(v)
 
 
 def tables(res: dict[str, Any]) -> str:
@@ -189,12 +177,12 @@ def tables(res: dict[str, Any]) -> str:
     out.append(markdown_table(
         ["requests offered", "answered 200 (whole stream, [DONE])", "refused, by row", "failed", "cancelled", "longest gap in a 200 stream, ms (at s)",
          "per-stream longest gap p50 / p99 ms", "TTFT p50 / p99 / max ms"],
-        [[res["offered"], res["ok_200"], rows_ref, failed, cancelled, f"{_f(res['longest_gap_ms'])} ({_f(res['longest_gap_at_s'])})",
-          f"{_f(res['gap_p50_ms'])} / {_f(res['gap_p99_ms'])}", f"{_f(res['ttft_p50_ms'])} / {_f(res['ttft_p99_ms'])} / {_f(res['ttft_max_ms'])}"]]))
+        [[res["offered"], res["ok_200"], rows_ref, failed, cancelled, f"{fmt_whole(res['longest_gap_ms'])} ({fmt_whole(res['longest_gap_at_s'])})",
+          f"{fmt_whole(res['gap_p50_ms'])} / {fmt_whole(res['gap_p99_ms'])}", f"{fmt_whole(res['ttft_p50_ms'])} / {fmt_whole(res['ttft_p99_ms'])} / {fmt_whole(res['ttft_max_ms'])}"]]))
     srows = []
     for s in res["steps"]:
-        srows.append([s["n"], s["kind"], s["what"] + (f" — {s['note']}" if s["note"] else ""), f"{s['at_s']:.1f}", _f(s["new_active_ms"]), _f(s["old_gone_ms"]),
-                      f"{s['requests']} / {s['ok_200']} / {s['refused']} / {s['failed']} / {s['cancelled']}", _f(s["longest_gap_ms"]), "ok" if s["ok"] else "NO"])
+        srows.append([s["n"], s["kind"], s["what"] + (f" — {s['note']}" if s["note"] else ""), f"{s['at_s']:.1f}", fmt_whole(s["new_active_ms"]), fmt_whole(s["old_gone_ms"]),
+                      f"{s['requests']} / {s['ok_200']} / {s['refused']} / {s['failed']} / {s['cancelled']}", fmt_whole(s["longest_gap_ms"]), "ok" if s["ok"] else "NO"])
     out.append(markdown_table(["step", "source", "change", "at s", "new engine active on both routers, ms", "old engine gone from both, ms after its removal",
                                "requests sent until the next step: offered / 200 / refused / failed / cancelled", "longest gap ended in it, ms", "step done"], srows))
     sg = res.get("sigterm")
@@ -202,13 +190,13 @@ def tables(res: dict[str, Any]) -> str:
         out.append(markdown_table(
             ["SIGTERM to the leader", "→ its /ready 503, ms", "→ its listener closed, ms", "→ it exited (code), ms", "→ standby elected, ms",
              "→ standby /ready 200, ms", "→ client's first 200 from the standby, ms", "streams in flight on the leader at the signal: answered 200", "take-over < 1 s"],
-            [[sg["leader"], _f(sg["leader_503_ms"]), _f(sg["leader_closed_ms"]), f"{_f(sg['leader_exit_ms'])} ({_f(sg['leader_exit_code'])})", _f(sg["standby_won_ms"]),
-              _f(sg["standby_ready_ms"]), _f(sg["first_200_ms"]), f"{sg['in_flight_at_signal']}: {sg['in_flight_ok']}", "yes" if sg["takeover_ok"] else "NO"]]))
+            [[sg["leader"], fmt_whole(sg["leader_503_ms"]), fmt_whole(sg["leader_closed_ms"]), f"{fmt_whole(sg['leader_exit_ms'])} ({fmt_whole(sg['leader_exit_code'])})", fmt_whole(sg["standby_won_ms"]),
+              fmt_whole(sg["standby_ready_ms"]), fmt_whole(sg["first_200_ms"]), f"{sg['in_flight_at_signal']}: {sg['in_flight_ok']}", "yes" if sg["takeover_ok"] else "NO"]]))
     if res.get("books"):
         brows = []
         for name, b in res["books"].items():
-            brows.append([name, b.get("when", ""), _f(b.get("offered")), ", ".join(f"{k} {v}" for k, v in sorted((b.get("terminal") or {}).items()) if v) or "—",
-                          _f(b.get("open")), ", ".join(f"{k} {v}" for k, v in sorted((res.get("fleet_changes") or {}).get(name, {}).items()) if v) or "—"])
+            brows.append([name, b.get("when", ""), fmt_whole(b.get("offered")), ", ".join(f"{k} {v}" for k, v in sorted((b.get("terminal") or {}).items()) if v) or "—",
+                          fmt_whole(b.get("open")), ", ".join(f"{k} {v}" for k, v in sorted((res.get("fleet_changes") or {}).get(name, {}).items()) if v) or "—"])
         out.append(markdown_table(["router", "books read", "narwhal_requests_offered_total", "narwhal_requests_terminal_total by class", "open",
                                    "narwhal_fleet_changes_total by change"], brows))
     return "\n\n".join(out)
@@ -237,7 +225,7 @@ def request_rows(log: RunLog) -> list[list[Any]]:
         o, detail, ra = classify(q)
         r = q.attempts[-1].r if q.attempts else Result(scheduled=q.scheduled)
         out.append([q.rid, rel(q.first_sent), len(q.attempts), q.attempts[-1].router if q.attempts else None, r.status, r.code, o, detail, ra,
-                    r.tokens, _ms(r.extra.get("max_gap_s")), rel(r.headers_at), rel(r.done_at), r.error])
+                    r.tokens, to_ms(r.extra.get("max_gap_s")), rel(r.headers_at), rel(r.done_at), r.error])
     return out
 
 

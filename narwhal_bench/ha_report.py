@@ -9,16 +9,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .harness.follow import Attempt, Request
-from .harness.stats import markdown_table, percentile
+from .harness.stats import markdown_table, percentile, to_ms
 
 if TYPE_CHECKING:
     from .ha import LoadRun, Router
 
 __all__ = ["analyse", "summarize_ttl", "tables", "attempt_rows", "ATTEMPT_FIELDS"]
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1000.0, 1)
 
 
 def analyse(run: LoadRun, rs: list[Router], books: dict[int, dict[str, Any]], ha: dict[int, dict[str, Any] | None], engine: Counter[str], cfg: dict[str, int]) -> dict[str, Any]:
@@ -73,13 +69,13 @@ def analyse(run: LoadRun, rs: list[Router], books: dict[int, dict[str, Any]], ha
     return {
         "killed": rs[killed].name, "new_leader": None if new_leader is None else rs[new_leader].name,
         "ready_first": None if ready_first is None else rs[ready_first.router].name,
-        "since_last_renewal_ms": None if t_due is None else _ms(ttl_ms / 1000.0 - t_due),
-        "t0_to_lease_due_ms": _ms(t_due), "t0_to_key_gone_seen_ms": None if gone is None else _ms(gone.answered - t0),
-        "t0_to_new_key_seen_ms": None if new_key is None else _ms(new_key.answered - t0),
+        "since_last_renewal_ms": None if t_due is None else to_ms(ttl_ms / 1000.0 - t_due),
+        "t0_to_lease_due_ms": to_ms(t_due), "t0_to_key_gone_seen_ms": None if gone is None else to_ms(gone.answered - t0),
+        "t0_to_new_key_seen_ms": None if new_key is None else to_ms(new_key.answered - t0),
         "old_token": lh.get("fencing_token") if lh else None, "new_key_revision": None if new_key is None else new_key.create_revision,
         "new_key_holder": None if new_key is None else new_key.holder, "new_token": new_token,
-        "t0_to_won_ms": _ms(t_won), "t0_to_ready_ms": _ms(t_ready), "t0_to_first_200_ms": _ms(t_admit),
-        "first_200_sent_ms": None if first is None else _ms(first.r.sent - t0),
+        "t0_to_won_ms": to_ms(t_won), "t0_to_ready_ms": to_ms(t_ready), "t0_to_first_200_ms": to_ms(t_admit),
+        "first_200_sent_ms": None if first is None else to_ms(first.r.sent - t0),
         "overall": overall, "window": window, "failed_in_flight_at_kill": len(inflight), "attempts": dict(kinds), "other_errors": dict(errors),
         "admitted_twice_client": twice_client, "admitted_twice_engine": twice_engine, "engine_requests": engine_seen,
         "client_200": sum(1 for _, a in atts if a.r.status == 200),
