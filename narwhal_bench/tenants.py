@@ -81,8 +81,10 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 
 from . import harness as H
+from .harness import options as O
 from .harness.client import make_client
 from .harness.load import Arrival, RequestShape, fixed_rate, run_loop, run_open_loop
+from .harness.options import opt
 from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
 from .harness.report import pinning_note
 from .harness.stats import Result, fmt_ms, markdown_table, percentile
@@ -99,21 +101,26 @@ TERMINAL = ("completed", "rejected", "refused", "invalid_requests", "expired", "
 # -- arguments ---------------------------------------------------------------------------------
 
 
+OPTIONS = (
+    opt("--arms", default=",".join(ARMS), help=f"comma-separated (default all): {', '.join(ARMS)}"),
+    opt("--duration", type=float, default=None, help="seconds of arrivals per arm (default 90; --quick 4)"),
+    O.drain(15.0),
+    opt("--engines", type=int, default=4, help="unified mock engines (default 4)"),
+    opt("--time-scale", type=float, default=4.0, help="the mocks' --time-scale (default 4)"),
+    opt("--prompt-tokens", type=int, default=2000, help="prompt tokens per request (default 2000: T = 208 ms at time scale 4)"),
+    opt("--output-tokens", type=int, default=8, help="output tokens per request (default 8)"),
+    opt("--load", type=float, default=2.0, help="offered total as a multiple of capacity (default 2)"),
+    opt("--noisy-factor", type=float, default=10.0, help="noisy rate / quiet rate (default 10)"),
+    opt("--ttft-budget-ms", type=float, default=1000.0, help="the tenants' TTFT budget: goodput's target (default 1000)"),
+    opt("--seed", type=int, default=1),
+    O.quick("4 s per arm, 2 engines"),
+    O.out("tenants"),
+    O.from_json("tenants"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated (default all): {', '.join(ARMS)}")
-    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per arm (default 90; --quick 4)")
-    p.add_argument("--drain", type=float, default=15.0, help="wait at most this long for open requests after the last arrival (default 15)")
-    p.add_argument("--engines", type=int, default=4, help="unified mock engines (default 4)")
-    p.add_argument("--time-scale", type=float, default=4.0, help="the mocks' --time-scale (default 4)")
-    p.add_argument("--prompt-tokens", type=int, default=2000, help="prompt tokens per request (default 2000: T = 208 ms at time scale 4)")
-    p.add_argument("--output-tokens", type=int, default=8, help="output tokens per request (default 8)")
-    p.add_argument("--load", type=float, default=2.0, help="offered total as a multiple of capacity (default 2)")
-    p.add_argument("--noisy-factor", type=float, default=10.0, help="noisy rate / quiet rate (default 10)")
-    p.add_argument("--ttft-budget-ms", type=float, default=1000.0, help="the tenants' TTFT budget: goodput's target (default 1000)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="a short run (4 s per arm, 2 engines): a smoke test")
-    p.add_argument("--out", default="out/bench/tenants", help="save tenants.md and tenants.json here (default out/bench/tenants; '' to skip)")
-    p.add_argument("--from-json", default=None, help="print the tables of a saved tenants.json again (no run)")
+    O.add(p, OPTIONS)
 
 
 def _defaults(args: argparse.Namespace) -> None:
@@ -473,9 +480,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.tenants", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.tenants", __doc__.split("\n\n")[0] if __doc__ else None, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
