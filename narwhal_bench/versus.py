@@ -75,7 +75,9 @@ from typing import Any
 
 from . import harness as H
 from .experiments import memory_one, memory_preflight, narwhal_overrides, relay_one
+from .harness import options as O
 from .harness.load import RequestShape, fixed_rate, phase, phases_at_once
+from .harness.options import opt
 from .harness.processes import command_line, layout, pin_self, run_bench
 from .harness.report import Report, pinning_note
 from .harness.stats import fmt_ms, markdown_table, summarize
@@ -90,34 +92,38 @@ TARGETS = {"cpu_ratio": 1.5, "cpu_ratio_stretch": 1.0, "ttft_p50_margin_ms": 0.2
 # -- arguments ---------------------------------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, in the order of odd runs (default {','.join(ROUTERS)}); known: {', '.join(H.PEERS)}")
-    p.add_argument("--runs", type=int, default=3, help="runs, the routers' order reversed every other run (default 3)")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: relay, ttft, memory (default all)")
-    p.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode in the relay and TTFT parts (default open, as the relay bench)")
-    p.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated; each a row)")
-    p.add_argument("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)")
-    p.add_argument("--streams", type=int, default=200, help="relay: concurrent streams (default 200)")
-    p.add_argument("--tokens", type=int, default=100, help="relay: tokens per stream (default 100)")
-    p.add_argument("--interval-ms", type=float, default=20.0, help="relay: ms between a stream's tokens (default 20)")
-    p.add_argument("--warm", type=float, default=4.0, help="relay: seconds of ramp before the window (default 4)")
-    p.add_argument("--window", type=float, default=15.0, help="relay: measured seconds (default 15)")
-    p.add_argument("--rate", type=float, default=200.0, help="ttft: req/s, Poisson (default 200)")
-    p.add_argument("--ttft-duration", type=float, default=10.0, help="ttft: seconds of arrivals per phase (default 10)")
-    p.add_argument("--direct-rate", type=float, default=50.0,
-                   help="ttft: req/s of the direct arm, sent at the same time as the routed one (default 50; 0: a direct phase at --rate before the routed one)")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--tpot-ms", type=float, default=10.0)
-    p.add_argument("--mem-streams", type=int, default=TARGETS["mem_streams"], help="memory: streams held open (default 20000; fewer for a smoke run)")
+OPTIONS = (
+    opt("--routers", default=",".join(ROUTERS), help=f"comma-separated, in the order of odd runs (default {','.join(ROUTERS)}); known: {', '.join(H.PEERS)}"),
+    opt("--runs", type=int, default=3, help="runs, the routers' order reversed every other run (default 3)"),
+    opt("--parts", default=",".join(PARTS), help="comma-separated: relay, ttft, memory (default all)"),
+    opt("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode in the relay and TTFT parts (default open, as the relay bench)"),
+    opt("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated; each a row)"),
+    opt("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)"),
+    opt("--streams", type=int, default=200, help="relay: concurrent streams (default 200)"),
+    opt("--tokens", type=int, default=100, help="relay: tokens per stream (default 100)"),
+    opt("--interval-ms", type=float, default=20.0, help="relay: ms between a stream's tokens (default 20)"),
+    opt("--warm", type=float, default=4.0, help="relay: seconds of ramp before the window (default 4)"),
+    opt("--window", type=float, default=15.0, help="relay: measured seconds (default 15)"),
+    opt("--rate", type=float, default=200.0, help="ttft: req/s, Poisson (default 200)"),
+    opt("--ttft-duration", type=float, default=10.0, help="ttft: seconds of arrivals per phase (default 10)"),
+    opt("--direct-rate", type=float, default=50.0, help="ttft: req/s of the direct arm, sent at the same time as the routed one (default 50; 0: a direct phase at --rate before the routed one)"),
+    opt("--prompt-tokens", type=int, default=64),
+    opt("--output-tokens", type=int, default=16),
+    opt("--tpot-ms", type=float, default=10.0),
+    opt("--mem-streams", type=int, default=TARGETS["mem_streams"], help="memory: streams held open (default 20000; fewer for a smoke run)"),
     # 20,000 streams on two cores: opened at 333/s and one token each 10 s (2,000 events/s),
     # so the holders, tickers and routers keep up (at 1,333/s and 10,000 events/s some were cut)
-    p.add_argument("--mem-interval-ms", type=float, default=10000.0, help="memory: ms between a held stream's tokens (default 10000)")
-    p.add_argument("--mem-ramp", type=float, default=60.0, help="memory: seconds to open them (default 60)")
-    p.add_argument("--mem-hold", type=float, default=5.0, help="memory: seconds held before the reading (default 5)")
-    p.add_argument("--quiet-wait", type=float, default=30.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (default 30; 0: never)")
-    p.add_argument("--out", default="out/bench", help="save versus.md and versus.json here (default out/bench; '' to skip)")
-    p.add_argument("--from-json", default=None, help="print the tables of a saved versus.json again (no run)")
+    opt("--mem-interval-ms", type=float, default=10000.0, help="memory: ms between a held stream's tokens (default 10000)"),
+    opt("--mem-ramp", type=float, default=60.0, help="memory: seconds to open them (default 60)"),
+    opt("--mem-hold", type=float, default=5.0, help="memory: seconds held before the reading (default 5)"),
+    opt("--quiet-wait", type=float, default=30.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (default 30; 0: never)"),
+    opt("--out", default="out/bench", help="save versus.md and versus.json here (default out/bench; '' to skip)"),
+    O.from_json("versus"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    O.add(p, OPTIONS)
 
 
 def command(args: argparse.Namespace) -> str:
@@ -136,10 +142,6 @@ def command(args: argparse.Namespace) -> str:
         if v != act.default:
             out.append(f"{act.option_strings[0]} {v:g}" if isinstance(v, float) else f"{act.option_strings[0]} {v}")
     return " ".join(out)
-
-
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
 
 
 # -- pure parts --------------------------------------------------------------------------------
@@ -372,11 +374,11 @@ def _one(part: str, r: H.Started, e: H.Engine, a: argparse.Namespace, run_no: in
 
 
 def versus(a: argparse.Namespace) -> dict[str, Any]:
-    parts = _names(a.parts)
+    parts = O.names(a.parts)
     for p in parts:
         if p not in PARTS:
             raise ValueError(f"unknown part {p!r} (known: {', '.join(PARTS)})")
-    routers = H.router_names(_names(a.routers), _names(a.servers))
+    routers = H.router_names(O.names(a.routers), O.names(a.servers))
     if a.runs < 1:
         raise ValueError("--runs must be at least 1")
     pre = memory_preflight(a.mem_streams) if "memory" in parts else memory_preflight(0)
@@ -480,9 +482,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.versus", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.versus", __doc__.split("\n\n")[0] if __doc__ else None, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
