@@ -37,25 +37,32 @@ from typing import Any
 
 from . import harness as H
 from .experiments import narwhal_overrides
+from .harness import options as O
 from .harness.client import SSERecorder, make_client
 from .harness.load import RequestShape, fixed_rate, phase, phases_at_once, run_closed_loop, run_loop
+from .harness.options import opt
 from .harness.processes import layout, pin_self, run_bench
 from .harness.stats import Result, summarize
 
 __all__ = ["add_arguments", "run", "in_window", "ttft_round", "ttft_report"]
 
 
+OPTIONS = (
+    opt("--trees", required=True, help="A,B: two source trees holding a narwhal/ package (git worktrees); the same twice for an A/A run"),
+    opt("--streams", type=int, default=100, help="concurrent streams per router (default 100: 200 in all, as the relay bench)"),
+    opt("--tokens", type=int, default=100, help="tokens per stream (default 100)"),
+    opt("--interval-ms", type=float, default=20.0, help="the ticker's token interval (default 20)"),
+    opt("--warm", type=float, default=4.0, help="seconds before the first window (default 4)"),
+    opt("--window", type=float, default=15.0, help="seconds per window (default 15)"),
+    opt("--windows", type=int, default=4, help="windows (default 4); with --part ttft, rounds"),
+    opt("--part", choices=("relay", "ttft"), default="relay", help="relay: CPU per relayed event (default); ttft: the added first-token time, rounds of --window s"),
+    opt("--rate", type=float, default=150.0, help="ttft: req/s per router, Poisson (default 150: 300 on the router's core)"),
+    opt("--direct-rate", type=float, default=50.0, help="ttft: req/s of the engine's direct arm, interleaved (default 50)"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trees", required=True, help="A,B: two source trees holding a narwhal/ package (git worktrees); the same twice for an A/A run")
-    p.add_argument("--streams", type=int, default=100, help="concurrent streams per router (default 100: 200 in all, as the relay bench)")
-    p.add_argument("--tokens", type=int, default=100, help="tokens per stream (default 100)")
-    p.add_argument("--interval-ms", type=float, default=20.0, help="the ticker's token interval (default 20)")
-    p.add_argument("--warm", type=float, default=4.0, help="seconds before the first window (default 4)")
-    p.add_argument("--window", type=float, default=15.0, help="seconds per window (default 15)")
-    p.add_argument("--windows", type=int, default=4, help="windows (default 4); with --part ttft, rounds")
-    p.add_argument("--part", choices=("relay", "ttft"), default="relay", help="relay: CPU per relayed event (default); ttft: the added first-token time, rounds of --window s")
-    p.add_argument("--rate", type=float, default=150.0, help="ttft: req/s per router, Poisson (default 150: 300 on the router's core)")
-    p.add_argument("--direct-rate", type=float, default=50.0, help="ttft: req/s of the engine's direct arm, interleaved (default 50)")
+    O.add(p, OPTIONS)
 
 
 def in_window(results: list[Result], t0: float, t1: float) -> float:
