@@ -74,8 +74,10 @@ from typing import Any
 import orjson
 
 from . import harness as H
+from .harness import options as O
 from .harness.client import SSERecorder, make_client
 from .harness.load import open_loop
+from .harness.options import opt
 from .harness.processes import Proc, free_port, layout, log_dir, pin_self, wait_http
 from .harness.stats import Result, fmt_ms, markdown_table, percentile, summarize
 
@@ -686,40 +688,46 @@ def _commit() -> str:
 # -- CLI ------------------------------------------------------------------------------------
 
 
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
+WORKLOAD = (
+    opt("--trace", default=str(DEFAULT_TRACE), help="the Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)"),
+    opt("--start", type=float, default=600.0, help="trace seconds skipped (default 600)"),
+    opt("--window", type=float, default=1200.0, help="trace seconds replayed (default 1200)"),
+    opt("--sample", type=float, default=0.35, help="share of conversations kept, seeded (default 0.35)"),
+    opt("--seed", type=int, default=1, help="the conversation sample's seed"),
+    opt("--tokens-per-block", type=int, default=64, help="tokens a 512-token trace block becomes (default 64)"),
+    opt("--max-blocks", type=int, default=32, help="trace blocks kept per prompt, the first ones (default 32)"),
+    opt("--output-scale", type=float, default=0.1, help="output_length multiplier (default 0.1)"),
+    opt("--max-output", type=int, default=64, help="output cap, tokens (default 64)"),
+    opt("--engines", type=int, default=4, help="unified vllm-dialect mock engines (default 4)"),
+    opt("--cache-tokens", type=int, default=65536, help="each mock's --prefix-cache-tokens, and Narwhal's prefix_cache_tokens (default 65536)"),
+    opt("--prefill-base-ms", type=float, default=10.0),
+    opt("--prefill-per-token-ms", type=float, default=0.4),
+    opt("--prefill-quadratic-ms", type=float, default=0.00002),
+    opt("--noise-sigma", type=float, default=0.1),
+    opt("--budget-ms", type=int, default=3000, help="TTFT budget: Narwhal's ttft_budget_ms and x-narwhal-ttft-target-ms; goodput's target (default 3000)"),
+)
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """The workload and fleet (module rules): shared with prefix_model.py."""
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="the Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--start", type=float, default=600.0, help="trace seconds skipped (default 600)")
-    p.add_argument("--window", type=float, default=1200.0, help="trace seconds replayed (default 1200)")
-    p.add_argument("--sample", type=float, default=0.35, help="share of conversations kept, seeded (default 0.35)")
-    p.add_argument("--seed", type=int, default=1, help="the conversation sample's seed")
-    p.add_argument("--tokens-per-block", type=int, default=64, help="tokens a 512-token trace block becomes (default 64)")
-    p.add_argument("--max-blocks", type=int, default=32, help="trace blocks kept per prompt, the first ones (default 32)")
-    p.add_argument("--output-scale", type=float, default=0.1, help="output_length multiplier (default 0.1)")
-    p.add_argument("--max-output", type=int, default=64, help="output cap, tokens (default 64)")
-    p.add_argument("--engines", type=int, default=4, help="unified vllm-dialect mock engines (default 4)")
-    p.add_argument("--cache-tokens", type=int, default=65536, help="each mock's --prefix-cache-tokens, and Narwhal's prefix_cache_tokens (default 65536)")
-    p.add_argument("--prefill-base-ms", type=float, default=10.0)
-    p.add_argument("--prefill-per-token-ms", type=float, default=0.4)
-    p.add_argument("--prefill-quadratic-ms", type=float, default=0.00002)
-    p.add_argument("--noise-sigma", type=float, default=0.1)
-    p.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget: Narwhal's ttft_budget_ms and x-narwhal-ttft-target-ms; goodput's target (default 3000)")
+    O.add(p, WORKLOAD)
+
+
+OPTIONS = (
+    opt("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} (default all)"),
+    opt("--duration", type=float, default=140.0, help="seconds the window is compressed onto (default 140)"),
+    opt("--drain", type=float, default=45.0, help="seconds to wait for open requests after the last arrival (default 45)"),
+    opt("--limit", type=int, default=None, help="replay only the first N selected requests (smoke runs)"),
+    opt("--quiet-wait", type=float, default=300.0, help="before each arm, wait at most this long for the machine to be quiet (< 0.25 cores busy; default 300 s)"),
+    opt("--plot-load", nargs="+", metavar="JSON", help="only plot: hit rate, TTFT p90 and goodput against load from these runs' prefix.json, to IMG/prefix-cache-load.png"),
+    opt("--out", default="out/bench", help="write prefix.json / prefix.md here (default out/bench)"),
+    opt("--img", default="docs", help="write prefix-cache-ttft.png here (default docs)"),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} (default all)")
-    p.add_argument("--duration", type=float, default=140.0, help="seconds the window is compressed onto (default 140)")
-    p.add_argument("--drain", type=float, default=45.0, help="seconds to wait for open requests after the last arrival (default 45)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N selected requests (smoke runs)")
-    p.add_argument("--quiet-wait", type=float, default=300.0, help="before each arm, wait at most this long for the machine to be quiet (< 0.25 cores busy; default 300 s)")
-    p.add_argument("--plot-load", nargs="+", metavar="JSON", help="only plot: hit rate, TTFT p90 and goodput against load from these runs' prefix.json, to IMG/prefix-cache-load.png")
-    p.add_argument("--out", default="out/bench", help="write prefix.json / prefix.md here (default out/bench)")
-    p.add_argument("--img", default="docs", help="write prefix-cache-ttft.png here (default docs)")
+    O.add(p, OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -727,7 +735,7 @@ def run(args: argparse.Namespace) -> int:
         path = load_plot([json.loads(Path(f).read_text()) for f in args.plot_load], Path(args.img or ".") / "prefix-cache-load.png")
         print(f"plot: {path}")
         return 0
-    arms = _names(args.arms)
+    arms = O.names(args.arms)
     bad = [a for a in arms if a not in ARMS]
     if bad:
         print(f"unknown arms {bad} (known: {', '.join(ARMS)})", file=sys.stderr)
@@ -803,9 +811,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.prefix", description="Prefix-cache-aware placement on the Mooncake trace (issue 15 item 4).")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.prefix", "Prefix-cache-aware placement on the Mooncake trace (issue 15 item 4).", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ from typing import Any
 from narwhal.mock.timing import Timing
 
 from . import prefix as P
+from .harness import options as O
+from .harness.options import opt
 
 __all__ = ["RULES", "BENCH_TIMING", "simulate", "add_arguments", "run", "main"]
 
@@ -147,10 +149,15 @@ def simulate(reqs: Sequence[P.TraceRequest], rule: str, *, engines: int = 4, cac
             "goodput": good / len(reqs) if reqs else 0.0, "refused": refused, "same_engine": same / follow if follow else None}
 
 
+OPTIONS = (
+    opt("--durations", default="220,180,160,140,110", help="seconds the window is compressed onto, one load point each (prefix --duration)"),
+    opt("--seeds", type=int, default=3, help="noise seeds per point (default 3)"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     P.add_workload_arguments(p)
-    p.add_argument("--durations", default="220,180,160,140,110", help="seconds the window is compressed onto, one load point each (prefix --duration)")
-    p.add_argument("--seeds", type=int, default=3, help="noise seeds per point (default 3)")
+    O.add(p, OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,9 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.prefix_model", description="A queueing model of the prefix bench: what any placement rule could get.")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.prefix_model", "A queueing model of the prefix bench: what any placement rule could get.", add_arguments, run, argv)
 
 
 if __name__ == "__main__":
