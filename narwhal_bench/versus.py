@@ -45,7 +45,7 @@ The run
     the table shows each router's count). Ephemeral ports are checked before anything
     runs; a count that does not fit stops the run at once, naming the most that would.
   * Before each measurement the run waits at most `--quiet-wait` s for the rest of the
-    machine to go quiet (< 0.15 core busy, split.await_quiet), and records how busy the
+    machine to go quiet (< 0.15 core busy, harness.quiet.await_quiet), and records how busy the
     rest of the machine kept the CPUs meanwhile (`others' cores`).
 
 Results: per router and run, then per router the median over runs: events per router
@@ -324,7 +324,7 @@ def tables(data: dict[str, Any]) -> str:
 
 def _measure(fn: Callable[[], dict[str, Any]], roots: Sequence[int], quiet_wait: float) -> dict[str, Any]:
     """fn() after waiting (bounded) for a quiet machine, with how busy the rest kept it."""
-    from .split import Others, await_quiet, tree_pids
+    from .harness.quiet import Others, await_quiet, tree_pids
 
     quiet = await_quiet([p for r in roots for p in tree_pids(r)], max_wait_s=quiet_wait, sample_s=0.5) if quiet_wait > 0 else None
     o = Others(roots)
