@@ -32,7 +32,7 @@ from .harness.processes import layout, pin_self
 from .harness.report import Report, pinning_note
 from .harness.stats import Result, fmt_ms, markdown_table, percentile, summarize
 
-__all__ = ["overload", "capacity", "burst", "wait_idle", "prefill_ms", "SCENARIOS", "ARMS"]
+__all__ = ["overload", "capacity", "burst", "prefill_ms", "SCENARIOS", "ARMS"]
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -93,21 +93,6 @@ async def burst(urls: Sequence[str], arrivals: Sequence[Arrival]) -> float:
     return len(firsts) / (max(firsts) - t0) if firsts else 0.0
 
 
-def wait_idle(engines: Sequence[H.Engine], timeout_s: float = 20.0) -> bool:
-    import httpx
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            st = [httpx.get(e.url + "/mock/stats", timeout=5, trust_env=False).json() for e in engines]
-        except httpx.HTTPError:
-            return False
-        if all(s["in_flight"] == 0 for s in st):
-            return True
-        time.sleep(0.25)
-    return False
-
-
 ARMS = {
     "narwhal: no limits": {"mode": "open", "queue_limit": 1_000_000, "http_retention_limit": 1_000_000, "max_wait_ms": 600_000},
     "narwhal: queue limit": {"mode": "open", "queue_limit": 8},
@@ -146,7 +131,7 @@ def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1
                 f"(1 / mean T(n) = 1 / {cap['mean_prefill_s'] * 1000:.0f} ms over the replayed requests), decode {cap['decode_req_s_per_engine']:.2f} req/s per engine "
                 f"(TPOT target {sc['tpot_ms']} ms, mean output {cap['mean_output_tokens']:.1f} tokens). Check: 40 trace requests sent at once directly to the engines "
                 f"completed their prefills at {measured:.2f} req/s (computed for those 40: {cap40:.2f}).")
-        wait_idle(fleet)
+        H.engines_idle(fleet)
         contenders: list[tuple[str, dict[str, Any] | None]] = [(a, arms_cfg[a]) for a in arms_cfg] + [(p, None) for p in peer_names]
         for load in loads:
             rate = load * cap["capacity_req_s"]
@@ -156,7 +141,7 @@ def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1
             for name, adm in contenders:
                 if name in data["unavailable"]:
                     continue
-                if not wait_idle(fleet):  # a router that does not pass aborts upstream left work behind
+                if not H.engines_idle(fleet):  # a router that does not pass aborts upstream left work behind
                     print(f"  engines still busy before {name} at {load:g}x: restarting them", flush=True)
                     data.setdefault("engine_restarts", []).append(f"{load:g}x before {name}")
                     for e in fleet:

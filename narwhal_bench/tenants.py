@@ -88,7 +88,7 @@ from .harness.options import opt
 from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
 from .harness.report import pinning_note
 from .harness.stats import Result, fmt_ms, markdown_table, percentile
-from .overload import capacity, prefill_ms, wait_idle
+from .overload import capacity, prefill_ms
 
 __all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "ARMS"]
 
@@ -366,7 +366,7 @@ def tenants(args: argparse.Namespace) -> dict[str, Any]:
         data["capacity"]["measured_req_s_burst"] = measured
         print(f"capacity check: {len(burst)} requests at once directly to the engines: prefills completed at {measured:.2f} req/s (computed {cap['capacity_req_s']:.2f})", flush=True)
         for name in arms:
-            if not wait_idle(fleet, 20.0):  # a router that does not pass aborts upstream left work behind
+            if not H.engines_idle(fleet, 20.0):  # a router that does not pass aborts upstream left work behind
                 print(f"  engines still busy before {name}: restarting them", flush=True)
                 data.setdefault("engine_restarts", []).append(name)
                 for e in fleet:

@@ -31,7 +31,7 @@ from .processes import Proc, free_port, log_dir, python, wait_http
 __all__ = [
     "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
     "Started", "PeerUnavailable", "start_peer", "PEERS", "RUST_PEERS", "router_names", "smg_argv", "smg_workers_file", "start_smg", "SMG_RELAY_FLAGS",
-    "start_envoy", "stopping",
+    "start_envoy", "stopping", "engines_idle",
 ]
 
 REPO = Path(__file__).resolve().parents[2]  # narwhal_bench/harness/__init__.py -> the repository
@@ -123,6 +123,23 @@ class Started:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def engines_idle(engines: Sequence[Engine], timeout_s: float = 20.0) -> bool:
+    """True once every mock engine's /mock/stats says nothing is in flight (polled every
+    250 ms, at most timeout_s); False then, or at once when an engine does not answer."""
+    import httpx
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            st = [httpx.get(e.url + "/mock/stats", timeout=5, trust_env=False).json() for e in engines]
+        except (httpx.HTTPError, ValueError):
+            return False
+        if all(s.get("in_flight") == 0 for s in st):
+            return True
+        time.sleep(0.25)
+    return False
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ Rules
   * await_quiet waits (at most max_wait_s, in steps of sample_s) until the others keep
     less than `threshold` cores busy; `check` is called before each step (a bench's way to
     stop at once on SIGTERM).
+  * quiet_wait is the coarser wait of the prefix bench: the whole machine's busy time
+    (steal included, this process too) over `window_s`, under `threshold` cores.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from .processes import cpu_seconds
 
-__all__ = ["QUIET_CORES", "tree_pids", "tree_cpu", "machine", "Others", "await_quiet"]
+__all__ = ["QUIET_CORES", "tree_pids", "tree_cpu", "machine", "Others", "await_quiet", "busy_cpu_s", "quiet_wait"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 QUIET_CORES = 0.15
@@ -100,3 +102,23 @@ def await_quiet(exclude: Sequence[int] = (), *, max_wait_s: float, sample_s: flo
         waited = time.monotonic() - t_start
         if others < threshold or waited >= max_wait_s:
             return {"others_cores": others, "waited_s": waited}
+
+
+def busy_cpu_s() -> float:
+    """CPU-seconds the whole machine has been busy (all cores, /proc/stat: user + nice +
+    system + irq + softirq + steal)."""
+    busy, steal, _ = machine()
+    return busy + steal
+
+
+def quiet_wait(max_s: float, *, threshold: float = 0.25, window_s: float = 5.0) -> float:
+    """Wait (at most max_s) until the machine is quiet: under `threshold` cores busy over a
+    window (other benchmarks share this 2-core machine). Returns the busy cores last seen."""
+    end = time.monotonic() + max_s
+    while True:
+        b0 = busy_cpu_s()
+        time.sleep(window_s)
+        busy = (busy_cpu_s() - b0) / window_s
+        if busy < threshold or time.monotonic() >= end:
+            return busy
+        print(f"    machine busy ({busy:.2f} cores used by others): waiting", flush=True)

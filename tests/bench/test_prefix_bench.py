@@ -13,11 +13,10 @@ from narwhal.mock.cache import block_hashes
 from narwhal.mock.tokens import prompt_token_ids
 from narwhal_bench.harness.client import make_client
 from narwhal_bench.harness.stats import Result
-from narwhal_bench.prefix import (
-    PrefixRecorder,
+from narwhal_bench.prefix import PrefixRecorder, header_accuracy
+from narwhal_bench.prefix_workload import (
     TraceRequest,
     block_text,
-    header_accuracy,
     ideal_hit_rate,
     prompt_content,
     request_body,
