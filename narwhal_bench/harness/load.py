@@ -32,7 +32,8 @@ from typing import Any
 
 import orjson
 
-from .client import H1Pool, H2Client, H2Pool, SSERecorder, make_client
+from .client import H1Pool, SSERecorder, make_client
+from .h2 import H2Client, H2Pool
 from .stats import Result
 
 __all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace", "run_loop", "phase",
