@@ -95,7 +95,7 @@ from .harness.follow import (
     read_books,
     read_ha,
 )
-from .harness.load import Arrival, RequestShape, run_loop
+from .harness.load import Arrival, RequestShape, drain, run_loop
 from .harness.options import opt
 from .harness.processes import (
     Proc,
@@ -152,10 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _defaults(args: argparse.Namespace) -> None:
-    q = bool(getattr(args, "quick", False))
-    for k, full, quick in (("rate", 40.0, 20.0), ("output_tokens", 100, 40), ("lead_in", 4.0, 2.0), ("gap", 4.0, 2.0), ("after", 6.0, 4.0)):
-        if getattr(args, k, None) is None:
-            setattr(args, k, quick if q else full)
+    O.fill_defaults(args, (("rate", 40.0, 20.0), ("output_tokens", 100, 40), ("lead_in", 4.0, 2.0), ("gap", 4.0, 2.0), ("after", 6.0, 4.0)))
 
 
 # -- the client's records ----------------------------------------------------------------------
@@ -492,12 +489,7 @@ async def _run_load(fleet: Fleet) -> RunLog:
     finally:
         stop_load.set()
         await asyncio.gather(arr_task, return_exceptions=True)
-        if tasks:
-            _, pending = await asyncio.wait(set(tasks), timeout=a.drain)
-            for tk in pending:
-                tk.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
+        await drain(tasks, a.drain)
         step_task.cancel()
         await asyncio.gather(step_task, return_exceptions=True)
         stop.set()

@@ -76,11 +76,11 @@ import yaml  # type: ignore[import-untyped]
 
 from .ha_report import ATTEMPT_FIELDS, analyse, attempt_rows, summarize_ttl, tables
 from .harness import options as O
+from .harness import start_healthy
 from .harness.client import H1Pool
 from .harness.etcd import Etcd
 from .harness.follow import (
     CLOCK,
-    READY_POLL_S,
     FollowingClient,
     Poll,
     Request,
@@ -88,10 +88,11 @@ from .harness.follow import (
     clear_engine,
     engine_ids,
     get_json,
+    pace,
     poll_ready,
     read_ha,
 )
-from .harness.load import RequestShape, fixed_rate, run_loop
+from .harness.load import RequestShape, drain, fixed_rate, run_loop
 from .harness.options import opt
 from .harness.processes import (
     Proc,
@@ -216,14 +217,8 @@ def start_mock(cpus: set[int] | None, tpot_ms: float, output_tokens: int, record
     port = free_port()
     argv = [python(), "-m", "narwhal_bench.ha", "mock", "--port", str(port), "--model", MODEL, "--name", "u0",
             "--output-tokens", str(output_tokens), "--record-limit", str(record_limit)]
-    p = Proc("ha-mock-u0", argv, cpus=cpus).start()
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", proc=p, timeout_s=30)
-    except BaseException:
-        p.stop()
-        raise
-    return url, p
+    return url, start_healthy(Proc("ha-mock-u0", argv, cpus=cpus), url + "/health")
 
 
 def _mock_main(argv: list[str]) -> int:
@@ -293,12 +288,7 @@ async def _poll_key(etcd_url: str, start_at: float, stop: asyncio.Event, out: li
                     first_rev = rev
                 elif rev is not None and rev != first_rev:
                     return  # a new leader holds the key
-            nxt += READY_POLL_S
-            d = nxt - CLOCK()
-            if d > 0:
-                await asyncio.sleep(d)
-            else:
-                nxt = CLOCK()
+            nxt = await pace(nxt)
     finally:
         await pool.aclose()
 
@@ -368,12 +358,7 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
             tasks.add(tk)
             tk.add_done_callback(tasks.discard)
         await asyncio.wait_for(kill_task, 5.0)
-        if tasks:
-            _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-            for tk in pending:
-                tk.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
+        await drain(tasks, drain_s)
     finally:
         stop.set()
         kill_task.cancel()

@@ -148,11 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _defaults(args: argparse.Namespace) -> None:
-    q = bool(getattr(args, "quick", False))
-    for k, full, quick in (("rate", 8.0, 6.0), ("output_tokens", 250, 60), ("duration", 90.0, 6.0), ("kill_every", 4.0, 2.5),
-                           ("lead_in", 6.0, 1.5), ("after", 4.0, 1.0)):
-        if getattr(args, k, None) is None:
-            setattr(args, k, quick if q else full)
+    O.fill_defaults(args, (("rate", 8.0, 6.0), ("output_tokens", 250, 60), ("duration", 90.0, 6.0), ("kill_every", 4.0, 2.5),
+                           ("lead_in", 6.0, 1.5), ("after", 4.0, 1.0)))
 
 
 def _arms(s: str) -> list[str]:

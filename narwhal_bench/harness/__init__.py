@@ -31,7 +31,7 @@ from .processes import Proc, free_port, log_dir, python, wait_http
 __all__ = [
     "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
     "Started", "PeerUnavailable", "start_peer", "PEERS", "RUST_PEERS", "router_names", "smg_argv", "smg_workers_file", "start_smg", "SMG_RELAY_FLAGS",
-    "start_envoy", "stopping", "engines_idle",
+    "start_envoy", "stopping", "engines_idle", "start_healthy",
 ]
 
 REPO = Path(__file__).resolve().parents[2]  # narwhal_bench/harness/__init__.py -> the repository
@@ -65,6 +65,17 @@ class Engine:
         return {"name": self.name, "url": self.url, "role": self.role, "dialect": "vllm"}
 
 
+def start_healthy(p: Proc, health_url: str, timeout_s: float = 30.0) -> Proc:
+    """Start p and wait until health_url answers 200; stopped again when it does not."""
+    p.start()
+    try:
+        wait_http(health_url, proc=p, timeout_s=timeout_s)
+    except BaseException:
+        p.stop()
+        raise
+    return p
+
+
 def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo", dialect: str = "vllm", cpus: set[int] | None = None,
                 timing: dict[str, float] | None = None, output_tokens: int = 16, port: int | None = None, log_name: str | None = None) -> Engine:
     """`narwhal mock-engine` as a child process (its log: log_name, default mock-NAME);
@@ -75,14 +86,8 @@ def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo"
     argv = [python(), "-m", "narwhal.mock", "--dialect", dialect, "--role", role, "--port", str(port), "--model", model, "--name", name, "--output-tokens", str(output_tokens)]
     for k, v in (timing or {}).items():
         argv += ["--" + k.replace("_", "-"), str(v)]
-    p = Proc(log_name or f"mock-{name}", argv, cpus=cpus).start()
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", proc=p, timeout_s=30)
-    except BaseException:
-        p.stop()
-        raise
-    return Engine(name, role, url, p)
+    return Engine(name, role, url, start_healthy(Proc(log_name or f"mock-{name}", argv, cpus=cpus), url + "/health"))
 
 
 def ticker_engine(name: str, *, interval_ms: float = 20.0, model: str = "narwhal-demo", cpus: set[int] | None = None) -> Engine:

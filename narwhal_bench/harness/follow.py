@@ -28,7 +28,7 @@ from .client import H1Pool, SSERecorder
 from .load import Arrival, RequestShape
 from .stats import Result
 
-__all__ = ["CLOCK", "READY_POLL_S", "StatusRec", "GapRec", "Attempt", "Request", "FollowingClient", "Poll", "poll_ready", "BodyRec", "get_json",
+__all__ = ["CLOCK", "READY_POLL_S", "StatusRec", "GapRec", "Attempt", "Request", "FollowingClient", "Poll", "pace", "poll_ready", "BodyRec", "get_json",
            "read_books", "books_at_rest", "read_ha", "engine_ids", "clear_engine"]
 
 CLOCK = time.perf_counter  # CLOCK_MONOTONIC on Linux: the routers' clock (time.monotonic) too
@@ -170,6 +170,17 @@ class Poll:
     status: int
 
 
+async def pace(nxt: float, step: float = READY_POLL_S) -> float:
+    """The next poll's due time, nxt + step, slept until; or now when that is past (a
+    poll that ran late does not bunch the next ones up)."""
+    nxt += step
+    d = nxt - CLOCK()
+    if d <= 0:
+        return CLOCK()
+    await asyncio.sleep(d)
+    return nxt
+
+
 async def poll_ready(i: int, url: str, stop: asyncio.Event, dead: set[int], out: list[Poll], last: dict[int, Poll], max_s: float) -> None:
     pool = H1Pool(url, connect_timeout_s=0.5)
     end = _clock() + max_s
@@ -181,12 +192,7 @@ async def poll_ready(i: int, url: str, stop: asyncio.Event, dead: set[int], out:
             p = Poll(i, r.sent, r.headers_at, r.status)
             out.append(p)
             last[i] = p
-            nxt += READY_POLL_S
-            d = nxt - _clock()
-            if d > 0:
-                await asyncio.sleep(d)
-            else:
-                nxt = _clock()
+            nxt = await pace(nxt)
     finally:
         await pool.aclose()
 

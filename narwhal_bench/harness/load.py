@@ -36,7 +36,7 @@ from .client import H1Pool, SSERecorder, make_client
 from .h2 import H2Client, H2Pool
 from .stats import Result
 
-__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace", "run_loop", "phase",
+__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace", "run_loop", "phase", "drain",
            "phases_at_once"]
 
 _FILLER = "the quick brown fox jumps over the lazy dog while narwhals route tokens "
@@ -202,6 +202,19 @@ async def run_open_loop(
     return out
 
 
+async def drain(tasks: set[asyncio.Task[Any]], drain_s: float) -> int:
+    """Wait at most drain_s for tasks to end, then cancel the rest and give them 5 s to
+    unwind; how many were cut."""
+    if not tasks:
+        return 0
+    _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
+    for tk in pending:
+        tk.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=5.0)
+    return len(pending)
+
+
 async def open_loop(offsets: Sequence[float], start: Callable[[int, float], Coroutine[Any, Any, None]], *, drain_s: float) -> None:
     """Start `start(i, scheduled)` as a task at t0 + offsets[i] (t0: 50 ms from now, on
     time.perf_counter), in order; wait at most drain_s after the last start for them all,
@@ -217,12 +230,7 @@ async def open_loop(offsets: Sequence[float], start: Callable[[int, float], Coro
         tk = loop.create_task(start(i, target))
         tasks.add(tk)
         tk.add_done_callback(tasks.discard)
-    if tasks:
-        _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-        for tk in pending:
-            tk.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
+    await drain(tasks, drain_s)
 
 
 async def run_closed_loop(
@@ -248,11 +256,7 @@ async def run_closed_loop(
             await _one(client, shape, a, time.perf_counter(), timeout_s, out)
 
     tasks = [asyncio.create_task(worker(k)) for k in range(concurrency)]
-    _, pending = await asyncio.wait(tasks, timeout=duration_s + 0.5)
-    for tk in pending:
-        tk.cancel()
-    if pending:
-        await asyncio.wait(pending, timeout=5.0)
+    await drain(set(tasks), duration_s + 0.5)
     return out
 
 

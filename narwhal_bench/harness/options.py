@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["Opt", "opt", "add", "main", "names", "floats", "ints", "drain", "out", "from_json", "quick", "ROUTERS", "SERVERS", "WORKERS", "SAVE"]
+__all__ = ["Opt", "opt", "add", "main", "fill_defaults", "names", "floats", "ints", "drain", "out", "from_json", "quick", "ROUTERS", "SERVERS", "WORKERS", "SAVE"]
 
 Opt = tuple[str, dict[str, Any]]
 
@@ -39,6 +39,15 @@ def main(prog: str, description: str | None, rows: Callable[[argparse.ArgumentPa
     p = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     rows(p)
     return run(p.parse_args(sys.argv[1:] if argv is None else list(argv)))
+
+
+def fill_defaults(args: argparse.Namespace, rows: Iterable[tuple[str, Any, Any]]) -> None:
+    """Each (dest, full run's default, --quick's default) left unset (None) on the command
+    line gets the default of the kind of run asked for."""
+    q = bool(getattr(args, "quick", False))
+    for k, full, quick_ in rows:
+        if getattr(args, k, None) is None:
+            setattr(args, k, quick_ if q else full)
 
 
 def names(s: str) -> list[str]:
