@@ -14,11 +14,11 @@ Every arm
     narwhal.mock.scenarios.sequence_script with max_tokens and ignore_eos) without any
     engine. One `narwhal serve` (harness.start_narwhal: pinned to the router CPU,
     admission.mode open, no profiling) in front of them, `admin.token_env` set.
-  * Open-loop load (load.open_loop): `--rate` streaming chat completions per second at
+  * Open-loop load (harness.load.open_loop): `--rate` streaming chat completions per second at
     uniform gaps, each with its own prompt (the request's number in the text),
     `max_tokens` --output-tokens, `ignore_eos: true`, `return_token_ids: true`, its
     own x-request-id. Per request (MigRec): status, whether the stream ended with
-    `data: [DONE]` and no error event (fleet.classify), its token IDs (equal to the
+    `data: [DONE]` and no error event (fleet_report.classify), its token IDs (equal to the
     expected answer whole or not), the `: x-narwhal-migrations N` comment, and the time
     of every event that carried tokens.
 
@@ -38,7 +38,7 @@ Kill arms (`kill-off`: upstream.migration.max_attempts 0, today's behaviour;
 Rolling-update arms (`roll-wait`: discovery.drain wait; `roll-migrate`: discovery.drain
 migrate; both with --max-attempts and discovery.drain_timeout_ms --drain-timeout-ms)
   * The same load; after --lead-in each engine in turn is replaced without a capacity
-    gap: a new mock started, PUT /admin/engines/{new} (fleet.Admin), wait until it is
+    gap: a new mock started, PUT /admin/engines/{new} (harness.admin.Admin), wait until it is
     active on /v1/engines, DELETE /admin/engines/{old}, wait until it is gone, stop its
     process, next. Per step: new engine active after its PUT, old engine gone after its
     DELETE; in all: the roll's time from the first PUT to the last engine gone. The load
@@ -115,7 +115,7 @@ __all__ = ["add_arguments", "run", "main", "ARMS", "MReq", "MigRec", "run_arms"]
 MODEL = "narwhal-demo"
 TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
 ARMS = ("kill-off", "kill-migrate", "roll-wait", "roll-migrate")
-_clock = time.perf_counter  # the load client's clock (client.py)
+_clock = time.perf_counter  # the load client's clock (harness/client.py)
 
 
 # -- arguments ---------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ How
     "minimal") close(Outcome(at)); then end("completed"). A decision = one admit.
   * Arrivals are uniform at the rate (each client takes rate/N, phase-shifted so their
     union is uniform); each cycle is its own task, started when due whatever happened to
-    earlier ones (open loop). As in load.run_open_loop, a cycle due within 0.5 ms leaves
+    earlier ones (open loop). As in harness.load.open_loop, a cycle due within 0.5 ms leaves
     at once (uvloop's timers tick in milliseconds; no busy wait), so at 2,000/s cycles
     leave in ones and twos; how late (or early) each one left is kept (send lag). A
     round trip is timed from the call itself, not from when its cycle was due.

@@ -141,7 +141,7 @@ async def drive(door: Any, p: dict[str, Any]) -> dict[str, Any]:
     while k < n:
         due = start + offset + k / rate
         d = due - time.monotonic()
-        if d > 0.0005:  # as the load tool (load.run_open_loop): uvloop's timers tick in ms
+        if d > 0.0005:  # as the load tool (harness.load.open_loop): uvloop's timers tick in ms
             await asyncio.sleep(d)
             continue
         t = loop.create_task(_cycle(door, due, full, w))

@@ -56,7 +56,7 @@ Targets (issue 25), PASS/MISS on the medians: Narwhal CPU per relayed event <= 1
 best Rust peer's (stretch <= 1.0x); added TTFT p50 <= the best Rust peer's + 0.2 ms and
 p99 <= 2 ms at 200 req/s; memory per open stream <= 16 KiB at 20,000 streams (measured at
 fewer streams, the line says so). Output: Markdown on stdout and, with --out (default
-out/bench), versus.md and versus.json (experiments.Report), the command line included.
+out/bench), versus.md and versus.json (harness.report.Report), the command line included.
 """
 
 from __future__ import annotations

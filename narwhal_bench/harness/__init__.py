@@ -1,5 +1,18 @@
-"""Starting what a benchmark measures: mock engines, the ticker, Narwhal (hypercorn or
-granian) and the peer routers, each a pinned child process (processes.Proc).
+"""The harness every bench stands on. This module: starting what a bench measures (mock
+engines, the ticker, Narwhal under hypercorn or granian, the peer routers), each a pinned
+child process (processes.Proc). Beside it:
+
+  processes  child processes in their own session, stopped by their process group; CPU
+             and RSS from /proc; the CPU layout; run_bench (SIGTERM unwinds a bench)
+  quiet      how busy the rest of the machine is, and waiting for it to go quiet
+  etcd       a throw-away etcd (ha, fleet) and the few v3 calls a bench makes
+  load       arrivals (fixed rate, traces), request bodies, open and closed loops, drain
+  client     the raw HTTP/1.1 client and the SSE recorder; h2: the HTTP/2 clients
+  follow     a client of several routers that follows the leader; the routers' books
+  admin      a router's fleet as a bench changes and reads it (admin API, /v1/engines)
+  stats      per-request records, percentiles, goodput, Markdown tables
+  report     Report (Markdown + JSON), the commit and the facts a run states
+  options    a bench's command-line options as a table, the rows benches share
 
 Rules
   * Engines and the load tool share the "load" CPUs; every router under test gets the
