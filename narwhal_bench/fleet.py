@@ -147,12 +147,14 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    O.add(p, OPTIONS)
+add_arguments = O.adder(OPTIONS)
+
+
+QUICK = (("rate", 40.0, 20.0), ("output_tokens", 100, 40), ("lead_in", 4.0, 2.0), ("gap", 4.0, 2.0), ("after", 6.0, 4.0))  # (dest, a full run's default, --quick's)
 
 
 def _defaults(args: argparse.Namespace) -> None:
-    O.fill_defaults(args, (("rate", 40.0, 20.0), ("output_tokens", 100, 40), ("lead_in", 4.0, 2.0), ("gap", 4.0, 2.0), ("after", 6.0, 4.0)))
+    O.fill_defaults(args, QUICK)
 
 
 # -- the client's records ----------------------------------------------------------------------

@@ -135,8 +135,7 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    O.add(p, OPTIONS)
+add_arguments = O.adder(OPTIONS)
 
 
 # -- processes ---------------------------------------------------------------------------------

@@ -143,13 +143,15 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    O.add(p, OPTIONS)
+add_arguments = O.adder(OPTIONS)
+
+
+QUICK = (("rate", 8.0, 6.0), ("output_tokens", 250, 60), ("duration", 90.0, 6.0), ("kill_every", 4.0, 2.5),
+          ("lead_in", 6.0, 1.5), ("after", 4.0, 1.0))  # (dest, a full run's default, --quick's)
 
 
 def _defaults(args: argparse.Namespace) -> None:
-    O.fill_defaults(args, (("rate", 8.0, 6.0), ("output_tokens", 250, 60), ("duration", 90.0, 6.0), ("kill_every", 4.0, 2.5),
-                           ("lead_in", 6.0, 1.5), ("after", 4.0, 1.0)))
+    O.fill_defaults(args, QUICK)
 
 
 def _arms(s: str) -> list[str]:

@@ -61,8 +61,7 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    O.add(p, OPTIONS)
+add_arguments = O.adder(OPTIONS)
 
 
 def in_window(results: list[Result], t0: float, t1: float) -> float:

@@ -487,9 +487,7 @@ WORKLOAD = (
 )
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The workload and fleet (module rules): shared with prefix_model.py."""
-    O.add(p, WORKLOAD)
+add_workload_arguments = O.adder(WORKLOAD)  # the workload and fleet (module rules): shared with prefix_model.py
 
 
 OPTIONS = (
@@ -504,9 +502,7 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_arguments(p)
-    O.add(p, OPTIONS)
+add_arguments = O.adder(WORKLOAD, OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -156,9 +156,7 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    P.add_workload_arguments(p)
-    O.add(p, OPTIONS)
+add_arguments = O.adder(P.WORKLOAD, OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:

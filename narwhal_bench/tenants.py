@@ -119,8 +119,7 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    O.add(p, OPTIONS)
+add_arguments = O.adder(OPTIONS)
 
 
 def _defaults(args: argparse.Namespace) -> None:

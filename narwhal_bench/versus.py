@@ -122,8 +122,7 @@ OPTIONS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    O.add(p, OPTIONS)
+add_arguments = O.adder(OPTIONS)
 
 
 def command(args: argparse.Namespace) -> str:

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["Opt", "opt", "add", "main", "fill_defaults", "names", "floats", "ints", "drain", "out", "from_json", "quick", "ROUTERS", "SERVERS", "WORKERS", "SAVE"]
+__all__ = ["Opt", "opt", "add", "adder", "main", "fill_defaults", "names", "floats", "ints", "drain", "out", "from_json", "quick", "ROUTERS", "SERVERS", "WORKERS", "SAVE"]
 
 Opt = tuple[str, dict[str, Any]]
 
@@ -31,6 +31,16 @@ def opt(flag: str, **kw: Any) -> Opt:
 def add(p: argparse.ArgumentParser, rows: Iterable[Opt]) -> None:
     for flag, kw in rows:
         p.add_argument(flag, **kw)
+
+
+def adder(*tables: Sequence[Opt]) -> Callable[[argparse.ArgumentParser], None]:
+    """A bench's add_arguments: its tables' rows, in order."""
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        for rows in tables:
+            add(p, rows)
+
+    return add_arguments
 
 
 def main(prog: str, description: str | None, rows: Callable[[argparse.ArgumentParser], None], run: Callable[[argparse.Namespace], int],
