@@ -153,10 +153,6 @@ add_arguments = O.adder(OPTIONS)
 QUICK = (("rate", 40.0, 20.0), ("output_tokens", 100, 40), ("lead_in", 4.0, 2.0), ("gap", 4.0, 2.0), ("after", 6.0, 4.0))  # (dest, a full run's default, --quick's)
 
 
-def _defaults(args: argparse.Namespace) -> None:
-    O.fill_defaults(args, QUICK)
-
-
 # -- the client's records ----------------------------------------------------------------------
 
 
@@ -535,7 +531,7 @@ def _measure(fleet: Fleet) -> tuple[RunLog, dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    _defaults(args)
+    O.fill_defaults(args, QUICK)
     rcpu, lcpu = layout()
     pin_self(lcpu)
     meta = run_meta("narwhal_bench.fleet", rcpu, lcpu, "etcd, engines and client")

@@ -150,10 +150,6 @@ QUICK = (("rate", 8.0, 6.0), ("output_tokens", 250, 60), ("duration", 90.0, 6.0)
           ("lead_in", 6.0, 1.5), ("after", 4.0, 1.0))  # (dest, a full run's default, --quick's)
 
 
-def _defaults(args: argparse.Namespace) -> None:
-    O.fill_defaults(args, QUICK)
-
-
 def _arms(s: str) -> list[str]:
     arms = [a.strip() for a in s.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
@@ -472,7 +468,7 @@ def _row(q: MReq, cut: list[int] | None, t0: float) -> list[Any]:
 
 def run_arms(args: argparse.Namespace) -> dict[str, Any]:
     """Every arm in turn, each with its own processes; the run's results."""
-    _defaults(args)
+    O.fill_defaults(args, QUICK)
     arms = _arms(args.arms)
     rcpu, lcpu = layout()
     token = secrets.token_hex(16)
