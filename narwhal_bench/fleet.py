@@ -107,7 +107,7 @@ from .harness.processes import (
     run_bench,
     wait_http,
 )
-from .harness.report import run_meta
+from .harness.report import run_meta, save
 
 __all__ = ["add_arguments", "run", "main", "etcd_source_available", "Fleet", "RunLog"]
 
@@ -549,12 +549,8 @@ def run(args: argparse.Namespace) -> int:
     md = head + "\n\n" + tables(res) + "\n\n" + ("Target met: every request 200 or refused with Retry-After, none failed, take-over < 1 s." if res["ok"]
                                                else "Target NOT met (see the rows above).") + "\n"
     print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fleet.md").write_text(md)
-        (out / "fleet.json").write_text(json.dumps({"meta": meta, "result": res, "request_fields": REQUEST_FIELDS, "requests": request_rows(log),
-                                                    "log": fleet.log, "logs": {r.name: str(r.proc.log_path) for r in fleet.routers}}, indent=1, default=str))
+    save(args.out, "fleet", md, {"meta": meta, "result": res, "request_fields": REQUEST_FIELDS, "requests": request_rows(log), "log": fleet.log,
+                                 "logs": {r.name: str(r.proc.log_path) for r in fleet.routers}})
     return 0 if res["ok"] else 1
 
 

@@ -94,7 +94,7 @@ from .harness.processes import (
     run_bench,
     wait_http,
 )
-from .harness.report import commit
+from .harness.report import commit, save
 from .harness.stats import Result, fmt_whole, to_ms
 from .migration_report import (
     KillRecord,
@@ -530,11 +530,7 @@ def run(args: argparse.Namespace) -> int:
         return rc
     md = _markdown(res)
     print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "migration.md").write_text(md)
-        (out / "migration.json").write_text(json.dumps(res, indent=1, default=str))
+    save(args.out, "migration", md, res)
     return 0
 
 

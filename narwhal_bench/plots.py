@@ -9,6 +9,15 @@ from typing import Any
 __all__ = ["overload_plot", "rate_sweep_plot", "peers_plot", "prefix_ttft_plot", "prefix_load_plot"]
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it as a PNG (its folder made when missing), close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def _plt() -> Any:
     try:
         import matplotlib
@@ -55,11 +64,7 @@ def overload_plot(data: dict[str, Any], path: Path) -> Path:
     cap = data["capacity"]["capacity_req_s"]
     fig.suptitle(f"Overload, {data['scenario']}-bound fleet ({data['capacity']['engines']} unified mock engines, capacity {cap:.1f} req/s, TTFT target {tgt:g} ms"
                  + (f", TPOT target {data['tpot_target_ms']:g} ms" if tpot else "") + "; dotted: targets)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def rate_sweep_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, title: str, ylabel: str) -> Path:
@@ -73,11 +78,7 @@ def rate_sweep_plot(series: dict[str, list[tuple[float, float]]], path: Path, *,
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def peers_plot(data: dict[str, Any], path: Path) -> Path:
@@ -105,11 +106,7 @@ def peers_plot(data: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3, axis="x")
     axes[1].set_yticklabels([])
     fig.suptitle("Routers in front of the same mock engine, same arrivals", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def prefix_ttft_plot(points: Sequence[dict[str, Any]], path: Path, *, budget_ms: int, title: str) -> Path:
@@ -135,11 +132,7 @@ def prefix_ttft_plot(points: Sequence[dict[str, Any]], path: Path, *, budget_ms:
     axes[1].set_title("share of offered requests answered within TTFT (right end: answered share)", fontsize=10)
     axes[0].legend(fontsize=8, loc="lower right")
     fig.suptitle(title + f"; dotted: TTFT budget {budget_ms} ms", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def prefix_load_plot(datas: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -169,8 +162,4 @@ def prefix_load_plot(datas: Sequence[dict[str, Any]], path: Path) -> Path:
         ax.set_xlabel("offered prefill load without cache (rho)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

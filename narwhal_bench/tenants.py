@@ -86,7 +86,7 @@ from .harness.client import make_client
 from .harness.load import Arrival, RequestShape, fixed_rate, run_loop, run_open_loop
 from .harness.options import opt
 from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
-from .harness.report import pinning_note
+from .harness.report import pinning_note, save
 from .harness.stats import Result, fmt_ms, markdown_table, percentile
 from .overload import capacity, prefill_ms
 
@@ -470,11 +470,7 @@ def run(args: argparse.Namespace) -> int:
     md = tables(data)
     print()
     print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tenants.md").write_text("## Tenants: one tenant's overload\n\n" + md + "\n")
-        (out / "tenants.json").write_text(json.dumps(data, indent=1, default=str))
+    save(args.out, "tenants", "## Tenants: one tenant's overload\n\n" + md + "\n", data)
     return 0
 
 

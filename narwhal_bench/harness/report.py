@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "commit", "pinning_note", "run_meta"]
+__all__ = ["Report", "commit", "pinning_note", "run_meta", "save"]
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -71,3 +71,14 @@ def run_meta(module: str, rcpu: set[int] | None, lcpu: set[int] | None, others: 
 
     return {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "command": command_line(module), "cpus": os.cpu_count(),
             "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; {others} on CPU {sorted(lcpu or ())}"}
+
+
+def save(out: str | Path | None, name: str, md: str, data: Any) -> None:
+    """NAME.md (md as given) and NAME.json (indented, str() of what JSON has no type for)
+    into the folder out, made when missing; nothing when out is '' or None."""
+    if not out:
+        return
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.md").write_text(md)
+    (folder / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
