@@ -244,12 +244,7 @@ def _mock_main(argv: list[str]) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve_mock(cfg, args.host, args.port, shutdown_trigger=stop.wait)
 
-    try:
-        import uvloop
-
-        uvloop.run(go())
-    except ImportError:
-        asyncio.run(go())
+    run_loop(go())
     return 0
 
 

@@ -55,7 +55,6 @@ Every process is started here and stopped by its own process group; every wait i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime as _dt
 import hashlib
@@ -73,7 +72,7 @@ import orjson
 from . import harness as H
 from .harness import options as O
 from .harness.client import SSERecorder, make_client
-from .harness.load import open_loop, run_loop
+from .harness.load import open_loop, post, run_loop
 from .harness.options import opt
 from .harness.processes import Proc, free_port, layout, log_dir, pin_self, wait_http
 from .harness.quiet import busy_cpu_s, quiet_wait
@@ -146,13 +145,7 @@ class PrefixRecorder(SSERecorder):
 async def _one(client: Any, body: bytes, headers: dict[str, str], scheduled: float, timeout_s: float, req: TraceRequest, out: list[Result]) -> None:
     r = Result(scheduled=scheduled, prompt_tokens=req.prompt_tokens, output_tokens=req.output_tokens)
     out.append(r)
-    try:
-        await client.request("POST", "/v1/chat/completions", body, PrefixRecorder(r), headers=headers, timeout_s=timeout_s)
-    except asyncio.CancelledError:
-        r.error = r.error or "cut at end of run"
-        if not r.sent:
-            r.sent = scheduled
-        raise
+    await post(client, "/v1/chat/completions", body, PrefixRecorder(r), headers=headers, timeout_s=timeout_s)
 
 
 async def replay(url: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes], *, budget_ms: int, timeout_s: float, drain_s: float, headers: dict[str, str] | None = None) -> list[Result]:

@@ -27,6 +27,7 @@ from typing import Any
 from narwhal.core.lease import Order, Outcome
 from narwhal.core.tickets import Refuse
 
+from .harness.load import run_loop
 from .harness.processes import cpu_seconds, python
 from .harness.quiet import Others, machine
 from .harness.stats import percentile
@@ -184,12 +185,7 @@ def client_main(argv: list[str]) -> int:
     import narwhal.worker.remote  # noqa: F401  (imported before the heap is frozen, as in a worker)
 
     gc.freeze()
-    try:
-        import uvloop
-
-        res = uvloop.run(_client(fd, p))
-    except ImportError:
-        res = asyncio.run(_client(fd, p))
+    res = run_loop(_client(fd, p))
     out.write_text(json.dumps(res))
     return 0
 

@@ -36,7 +36,7 @@ from .client import H1Pool, SSERecorder, make_client
 from .h2 import H2Client, H2Pool
 from .stats import Result
 
-__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace", "run_loop", "phase", "drain",
+__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace", "run_loop", "phase", "drain", "post",
            "phases_at_once"]
 
 _FILLER = "the quick brown fox jumps over the lazy dog while narwhals route tokens "
@@ -175,17 +175,23 @@ class RequestShape:
         return orjson.dumps(b)
 
 
-async def _one(client: H1Pool | H2Pool | H2Client, shape: RequestShape, a: Arrival, scheduled: float, timeout_s: float, out: list[Result]) -> None:
-    r = Result(scheduled=scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
-    out.append(r)
-    rec = SSERecorder(r)
+async def post(client: Any, path: str, body: bytes, rec: SSERecorder, *, headers: dict[str, str] | None, timeout_s: float) -> None:
+    """POST one request; cancelled (the run's end), it is recorded as cut, sent when it
+    was due (rec.r.scheduled) if it had not left yet."""
+    r = rec.r
     try:
-        await client.request("POST", shape.path, shape.body(a), rec, headers=shape.headers or None, timeout_s=timeout_s)
+        await client.request("POST", path, body, rec, headers=headers, timeout_s=timeout_s)
     except asyncio.CancelledError:
         r.error = r.error or "cut at end of run"
         if not r.sent:
-            r.sent = scheduled
+            r.sent = r.scheduled
         raise
+
+
+async def _one(client: H1Pool | H2Pool | H2Client, shape: RequestShape, a: Arrival, scheduled: float, timeout_s: float, out: list[Result]) -> None:
+    r = Result(scheduled=scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
+    out.append(r)
+    await post(client, shape.path, shape.body(a), SSERecorder(r), headers=shape.headers or None, timeout_s=timeout_s)
 
 
 async def run_open_loop(
