@@ -84,19 +84,14 @@ from .prefix_workload import (
     DEFAULT_TRACE,
     MOCK_BLOCK,
     TraceRequest,
-    block_text,
     ideal_hit_rate,
     load_mooncake,
-    prompt_content,
     request_body,
     scale,
     select,
 )
 
-__all__ = [
-    "TraceRequest", "load_mooncake", "select", "scale", "block_text", "prompt_content", "request_body",
-    "PrefixRecorder", "header_accuracy", "ARMS", "add_arguments", "run", "main",
-]
+__all__ = ["PrefixRecorder", "header_accuracy", "replay", "run_arm", "ARMS", "WORKLOAD", "add_workload_arguments", "add_arguments", "run", "main"]
 
 
 ARMS: dict[str, str] = {
