@@ -14,7 +14,7 @@ The run
     runs beside the prefill), so with one request shape the fleet sustains engines / T(n)
     requests/s, T(n) = (a + b n + c n^2) x time_scale from narwhal/mock/timing.py
     (experiments.capacity). Checked before the arms: `--engines` x 10 requests sent at
-    once directly to the engines, prefills completed per second (experiments._burst).
+    once directly to the engines, prefills completed per second (overload.burst).
   * Two tenants of equal weight, each with its own API key: the offered total is `--load`
     x capacity, split 1 : `--noisy-factor` (defaults: 2x, 10: quiet 0.18x, noisy 1.82x of
     capacity). Poisson arrivals, seeded: every arm replays the same arrivals.
@@ -88,7 +88,7 @@ from .harness.options import opt
 from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
 from .harness.report import pinning_note, save
 from .harness.stats import Result, fmt_ms, markdown_table, percentile
-from .overload import capacity, prefill_ms
+from .overload import burst, capacity, prefill_ms
 
 __all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "ARMS"]
 
@@ -360,10 +360,10 @@ def tenants(args: argparse.Namespace) -> dict[str, Any]:
     with H.stopping() as things:
         fleet = [H.mock_engine(f"u{i}", cpus=lcpu, model=MODEL, timing={**timing, "seed": i + 1}, output_tokens=args.output_tokens) for i in range(args.engines)]
         things.extend(fleet)
-        burst = [Arrival(0.0, args.prompt_tokens, args.output_tokens)] * (10 * args.engines)
-        measured = run_loop(burst([e.url for e in fleet], burst))
+        at_once = [Arrival(0.0, args.prompt_tokens, args.output_tokens)] * (10 * args.engines)
+        measured = run_loop(burst([e.url for e in fleet], at_once))
         data["capacity"]["measured_req_s_burst"] = measured
-        print(f"capacity check: {len(burst)} requests at once directly to the engines: prefills completed at {measured:.2f} req/s (computed {cap['capacity_req_s']:.2f})", flush=True)
+        print(f"capacity check: {len(at_once)} requests at once directly to the engines: prefills completed at {measured:.2f} req/s (computed {cap['capacity_req_s']:.2f})", flush=True)
         for name in arms:
             if not H.engines_idle(fleet, 20.0):  # a router that does not pass aborts upstream left work behind
                 print(f"  engines still busy before {name}: restarting them", flush=True)
