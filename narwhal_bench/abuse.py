@@ -31,11 +31,11 @@ import h2.settings
 import httpx
 import orjson
 
-from .client import H1Pool
 from .harness import mock_engine, narwhal_config, start_narwhal
-from .load import RequestShape, fixed_rate, run_open_loop
-from .procs import layout, pin_self, rss_bytes
-from .stats import markdown_table, summarize
+from .harness.client import H1Pool
+from .harness.load import RequestShape, fixed_rate, run_open_loop
+from .harness.processes import layout, pin_self, rss_bytes
+from .harness.stats import markdown_table, summarize
 
 __all__ = ["abuse", "ATTACKS"]
 

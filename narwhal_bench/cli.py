@@ -25,160 +25,150 @@ import json
 import sys
 from pathlib import Path
 
+from .harness import PEERS as PEER_NAMES
+from .harness import options as O
+from .harness.options import opt
+
 __all__ = ["add_arguments", "run"]
 
 
-_ROUTERS_HELP = ("routers through the same harness, comma-separated (default narwhal): narwhal (once per --servers), narwhal-granian, smg, "
-                 "vllm-router, envoy, litellm, xpyd-proxy")
+_AB_ATTACKS = "none, slow-body, h2-idle-streams, h2-no-read, h1-no-read, fin-churn, chunked-1-byte, settings-flood, ping-flood, rapid-reset"
+_IMG = opt("--img", default="docs/img", help="write the PNG plot here ('' to skip)")
 
+LOAD = (
+    opt("--url", required=True, help="base URL (http://host:port); requests go to URL/v1/chat/completions or /v1/completions"),
+    opt("--rate", type=float, help="fixed rate, req/s (Poisson arrivals; --uniform for fixed gaps)"),
+    opt("--uniform", action="store_true", help="fixed gaps of 1/rate instead of Poisson arrivals"),
+    opt("--trace", help="replay a trace: conv, code (the shipped Azure 2023 traces) or a CSV path (arrived_at,num_prefill_tokens,num_decode_tokens)"),
+    opt("--trace-rate", type=float, help="time-scale the trace to this mean rate, req/s (default: its own rate)"),
+    opt("--trace-start", type=float, default=0.0, help="start this many trace seconds in"),
+    opt("--prompt-scale", type=float, default=1.0, help="multiply trace prompt lengths"),
+    opt("--output-scale", type=float, default=1.0, help="multiply trace output lengths"),
+    opt("--max-output", type=int, default=None, help="cap output lengths"),
+    opt("--duration", type=float, default=10.0, help="seconds of arrivals (default 10)"),
+    opt("--drain", type=float, default=30.0, help="seconds to wait for open requests after the last arrival (default 30)"),
+    opt("--timeout", type=float, default=60.0, help="per-request timeout, s"),
+    opt("--http", default="1", choices=["1", "2"], help="HTTP/1.1 (raw asyncio client) or HTTP/2 (httpx; h2c prior knowledge on http://)"),
+    opt("--no-stream", action="store_true", help="non-streaming requests"),
+    opt("--route", default="chat", choices=["chat", "completion"]),
+    opt("--model", default="narwhal-demo"),
+    opt("--prompt-tokens", type=int, default=64, help="fixed-rate prompt length (tokens, mock sizing)"),
+    opt("--output-tokens", type=int, default=16, help="fixed-rate output length"),
+    opt("--mock", default="{}", help='extra [[mock {...}]] options as JSON, e.g. \'{"prefill_ms": 0, "tpot_ms": 10}\''),
+    opt("--mock-field", action="store_true", help='send the options as a "mock" body field instead of a prompt directive'),
+    opt("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable), e.g. 'Authorization: Bearer KEY'"),
+    opt("--ttft-target-ms", type=float, help="also print goodput: share of offered requests with TTFT <= this"),
+    opt("--pid", type=int, help="router process id: report its CPU seconds per relayed token (from /proc)"),
+    opt("--seed", type=int, default=1),
+    opt("--json", help="write every request's record to this JSON file"),
+)
+OVERHEAD = (
+    opt("--rate", type=float, default=200.0), opt("--duration", type=float, default=10.0), opt("--rounds", type=int, default=2),
+    opt("--http", default="1,2", help="protocols, comma-separated (default 1,2)"), O.SERVERS, O.ROUTERS,
+    opt("--output-tokens", type=int, default=16), opt("--tpot-ms", type=float, default=10.0), opt("--no-stream", action="store_true"), O.SAVE,
+)
+RELAY = (
+    opt("--streams", type=int, default=200), opt("--interval-ms", type=float, default=20.0),
+    opt("--tokens", type=int, default=250, help="tokens per stream before it restarts"), opt("--warm", type=float, default=4.0), opt("--window", type=float, default=15.0),
+    opt("--profile", type=float, default=0.0, help="then profile the router with py-spy for this many seconds"), O.SERVERS, O.ROUTERS, O.WORKERS,
+    opt("--http", default="1", choices=["1", "2"]),
+    opt("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode (default open: measure the relay alone)"),
+    opt("--tracing", default="", help="comma-separated observability.sample_ratio arms, e.g. off,0.01,1 (issue 23: spans to an OTLP sink in the load's process)"),
+    opt("--alternations", type=int, default=1, help="with --tracing: rounds of the arms in turn"), O.SAVE,
+)
+ABUSE = (
+    opt("--attacks", default="", help="comma-separated (default: all): " + _AB_ATTACKS),
+    opt("--duration", type=float, default=15.0, help="seconds of normal traffic under each attack (default 15)"),
+    opt("--rate", type=float, default=20.0, help="normal clients' request rate, req/s (default 20)"), opt("--out", default="out/bench"),
+)
+PREDICTION = (
+    opt("--engine", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8080"), opt("--dialect", default="openai", choices=["vllm", "sglang", "openai"]),
+    opt("--model", required=True), opt("--max-concurrency", type=int, default=None, help="engines[].max_concurrency (1 for llama-cpp-python's server)"),
+    opt("--lengths", default="16,64,256,512,1024,1500", help="prompt lengths, tokens of content"), opt("--repeats", type=int, default=4),
+    opt("--depth", type=int, default=3, help="requests at once for the queued condition"), opt("--out", default="out/bench"),
+)
+MEMORY = (
+    opt("--streams", type=int, default=5000), opt("--interval-ms", type=float, default=2000.0), opt("--ramp", type=float, default=15.0),
+    opt("--hold", type=float, default=5.0), O.SERVERS, O.ROUTERS, O.WORKERS, O.SAVE,
+)
+PEERS = (
+    opt("--peers", default="narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy,smg,envoy", help="comma-separated, of: " + ", ".join(PEER_NAMES)),
+    opt("--rates", default="20,200"), opt("--duration", type=float, default=10.0), opt("--output-tokens", type=int, default=16),
+    opt("--tpot-ms", type=float, default=10.0), O.SAVE, _IMG,
+)
+OVERLOAD = (
+    opt("--scenario", default="prefill", choices=["prefill", "decode"]), opt("--loads", default="0.5,1,1.5,2,3,4"),
+    opt("--arms", default="none,queue,predictive", help="Narwhal arms: none (open, no limits), queue (open, queue limit), predictive, tpot (predictive + the R14 TPOT check)"),
+    opt("--queue-limit", type=int, default=None, help="queue limit of the 'queue' arm (default 8: 4 per engine)"),
+    opt("--peers", default="vllm-router,litellm,xpyd-proxy", help="peer routers through the same replay ('' for none)"),
+    opt("--engines", type=int, default=2), opt("--duration", type=float, default=20.0), opt("--drain", type=float, default=8.0),
+    opt("--trace", default="conv", choices=["conv", "code"]), O.SAVE, _IMG,
+)
+SPLIT = (
+    opt("--parts", default="decisions,saturation,relay,ttft", help="comma-separated: decisions, saturation, relay, ttft (default all)"),
+    opt("--rate", type=float, default=2000.0, help="decisions: decisions/s (default 2000)"),
+    opt("--warm", type=float, default=2.0, help="decisions: warm-up seconds"),
+    opt("--window", type=float, default=10.0, help="decisions: measured seconds per arm"),
+    opt("--repeats", type=int, default=2, help="decisions: runs of (in process, channel, floor)"),
+    opt("--engines", type=int, default=4, help="decisions/saturation: fake unified engines"),
+    opt("--mode", default="predictive", choices=["open", "predictive"], help="decisions/saturation: admission mode (default predictive)"),
+    opt("--cycle", default="full", choices=["full", "minimal"],
+        help="a request cycle: full = arrive, admit, first_token, close (full outcome), end; minimal = arrive, admit, close(at), end"),
+    opt("--sat-rates", default="2000,3000,4000,5000,6000,8000,10000,12000,14000,16000,20000", help="saturation: cycles/s, rising"),
+    opt("--sat-window", type=float, default=5.0),
+    opt("--clients", type=int, default=1, help="saturation: client processes (each its own channel, like a worker)"),
+    opt("--streams", type=int, default=200, help="relay: concurrent streams"),
+    opt("--interval-ms", type=float, default=20.0, help="relay: ms between a stream's tokens"),
+    opt("--relay-window", type=float, default=15.0),
+    opt("--alternations", type=int, default=2, help="relay: runs of each worker count, alternating"),
+    opt("--ttft-rates", default="50,100,150,200,300,400,600", help="ttft: req/s, rising"),
+    opt("--ttft-duration", type=float, default=8.0, help="ttft: seconds of arrivals per point"),
+    opt("--ttft-rounds", type=int, default=2),
+    opt("--layouts", default="pinned,spread", help="ttft: pinned (every router process on CPU 0) and/or spread (router unpinned); load tool and engine on CPU 1"),
+    opt("--quiet-wait", type=float, default=60.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (< 0.15 core busy)"),
+    O.SAVE,
+)
 
-def _peers() -> tuple[str, ...]:
-    from .harness import PEERS
-
-    return PEERS
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
-
-
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
+# the subcommands in --help's order: (name, help, this module's table) or (name, help, the
+# module whose add_arguments and run are its own)
+_SUBCOMMANDS: tuple[tuple[str, str, tuple[O.Opt, ...] | str], ...] = (
+    ("load", "open-loop load against any OpenAI-compatible URL; prints percentiles", LOAD),
+    ("overhead", "router-added TTFT (routed minus direct) and CPU per token, HTTP/1.1 and HTTP/2", OVERHEAD),
+    ("relay", "relayed token events per router CPU-second (N streams, one token every I ms)", RELAY),
+    ("abuse", "the attacks of tests/abuse against a live router alongside normal traffic (issue 11's soak)", ABUSE),
+    ("prediction", "projected vs measured TTFT in front of a real engine you run (issue 12)", PREDICTION),
+    ("memory", "router memory per open stream", MEMORY),
+    ("peers", "the same load through Narwhal and each peer router, in front of the same mock engine", PEERS),
+    ("overload", "trace replay at multiples of capacity: admission arms and peers, goodput over offered", OVERLOAD),
+    ("ha", "failover of leader election under load: kill -9 the leader of three routers on a real etcd (docs/ha.md)", "narwhal_bench.ha"),
+    ("prefix", "the Mooncake conversation trace against caching mock engines: Narwhal cache-aware and cache-blind, vllm-router cache_aware and round_robin",
+     "narwhal_bench.prefix"),
+    ("fleet", "a fleet that changes under steady streaming load: engines replaced through the file, etcd and the admin API, limits reloaded, the ha leader "
+     "stopped with SIGTERM (docs/operations.md)", "narwhal_bench.fleet"),
+    ("tenants", "one tenant's overload: two tenants of equal weight at 2x the mock fleet's capacity, the noisy one 10x the quiet one, through Narwhal, "
+     "SMG 1.13 and LiteLLM", "narwhal_bench.tenants"),
+    ("prefix-model", "a queueing model of the prefix bench: what any placement rule could get on its workload (seconds, no processes)", "narwhal_bench.prefix_model"),
+    ("migration", "stream migration under load: engines killed every few seconds (migration off vs on) and replaced one by one (drain wait vs migrate)",
+     "narwhal_bench.migration"),
+    ("paired", "two source trees of Narwhal relaying side by side at once on the router's core (a change's before and after, free of the VM's drift between runs)",
+     "narwhal_bench.paired"),
+    ("versus", "Narwhal side by side with SMG, vllm-router and Envoy in one run (issue 25): relayed events per router CPU-s, added TTFT p50/p99 at 200 req/s, "
+     "memory per open stream", "narwhal_bench.versus"),
+    ("split", "the cost of serving.workers N: decision round trip in process vs over the channel, authority saturation, relay CPU and TTFT capacity, "
+     "workers 1 vs 2", SPLIT),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench_command", required=True)
-
-    ld = sub.add_parser("load", help="open-loop load against any OpenAI-compatible URL; prints percentiles")
-    ld.add_argument("--url", required=True, help="base URL (http://host:port); requests go to URL/v1/chat/completions or /v1/completions")
-    ld.add_argument("--rate", type=float, help="fixed rate, req/s (Poisson arrivals; --uniform for fixed gaps)")
-    ld.add_argument("--uniform", action="store_true", help="fixed gaps of 1/rate instead of Poisson arrivals")
-    ld.add_argument("--trace", help="replay a trace: conv, code (the shipped Azure 2023 traces) or a CSV path (arrived_at,num_prefill_tokens,num_decode_tokens)")
-    ld.add_argument("--trace-rate", type=float, help="time-scale the trace to this mean rate, req/s (default: its own rate)")
-    ld.add_argument("--trace-start", type=float, default=0.0, help="start this many trace seconds in")
-    ld.add_argument("--prompt-scale", type=float, default=1.0, help="multiply trace prompt lengths")
-    ld.add_argument("--output-scale", type=float, default=1.0, help="multiply trace output lengths")
-    ld.add_argument("--max-output", type=int, default=None, help="cap output lengths")
-    ld.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals (default 10)")
-    ld.add_argument("--drain", type=float, default=30.0, help="seconds to wait for open requests after the last arrival (default 30)")
-    ld.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, s")
-    ld.add_argument("--http", default="1", choices=["1", "2"], help="HTTP/1.1 (raw asyncio client) or HTTP/2 (httpx; h2c prior knowledge on http://)")
-    ld.add_argument("--no-stream", action="store_true", help="non-streaming requests")
-    ld.add_argument("--route", default="chat", choices=["chat", "completion"])
-    ld.add_argument("--model", default="narwhal-demo")
-    ld.add_argument("--prompt-tokens", type=int, default=64, help="fixed-rate prompt length (tokens, mock sizing)")
-    ld.add_argument("--output-tokens", type=int, default=16, help="fixed-rate output length")
-    ld.add_argument("--mock", default="{}", help='extra [[mock {...}]] options as JSON, e.g. \'{"prefill_ms": 0, "tpot_ms": 10}\'')
-    ld.add_argument("--mock-field", action="store_true", help='send the options as a "mock" body field instead of a prompt directive')
-    ld.add_argument("--header", action="append", default=[], help="extra request header NAME:VALUE (repeatable), e.g. 'Authorization: Bearer KEY'")
-    ld.add_argument("--ttft-target-ms", type=float, help="also print goodput: share of offered requests with TTFT <= this")
-    ld.add_argument("--pid", type=int, help="router process id: report its CPU seconds per relayed token (from /proc)")
-    ld.add_argument("--seed", type=int, default=1)
-    ld.add_argument("--json", help="write every request's record to this JSON file")
-
-    oh = sub.add_parser("overhead", help="router-added TTFT (routed minus direct) and CPU per token, HTTP/1.1 and HTTP/2")
-    oh.add_argument("--rate", type=float, default=200.0)
-    oh.add_argument("--duration", type=float, default=10.0)
-    oh.add_argument("--rounds", type=int, default=2)
-    oh.add_argument("--http", default="1,2", help="protocols, comma-separated (default 1,2)")
-    oh.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated)")
-    oh.add_argument("--routers", default="narwhal", help=_ROUTERS_HELP)
-    oh.add_argument("--output-tokens", type=int, default=16)
-    oh.add_argument("--tpot-ms", type=float, default=10.0)
-    oh.add_argument("--no-stream", action="store_true")
-
-    rl = sub.add_parser("relay", help="relayed token events per router CPU-second (N streams, one token every I ms)")
-    rl.add_argument("--streams", type=int, default=200)
-    rl.add_argument("--interval-ms", type=float, default=20.0)
-    rl.add_argument("--tokens", type=int, default=250, help="tokens per stream before it restarts")
-    rl.add_argument("--warm", type=float, default=4.0)
-    rl.add_argument("--window", type=float, default=15.0)
-    rl.add_argument("--profile", type=float, default=0.0, help="then profile the router with py-spy for this many seconds")
-    rl.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated)")
-    rl.add_argument("--routers", default="narwhal", help=_ROUTERS_HELP)
-    rl.add_argument("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)")
-    rl.add_argument("--http", default="1", choices=["1", "2"])
-    rl.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode (default open: measure the relay alone)")
-    rl.add_argument("--tracing", default="", help="comma-separated observability.sample_ratio arms, e.g. off,0.01,1 (issue 23: spans to an OTLP sink in the load's process)")
-    rl.add_argument("--alternations", type=int, default=1, help="with --tracing: rounds of the arms in turn")
-
-    ab = sub.add_parser("abuse", help="the attacks of tests/abuse against a live router alongside normal traffic (issue 11's soak)")
-    ab.add_argument("--attacks", default="", help="comma-separated (default: all): " + "none, slow-body, h2-idle-streams, h2-no-read, h1-no-read, fin-churn, chunked-1-byte, settings-flood, ping-flood, rapid-reset")
-    ab.add_argument("--duration", type=float, default=15.0, help="seconds of normal traffic under each attack (default 15)")
-    ab.add_argument("--rate", type=float, default=20.0, help="normal clients' request rate, req/s (default 20)")
-    ab.add_argument("--out", default="out/bench")
-
-    pr = sub.add_parser("prediction", help="projected vs measured TTFT in front of a real engine you run (issue 12)")
-    pr.add_argument("--engine", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8080")
-    pr.add_argument("--dialect", default="openai", choices=["vllm", "sglang", "openai"])
-    pr.add_argument("--model", required=True)
-    pr.add_argument("--max-concurrency", type=int, default=None, help="engines[].max_concurrency (1 for llama-cpp-python's server)")
-    pr.add_argument("--lengths", default="16,64,256,512,1024,1500", help="prompt lengths, tokens of content")
-    pr.add_argument("--repeats", type=int, default=4)
-    pr.add_argument("--depth", type=int, default=3, help="requests at once for the queued condition")
-    pr.add_argument("--out", default="out/bench")
-
-    mm = sub.add_parser("memory", help="router memory per open stream")
-    mm.add_argument("--streams", type=int, default=5000)
-    mm.add_argument("--interval-ms", type=float, default=2000.0)
-    mm.add_argument("--ramp", type=float, default=15.0)
-    mm.add_argument("--hold", type=float, default=5.0)
-    mm.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated)")
-    mm.add_argument("--routers", default="narwhal", help=_ROUTERS_HELP)
-    mm.add_argument("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)")
-
-    pr = sub.add_parser("peers", help="the same load through Narwhal and each peer router, in front of the same mock engine")
-    pr.add_argument("--peers", default="narwhal,narwhal-granian,litellm,vllm-router,xpyd-proxy,smg,envoy", help="comma-separated, of: " + ", ".join(_peers()))
-    pr.add_argument("--rates", default="20,200")
-    pr.add_argument("--duration", type=float, default=10.0)
-    pr.add_argument("--output-tokens", type=int, default=16)
-    pr.add_argument("--tpot-ms", type=float, default=10.0)
-
-    ov = sub.add_parser("overload", help="trace replay at multiples of capacity: admission arms and peers, goodput over offered")
-    ov.add_argument("--scenario", default="prefill", choices=["prefill", "decode"])
-    ov.add_argument("--loads", default="0.5,1,1.5,2,3,4")
-    ov.add_argument("--arms", default="none,queue,predictive", help="Narwhal arms: none (open, no limits), queue (open, queue limit), predictive, tpot (predictive + the R14 TPOT check)")
-    ov.add_argument("--queue-limit", type=int, default=None, help="queue limit of the 'queue' arm (default 8: 4 per engine)")
-    ov.add_argument("--peers", default="vllm-router,litellm,xpyd-proxy", help="peer routers through the same replay ('' for none)")
-    ov.add_argument("--engines", type=int, default=2)
-    ov.add_argument("--duration", type=float, default=20.0)
-    ov.add_argument("--drain", type=float, default=8.0)
-    ov.add_argument("--trace", default="conv", choices=["conv", "code"])
-
-    # experiments in modules of their own: their arguments and run() are theirs
     import importlib
-    import importlib.util
 
-    for name, module, help_ in _DELEGATED:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_))
-
-    sp_ = sub.add_parser("split", help="the cost of serving.workers N: decision round trip in process vs over the channel, authority saturation, relay CPU and TTFT capacity, workers 1 vs 2")
-    sp_.add_argument("--parts", default="decisions,saturation,relay,ttft", help="comma-separated: decisions, saturation, relay, ttft (default all)")
-    sp_.add_argument("--rate", type=float, default=2000.0, help="decisions: decisions/s (default 2000)")
-    sp_.add_argument("--warm", type=float, default=2.0, help="decisions: warm-up seconds")
-    sp_.add_argument("--window", type=float, default=10.0, help="decisions: measured seconds per arm")
-    sp_.add_argument("--repeats", type=int, default=2, help="decisions: runs of (in process, channel, floor)")
-    sp_.add_argument("--engines", type=int, default=4, help="decisions/saturation: fake unified engines")
-    sp_.add_argument("--mode", default="predictive", choices=["open", "predictive"], help="decisions/saturation: admission mode (default predictive)")
-    sp_.add_argument("--cycle", default="full", choices=["full", "minimal"], help="a request cycle: full = arrive, admit, first_token, close (full outcome), end; minimal = arrive, admit, close(at), end")
-    sp_.add_argument("--sat-rates", default="2000,3000,4000,5000,6000,8000,10000,12000,14000,16000,20000", help="saturation: cycles/s, rising")
-    sp_.add_argument("--sat-window", type=float, default=5.0)
-    sp_.add_argument("--clients", type=int, default=1, help="saturation: client processes (each its own channel, like a worker)")
-    sp_.add_argument("--streams", type=int, default=200, help="relay: concurrent streams")
-    sp_.add_argument("--interval-ms", type=float, default=20.0, help="relay: ms between a stream's tokens")
-    sp_.add_argument("--relay-window", type=float, default=15.0)
-    sp_.add_argument("--alternations", type=int, default=2, help="relay: runs of each worker count, alternating")
-    sp_.add_argument("--ttft-rates", default="50,100,150,200,300,400,600", help="ttft: req/s, rising")
-    sp_.add_argument("--ttft-duration", type=float, default=8.0, help="ttft: seconds of arrivals per point")
-    sp_.add_argument("--ttft-rounds", type=int, default=2)
-    sp_.add_argument("--layouts", default="pinned,spread", help="ttft: pinned (every router process on CPU 0) and/or spread (router unpinned); load tool and engine on CPU 1")
-    sp_.add_argument("--quiet-wait", type=float, default=60.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (< 0.15 core busy)")
-
-    for sp in (oh, rl, mm, pr, ov, sp_):
-        sp.add_argument("--out", default="out/bench", help="save Markdown + JSON here (default out/bench; '' to skip)")
-    for sp in (pr, ov):
-        sp.add_argument("--img", default="docs/img", help="write the PNG plot here ('' to skip)")
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    for name, help_, rows in _SUBCOMMANDS:
+        sp = sub.add_parser(name, help=help_)
+        if isinstance(rows, str):
+            importlib.import_module(rows).add_arguments(sp)
+        else:
+            O.add(sp, rows)
 
 
 _ARM_KEYS = {"none": "narwhal: no limits", "queue": "narwhal: queue limit", "predictive": "narwhal: predictive", "tpot": "narwhal: predictive + TPOT check"}
@@ -188,27 +178,15 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwind: every experiment stops the processes it started
 
 
-_DELEGATED = (
-    ("ha", "narwhal_bench.ha", "failover of leader election under load: kill -9 the leader of three routers on a real etcd (docs/ha.md)"),
-    ("prefix", "narwhal_bench.prefix", "the Mooncake conversation trace against caching mock engines: Narwhal cache-aware and cache-blind, vllm-router cache_aware and round_robin"),
-    ("fleet", "narwhal_bench.fleet", "a fleet that changes under steady streaming load: engines replaced through the file, etcd and the admin API, limits reloaded, the ha leader stopped with SIGTERM (docs/operations.md)"),
-    ("tenants", "narwhal_bench.tenants", "one tenant's overload: two tenants of equal weight at 2x the mock fleet's capacity, the noisy one 10x the quiet one, through Narwhal, SMG 1.13 and LiteLLM"),
-    ("prefix-model", "narwhal_bench.prefix_model", "a queueing model of the prefix bench: what any placement rule could get on its workload (seconds, no processes)"),
-    ("migration", "narwhal_bench.migration", "stream migration under load: engines killed every few seconds (migration off vs on) and replaced one by one (drain wait vs migrate)"),
-    ("paired", "narwhal_bench.paired", "two source trees of Narwhal relaying side by side at once on the router's core (a change's before and after, free of the VM's drift between runs)"),
-    ("versus", "narwhal_bench.versus", "Narwhal side by side with SMG, vllm-router and Envoy in one run (issue 25): relayed events per router CPU-s, added TTFT p50/p99 at 200 req/s, memory per open stream"),
-)
-
-
 def run(args: argparse.Namespace) -> int:
     import signal
 
     cmd = args.bench_command
-    for name, module, _ in _DELEGATED:
-        if cmd == name:
+    for name, _, rows in _SUBCOMMANDS:
+        if cmd == name and isinstance(rows, str):
             import importlib
 
-            return int(importlib.import_module(module).run(args))
+            return int(importlib.import_module(rows).run(args))
     signal.signal(signal.SIGTERM, _on_sigterm)
     out = Path(args.out) if getattr(args, "out", "") else None
     try:
@@ -217,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         if cmd == "abuse":
             from .abuse import abuse
 
-            abuse(attacks=_names(args.attacks) or None, duration_s=args.duration, rate=args.rate, out=out)
+            abuse(attacks=O.names(args.attacks) or None, duration_s=args.duration, rate=args.rate, out=out)
             return 0
         if cmd == "prediction":
             from .prediction import prediction
@@ -228,29 +206,31 @@ def run(args: argparse.Namespace) -> int:
         if cmd == "split":
             from .split import split
 
-            split(parts=_names(args.parts), out=out, rate=args.rate, warm=args.warm, window=args.window, repeats=args.repeats, engines=args.engines, mode=args.mode,
-                  cycle=args.cycle, sat_rates=_floats(args.sat_rates), sat_window=args.sat_window, clients=args.clients, streams=args.streams,
-                  interval_ms=args.interval_ms, relay_window=args.relay_window, alternations=args.alternations, ttft_rates=_floats(args.ttft_rates),
-                  ttft_duration=args.ttft_duration, ttft_rounds=args.ttft_rounds, layouts=_names(args.layouts), quiet_wait=args.quiet_wait)
+            split(parts=O.names(args.parts), out=out, rate=args.rate, warm=args.warm, window=args.window, repeats=args.repeats, engines=args.engines, mode=args.mode,
+                  cycle=args.cycle, sat_rates=O.floats(args.sat_rates), sat_window=args.sat_window, clients=args.clients, streams=args.streams,
+                  interval_ms=args.interval_ms, relay_window=args.relay_window, alternations=args.alternations, ttft_rates=O.floats(args.ttft_rates),
+                  ttft_duration=args.ttft_duration, ttft_rounds=args.ttft_rounds, layouts=O.names(args.layouts), quiet_wait=args.quiet_wait)
             return 0
         from . import experiments as X
 
         if cmd == "overhead":
-            X.overhead(rate=args.rate, duration_s=args.duration, rounds=args.rounds, protocols=_names(args.http), servers=_names(args.servers),
-                       output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, stream=not args.no_stream, out=out, routers=_names(args.routers))
+            X.overhead(rate=args.rate, duration_s=args.duration, rounds=args.rounds, protocols=O.names(args.http), servers=O.names(args.servers),
+                       output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, stream=not args.no_stream, out=out, routers=O.names(args.routers))
         elif cmd == "relay":
-            X.relay(streams=args.streams, interval_ms=args.interval_ms, tokens=args.tokens, warm_s=args.warm, window_s=args.window, servers=_names(args.servers),
-                    http=args.http, profile_s=args.profile, mode=args.mode, out=out, tracing=_names(args.tracing) if args.tracing else (),
-                    alternations=args.alternations, routers=_names(args.routers), workers=args.workers)
+            X.relay(streams=args.streams, interval_ms=args.interval_ms, tokens=args.tokens, warm_s=args.warm, window_s=args.window, servers=O.names(args.servers),
+                    http=args.http, profile_s=args.profile, mode=args.mode, out=out, tracing=O.names(args.tracing) if args.tracing else (),
+                    alternations=args.alternations, routers=O.names(args.routers), workers=args.workers)
         elif cmd == "memory":
-            X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=_names(args.servers), out=out,
-                     routers=_names(args.routers), workers=args.workers)
+            X.memory(streams=args.streams, interval_ms=args.interval_ms, ramp_s=args.ramp, hold_s=args.hold, servers=O.names(args.servers), out=out,
+                     routers=O.names(args.routers), workers=args.workers)
         elif cmd == "peers":
-            X.peers(names=_names(args.peers), rates=_floats(args.rates), duration_s=args.duration, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, out=out,
+            X.peers(names=O.names(args.peers), rates=O.floats(args.rates), duration_s=args.duration, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms, out=out,
                     img=Path(args.img) if args.img else None)
         elif cmd == "overload":
-            arms = [_ARM_KEYS[a] for a in _names(args.arms)]
-            X.overload(scenario=args.scenario, loads=_floats(args.loads), arms=arms, peer_names=_names(args.peers), engines=args.engines, duration_s=args.duration,
+            arms = [_ARM_KEYS[a] for a in O.names(args.arms)]
+            from .overload import overload
+
+            overload(scenario=args.scenario, loads=O.floats(args.loads), arms=arms, peer_names=O.names(args.peers), engines=args.engines, duration_s=args.duration,
                        drain_s=args.drain, trace=args.trace, queue_limit=args.queue_limit, out=out, img=Path(args.img) if args.img else None)
         return 0
     except KeyboardInterrupt:
@@ -262,18 +242,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from .client import make_client
-    from .experiments import _run
-    from .load import (
+    from .harness.client import make_client
+    from .harness.load import (
         RequestShape,
         default_trace,
         fixed_rate,
         load_trace,
+        run_loop,
         run_open_loop,
         trace_arrivals,
     )
-    from .procs import cpu_seconds
-    from .stats import LATENCY_HEADER, fmt_ms, latency_rows, markdown_table, summarize
+    from .harness.processes import cpu_seconds
+    from .harness.stats import LATENCY_HEADER, fmt_ms, latency_rows, markdown_table, summarize
 
     if (args.rate is None) == (args.trace is None):
         print("narwhal bench load: give exactly one of --rate or --trace", file=sys.stderr)
@@ -305,7 +285,7 @@ def _load(args: argparse.Namespace) -> int:
             await c.aclose()
 
     c0 = cpu_seconds(args.pid) if args.pid else None
-    res = _run(go())
+    res = run_loop(go())
     s = summarize(res, duration_s=args.duration, ttft_target_s=(args.ttft_target_ms / 1000.0) if args.ttft_target_ms else None)
     print(f"{args.url}: {what}, {args.duration:g} s, HTTP/{'1.1' if args.http == '1' else '2'}, {'streaming' if shape.stream else 'non-streaming'}")
     print()

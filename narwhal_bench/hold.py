@@ -30,9 +30,10 @@ def _open(results: list[Any]) -> int:
 
 
 async def _child(url: str, streams: int, ramp_s: float, tokens: int, headers: dict[str, str]) -> None:
-    from .client import make_client
-    from .load import Arrival, RequestShape, Result, _one
-    from .procs import raise_nofile
+    from .harness.client import make_client
+    from .harness.load import Arrival, RequestShape, _one
+    from .harness.processes import raise_nofile
+    from .harness.stats import Result
 
     raise_nofile()
     loop = asyncio.get_running_loop()

@@ -36,26 +36,32 @@ from statistics import median
 from typing import Any
 
 from . import harness as H
-from .client import SSERecorder, make_client
-from .experiments import _cleanup, _run, narwhal_overrides, phase, phases_at_once
-from .load import RequestShape, fixed_rate, run_closed_loop
-from .procs import layout, pin_self, run_bench
-from .stats import Result, summarize
+from .experiments import narwhal_overrides
+from .harness import options as O
+from .harness.client import SSERecorder, make_client
+from .harness.load import RequestShape, fixed_rate, phase, phases_at_once, run_closed_loop, run_loop
+from .harness.options import opt
+from .harness.processes import layout, pin_self, run_bench
+from .harness.stats import Result, summarize
 
 __all__ = ["add_arguments", "run", "in_window", "ttft_round", "ttft_report"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trees", required=True, help="A,B: two source trees holding a narwhal/ package (git worktrees); the same twice for an A/A run")
-    p.add_argument("--streams", type=int, default=100, help="concurrent streams per router (default 100: 200 in all, as the relay bench)")
-    p.add_argument("--tokens", type=int, default=100, help="tokens per stream (default 100)")
-    p.add_argument("--interval-ms", type=float, default=20.0, help="the ticker's token interval (default 20)")
-    p.add_argument("--warm", type=float, default=4.0, help="seconds before the first window (default 4)")
-    p.add_argument("--window", type=float, default=15.0, help="seconds per window (default 15)")
-    p.add_argument("--windows", type=int, default=4, help="windows (default 4); with --part ttft, rounds")
-    p.add_argument("--part", choices=("relay", "ttft"), default="relay", help="relay: CPU per relayed event (default); ttft: the added first-token time, rounds of --window s")
-    p.add_argument("--rate", type=float, default=150.0, help="ttft: req/s per router, Poisson (default 150: 300 on the router's core)")
-    p.add_argument("--direct-rate", type=float, default=50.0, help="ttft: req/s of the engine's direct arm, interleaved (default 50)")
+OPTIONS = (
+    opt("--trees", required=True, help="A,B: two source trees holding a narwhal/ package (git worktrees); the same twice for an A/A run"),
+    opt("--streams", type=int, default=100, help="concurrent streams per router (default 100: 200 in all, as the relay bench)"),
+    opt("--tokens", type=int, default=100, help="tokens per stream (default 100)"),
+    opt("--interval-ms", type=float, default=20.0, help="the ticker's token interval (default 20)"),
+    opt("--warm", type=float, default=4.0, help="seconds before the first window (default 4)"),
+    opt("--window", type=float, default=15.0, help="seconds per window (default 15)"),
+    opt("--windows", type=int, default=4, help="windows (default 4); with --part ttft, rounds"),
+    opt("--part", choices=("relay", "ttft"), default="relay", help="relay: CPU per relayed event (default); ttft: the added first-token time, rounds of --window s"),
+    opt("--rate", type=float, default=150.0, help="ttft: req/s per router, Poisson (default 150: 300 on the router's core)"),
+    opt("--direct-rate", type=float, default=50.0, help="ttft: req/s of the engine's direct arm, interleaved (default 50)"),
+)
+
+
+add_arguments = O.adder(OPTIONS)
 
 
 def in_window(results: list[Result], t0: float, t1: float) -> float:
@@ -149,7 +155,7 @@ def paired(args: argparse.Namespace) -> dict[str, Any]:
     rcpu, lcpu = layout()
     pin_self(lcpu)
     if getattr(args, "part", "relay") == "ttft":
-        with _cleanup() as things:
+        with H.stopping() as things:
             eng = H.mock_engine("u0", cpus=lcpu, timing={"time_scale": 0.1})
             things.append(eng)
             routers = []
@@ -158,7 +164,7 @@ def paired(args: argparse.Namespace) -> dict[str, Any]:
                 things.append(r)
                 routers.append(r)
             return {"trees": [str(t) for t in trees], "part": "ttft", "rate": args.rate, "direct_rate": args.direct_rate, "rounds": _ttft(routers, eng, args)}
-    with _cleanup() as things:
+    with H.stopping() as things:
         tk = H.ticker_engine("t-paired", interval_ms=args.interval_ms, cpus=lcpu)
         things.append(tk)
         routers = []
@@ -167,7 +173,7 @@ def paired(args: argparse.Namespace) -> dict[str, Any]:
             r = H.start_narwhal(cfg, cpus=rcpu, name=name, tree=tree)
             things.append(r)
             routers.append(r)
-        rows = _run(_side_by_side(routers, args))
+        rows = run_loop(_side_by_side(routers, args))
     return {"trees": [str(t) for t in trees], "streams_per_router": args.streams, "windows": rows}
 
 

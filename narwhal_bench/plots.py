@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["overload_plot", "rate_sweep_plot", "peers_plot"]
+__all__ = ["overload_plot", "rate_sweep_plot", "peers_plot", "prefix_ttft_plot", "prefix_load_plot"]
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it as a PNG (its folder made when missing), close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _plt() -> Any:
@@ -54,11 +64,7 @@ def overload_plot(data: dict[str, Any], path: Path) -> Path:
     cap = data["capacity"]["capacity_req_s"]
     fig.suptitle(f"Overload, {data['scenario']}-bound fleet ({data['capacity']['engines']} unified mock engines, capacity {cap:.1f} req/s, TTFT target {tgt:g} ms"
                  + (f", TPOT target {data['tpot_target_ms']:g} ms" if tpot else "") + "; dotted: targets)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def rate_sweep_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, title: str, ylabel: str) -> Path:
@@ -72,11 +78,7 @@ def rate_sweep_plot(series: dict[str, list[tuple[float, float]]], path: Path, *,
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def peers_plot(data: dict[str, Any], path: Path) -> Path:
@@ -104,8 +106,60 @@ def peers_plot(data: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3, axis="x")
     axes[1].set_yticklabels([])
     fig.suptitle("Routers in front of the same mock engine, same arrivals", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
+
+
+def prefix_ttft_plot(points: Sequence[dict[str, Any]], path: Path, *, budget_ms: int, title: str) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    for p in points:
+        xs = [t * 1000.0 for t in p["ttfts"]]
+        n = p["summary"]["offered"]
+        if not xs:
+            continue
+        style = "-" if p["arm"].startswith("narwhal") else "--"
+        lab = f"{p['arm']} (hit {p['mocks']['hit_rate']:.2f}, goodput {p['summary']['goodput']:.2f})"
+        # left: CDF over answered requests; right: share of OFFERED requests answered by t
+        axes[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, label=lab)
+        axes[1].plot(xs, [(i + 1) / n for i in range(len(xs))], style, label=p["arm"])
+    for ax in axes:
+        ax.axvline(budget_ms, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, log)")
+        ax.grid(alpha=0.3)
+        ax.set_ylim(-0.01, 1.01)
+    axes[0].set_title("TTFT CDF of answered requests", fontsize=10)
+    axes[1].set_title("share of offered requests answered within TTFT (right end: answered share)", fontsize=10)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title + f"; dotted: TTFT budget {budget_ms} ms", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def prefix_load_plot(datas: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Hit rate, TTFT p90 (answered) and goodput against the offered prefill load (rho of
+    the replay without any cache), one line per arm, from several runs' prefix.json."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    arms: dict[str, list[tuple[float, float, float, float]]] = {}
+    for d in datas:
+        rho = d["workload"]["rho_uncached"]
+        for p in d["points"]:
+            arms.setdefault(p["arm"], []).append((rho, p["mocks"]["hit_rate"], (p["summary"]["ttft"]["p90"] or float("nan")) * 1000.0, p["summary"]["goodput"]))
+    for arm, pts in arms.items():
+        pts.sort()
+        style = "-o" if arm.startswith("narwhal") else "--s"
+        for i, ax in enumerate(axes):
+            ax.plot([x[0] for x in pts], [x[i + 1] for x in pts], style, label=arm)
+    budget = datas[0]["args"]["budget_ms"] if datas else None
+    axes[0].set_title("hit rate (mocks: cached / prompt tokens)", fontsize=10)
+    axes[1].set_title("TTFT p90 of answered requests (ms, log)", fontsize=10)
+    axes[1].set_yscale("log")
+    if budget:
+        axes[1].axhline(budget, color="grey", lw=0.8, ls=":")
+    axes[2].set_title("goodput (offered requests answered within the budget)", fontsize=10)
+    axes[2].set_ylim(-0.02, 1.02)
+    for ax in axes:
+        ax.set_xlabel("offered prefill load without cache (rho)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return _save(plt, fig, path)

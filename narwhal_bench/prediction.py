@@ -29,7 +29,7 @@ import orjson
 from narwhal.authority.profiler import _prompt
 
 from .harness import start_narwhal
-from .stats import markdown_table
+from .harness.stats import markdown_table
 
 __all__ = ["prediction", "table"]
 

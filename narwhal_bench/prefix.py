@@ -55,15 +55,11 @@ Every process is started here and stopped by its own process group; every wait i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime as _dt
 import hashlib
 import json
-import math
 import os
-import random
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -74,23 +70,29 @@ from typing import Any
 import orjson
 
 from . import harness as H
-from .client import SSERecorder, make_client
-from .load import open_loop
-from .procs import Proc, free_port, layout, log_dir, pin_self, wait_http
-from .stats import Result, fmt_ms, markdown_table, percentile, summarize
+from .harness import options as O
+from .harness.client import SSERecorder, make_client
+from .harness.load import open_loop, post, run_loop
+from .harness.options import opt
+from .harness.processes import Proc, free_port, layout, log_dir, pin_self, wait_http
+from .harness.quiet import busy_cpu_s, quiet_wait
+from .harness.report import commit
+from .harness.stats import Result, fmt_ms, markdown_table, percentile, summarize
+from .plots import prefix_load_plot, prefix_ttft_plot
+from .prefix_workload import (
+    APPROX_BLOCK_TOKENS,
+    DEFAULT_TRACE,
+    MOCK_BLOCK,
+    TraceRequest,
+    ideal_hit_rate,
+    load_mooncake,
+    request_body,
+    scale,
+    select,
+)
 
-__all__ = [
-    "TraceRequest", "load_mooncake", "select", "scale", "block_text", "prompt_content", "request_body",
-    "PrefixRecorder", "header_accuracy", "ARMS", "add_arguments", "run", "main",
-]
+__all__ = ["PrefixRecorder", "header_accuracy", "replay", "run_arm", "ARMS", "WORKLOAD", "add_workload_arguments", "add_arguments", "run", "main"]
 
-DEFAULT_TRACE = Path("/work/shared/data/traces/mooncake_conversation.jsonl")
-TRACE_BLOCK_TOKENS = 512  # the trace's hash_ids block
-BYTES_PER_TOKEN = 4  # the mock's sizing of text (narwhal/mock/tokens.py)
-MOCK_BLOCK = 16  # the mocks' KV block (vLLM's default)
-APPROX_BLOCK_TOKENS = 64  # Narwhal's approximate index block (256 bytes at 4 bytes a token)
-MODEL = "narwhal-demo"
-_TICK = float(os.sysconf("SC_CLK_TCK"))
 
 ARMS: dict[str, str] = {
     "narwhal-auto": "Narwhal predictive, prefix_cache auto (approximate index)",
@@ -99,116 +101,6 @@ ARMS: dict[str, str] = {
     "vllm-cache-aware": "vllm-router --policy cache_aware",
     "vllm-round-robin": "vllm-router --policy round_robin",
 }
-
-# -- the workload (pure) -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    at: float  # seconds from the start of the replay
-    hash_ids: tuple[int, ...]  # the blocks kept (at most max_blocks)
-    prompt_tokens: int  # text tokens of the user message (the mock adds 3 template tokens)
-    output_tokens: int
-    trace_ts_ms: int = 0
-
-
-def load_mooncake(path: str | Path = DEFAULT_TRACE) -> list[dict[str, Any]]:
-    """The trace's rows, by timestamp (stable)."""
-    with open(path, "rb") as f:
-        rows = [orjson.loads(line) for line in f if line.strip()]
-    rows.sort(key=lambda r: r["timestamp"])
-    return rows
-
-
-def _keep_conversation(key: int, sample: float, seed: int) -> bool:
-    return random.Random(f"{seed}:{key}").random() < sample
-
-
-def select(rows: Sequence[dict[str, Any]], *, start_s: float, window_s: float, sample: float = 1.0, seed: int = 1) -> list[dict[str, Any]]:
-    """The rows of [start_s, start_s + window_s), conversations (hash_ids[1]) sampled with
-    probability `sample` by a seeded coin; a one-block request is its own conversation."""
-    out = []
-    lo, hi = start_s * 1000.0, (start_s + window_s) * 1000.0
-    for i, r in enumerate(rows):
-        t = r["timestamp"]
-        if t < lo or t >= hi:
-            continue
-        h = r["hash_ids"]
-        key = h[1] if len(h) > 1 else -1 - i
-        if sample >= 1.0 or _keep_conversation(key, sample, seed):
-            out.append(r)
-    return out
-
-
-def scale(rows: Sequence[dict[str, Any]], *, start_s: float, speedup: float, tokens_per_block: int, max_blocks: int, output_scale: float, max_output: int) -> list[TraceRequest]:
-    """Selected rows as requests: time compressed by `speedup`, sizes scaled (module rules)."""
-    out = []
-    for r in rows:
-        h = tuple(r["hash_ids"][:max_blocks])
-        n = round(r["input_length"] * tokens_per_block / TRACE_BLOCK_TOKENS)
-        n = max(1, min(n, len(h) * tokens_per_block))
-        o = max(1, min(max_output, round(r["output_length"] * output_scale)))
-        out.append(TraceRequest((r["timestamp"] / 1000.0 - start_s) / speedup, h, n, o, int(r["timestamp"])))
-    return out
-
-
-_WORDS = (
-    "amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp", "lagoon",
-    "meadow", "nectar", "obsidian", "pebble", "quartz", "reef", "sierra", "tundra", "umber", "valley", "willow", "xenon",
-    "yarrow", "zephyr", "narwhal", "orca", "plankton", "current", "tide", "krill",
-)
-
-
-def block_text(hash_id: int, tokens_per_block: int) -> str:
-    """The text of one trace block: tokens_per_block x 4 ASCII bytes, a function of the
-    hash ID alone (it starts with "<ID>", so different IDs differ in their first bytes)."""
-    size = tokens_per_block * BYTES_PER_TOKEN
-    parts = [f"<{hash_id}>"]
-    n = len(parts[0])
-    k = 0
-    while n < size:
-        d = hashlib.blake2b(f"{hash_id}:{k}".encode(), digest_size=16).digest()
-        for b in d:
-            w = " " + _WORDS[b % len(_WORDS)]
-            parts.append(w)
-            n += len(w)
-        k += 1
-    return "".join(parts)[:size]
-
-
-def prompt_content(hash_ids: Sequence[int], prompt_tokens: int, tokens_per_block: int) -> str:
-    """The user message: the blocks' texts concatenated, cut at prompt_tokens x 4 bytes."""
-    need = prompt_tokens * BYTES_PER_TOKEN
-    blocks = min(len(hash_ids), math.ceil(need / (tokens_per_block * BYTES_PER_TOKEN)))
-    return "".join(block_text(h, tokens_per_block) for h in hash_ids[:blocks])[:need]
-
-
-def request_body(req: TraceRequest, tokens_per_block: int, model: str = MODEL) -> bytes:
-    return orjson.dumps({
-        "model": model,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "max_tokens": req.output_tokens,
-        "messages": [{"role": "user", "content": prompt_content(req.hash_ids, req.prompt_tokens, tokens_per_block)}],
-    })
-
-
-def ideal_hit_rate(reqs: Sequence[TraceRequest], tokens_per_block: int) -> float:
-    """Token hit rate of one unbounded cache that holds every prompt's full trace blocks
-    (the most any router could get from this replay, at trace-block granularity)."""
-    seen: set[tuple[int, ...]] = set()
-    hit = tot = 0
-    for r in sorted(reqs, key=lambda x: x.at):
-        full = r.prompt_tokens // tokens_per_block
-        k = 0
-        while k < full and r.hash_ids[: k + 1] in seen:
-            k += 1
-        hit += min(k * tokens_per_block, r.prompt_tokens - 1)
-        tot += r.prompt_tokens
-        for i in range(full):
-            seen.add(r.hash_ids[: i + 1])
-    return hit / tot if tot else 0.0
-
 
 # -- the client -----------------------------------------------------------------------------
 
@@ -248,13 +140,7 @@ class PrefixRecorder(SSERecorder):
 async def _one(client: Any, body: bytes, headers: dict[str, str], scheduled: float, timeout_s: float, req: TraceRequest, out: list[Result]) -> None:
     r = Result(scheduled=scheduled, prompt_tokens=req.prompt_tokens, output_tokens=req.output_tokens)
     out.append(r)
-    try:
-        await client.request("POST", "/v1/chat/completions", body, PrefixRecorder(r), headers=headers, timeout_s=timeout_s)
-    except asyncio.CancelledError:
-        r.error = r.error or "cut at end of run"
-        if not r.sent:
-            r.sent = scheduled
-        raise
+    await post(client, "/v1/chat/completions", body, PrefixRecorder(r), headers=headers, timeout_s=timeout_s)
 
 
 async def replay(url: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes], *, budget_ms: int, timeout_s: float, drain_s: float, headers: dict[str, str] | None = None) -> list[Result]:
@@ -333,18 +219,6 @@ def mock_stats(fleet: Fleet) -> list[dict[str, Any]]:
     return [_get_json(e.url + "/mock/stats") for e in fleet.engines]
 
 
-def wait_idle(fleet: Fleet, timeout_s: float = 30.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            if all(s["in_flight"] == 0 for s in mock_stats(fleet)):
-                return True
-        except Exception:  # noqa: BLE001 - an engine that does not answer is not idle
-            return False
-        time.sleep(0.25)
-    return False
-
-
 class Sampler:
     """Once a second during a replay: each mock's prefill queue and requests in flight,
     and (Narwhal) the router's /ready status: a timeline that shows stalls and
@@ -391,27 +265,6 @@ class Sampler:
         self._stop.set()
         self._t.join(5.0)
         return self.rows
-
-
-def busy_cpu_s() -> float:
-    """CPU-seconds the whole machine has been busy (all cores, /proc/stat: user + nice +
-    system + irq + softirq + steal)."""
-    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    v = [int(x) for x in f]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / _TICK
-
-
-def quiet_wait(max_s: float, *, threshold: float = 0.25, window_s: float = 5.0) -> float:
-    """Wait (at most max_s) until the machine is quiet: under `threshold` cores busy over a
-    window (other benchmarks share this 2-core machine). Returns the busy cores last seen."""
-    end = time.monotonic() + max_s
-    while True:
-        b0 = busy_cpu_s()
-        time.sleep(window_s)
-        busy = (busy_cpu_s() - b0) / window_s
-        if busy < threshold or time.monotonic() >= end:
-            return busy
-        print(f"    machine busy ({busy:.2f} cores used by others): waiting", flush=True)
 
 
 def _content_key(text: str) -> bytes:
@@ -515,7 +368,7 @@ def run_arm(arm: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes], *, 
     router: H.Started | None = None
     try:
         router, cfg = start_arm(arm, fleet, budget_ms=budget_ms, cache_tokens=cache_tokens, cpus=rcpu)
-        if not wait_idle(fleet):
+        if not H.engines_idle(fleet.engines, 30.0):
             raise RuntimeError("engines busy after the router started")
         before = mock_stats(fleet)
         c0 = router.proc.cpu()
@@ -525,7 +378,7 @@ def run_arm(arm: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes], *, 
         t0 = time.time()
         sampler = Sampler(fleet, router.url if arm.startswith("narwhal") else None).start()
         try:
-            res = _aio(replay(router.url, reqs, bodies, budget_ms=budget_ms, timeout_s=reqs[-1].at + drain_s + 10.0, drain_s=drain_s, headers=router.headers))
+            res = run_loop(replay(router.url, reqs, bodies, budget_ms=budget_ms, timeout_s=reqs[-1].at + drain_s + 10.0, drain_s=drain_s, headers=router.headers))
         finally:
             timeline = sampler.stop()
         wall = time.time() - t0
@@ -533,7 +386,7 @@ def run_arm(arm: str, reqs: Sequence[TraceRequest], bodies: Sequence[bytes], *, 
         mock_cpu = [e.proc.cpu() - c for e, c in zip(fleet.engines, m0, strict=True)]
         # CPU the machine spent on processes other than this run's (other sessions' benchmarks)
         foreign = busy_cpu_s() - b0 - cpu - sum(mock_cpu) - (_self_cpu() - me0)
-        idle = wait_idle(fleet, 30.0)
+        idle = H.engines_idle(fleet.engines, 30.0)
         after = mock_stats(fleet)
         placed = placements(fleet)
         view = None
@@ -579,15 +432,6 @@ def _self_cpu() -> float:
     return t.user + t.system
 
 
-def _aio(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
 # -- report ---------------------------------------------------------------------------------
 
 
@@ -608,126 +452,53 @@ def table(points: Sequence[dict[str, Any]]) -> str:
                            "busiest engine (requests / mean)", "follow-ups on their prefix's engine", "expected cached within 16 / 64 tokens"], rows)
 
 
-def plot(points: Sequence[dict[str, Any]], path: Path, *, budget_ms: int, title: str) -> Path:
-    from .plots import _plt
-
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-    for p in points:
-        xs = [t * 1000.0 for t in p["ttfts"]]
-        n = p["summary"]["offered"]
-        if not xs:
-            continue
-        style = "-" if p["arm"].startswith("narwhal") else "--"
-        lab = f"{p['arm']} (hit {p['mocks']['hit_rate']:.2f}, goodput {p['summary']['goodput']:.2f})"
-        # left: CDF over answered requests; right: share of OFFERED requests answered by t
-        axes[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, label=lab)
-        axes[1].plot(xs, [(i + 1) / n for i in range(len(xs))], style, label=p["arm"])
-    for ax in axes:
-        ax.axvline(budget_ms, color="grey", lw=0.8, ls=":")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, log)")
-        ax.grid(alpha=0.3)
-        ax.set_ylim(-0.01, 1.01)
-    axes[0].set_title("TTFT CDF of answered requests", fontsize=10)
-    axes[1].set_title("share of offered requests answered within TTFT (right end: answered share)", fontsize=10)
-    axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(title + f"; dotted: TTFT budget {budget_ms} ms", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def load_plot(datas: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Hit rate, TTFT p90 (answered) and goodput against the offered prefill load (rho of
-    the replay without any cache), one line per arm, from several runs' prefix.json."""
-    from .plots import _plt
-
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    arms: dict[str, list[tuple[float, float, float, float]]] = {}
-    for d in datas:
-        rho = d["workload"]["rho_uncached"]
-        for p in d["points"]:
-            arms.setdefault(p["arm"], []).append((rho, p["mocks"]["hit_rate"], (p["summary"]["ttft"]["p90"] or float("nan")) * 1000.0, p["summary"]["goodput"]))
-    for arm, pts in arms.items():
-        pts.sort()
-        style = "-o" if arm.startswith("narwhal") else "--s"
-        for i, ax in enumerate(axes):
-            ax.plot([x[0] for x in pts], [x[i + 1] for x in pts], style, label=arm)
-    budget = datas[0]["args"]["budget_ms"] if datas else None
-    axes[0].set_title("hit rate (mocks: cached / prompt tokens)", fontsize=10)
-    axes[1].set_title("TTFT p90 of answered requests (ms, log)", fontsize=10)
-    axes[1].set_yscale("log")
-    if budget:
-        axes[1].axhline(budget, color="grey", lw=0.8, ls=":")
-    axes[2].set_title("goodput (offered requests answered within the budget)", fontsize=10)
-    axes[2].set_ylim(-0.02, 1.02)
-    for ax in axes:
-        ax.set_xlabel("offered prefill load without cache (rho)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=H.REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
 # -- CLI ------------------------------------------------------------------------------------
 
 
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
+WORKLOAD = (
+    opt("--trace", default=str(DEFAULT_TRACE), help="the Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)"),
+    opt("--start", type=float, default=600.0, help="trace seconds skipped (default 600)"),
+    opt("--window", type=float, default=1200.0, help="trace seconds replayed (default 1200)"),
+    opt("--sample", type=float, default=0.35, help="share of conversations kept, seeded (default 0.35)"),
+    opt("--seed", type=int, default=1, help="the conversation sample's seed"),
+    opt("--tokens-per-block", type=int, default=64, help="tokens a 512-token trace block becomes (default 64)"),
+    opt("--max-blocks", type=int, default=32, help="trace blocks kept per prompt, the first ones (default 32)"),
+    opt("--output-scale", type=float, default=0.1, help="output_length multiplier (default 0.1)"),
+    opt("--max-output", type=int, default=64, help="output cap, tokens (default 64)"),
+    opt("--engines", type=int, default=4, help="unified vllm-dialect mock engines (default 4)"),
+    opt("--cache-tokens", type=int, default=65536, help="each mock's --prefix-cache-tokens, and Narwhal's prefix_cache_tokens (default 65536)"),
+    opt("--prefill-base-ms", type=float, default=10.0),
+    opt("--prefill-per-token-ms", type=float, default=0.4),
+    opt("--prefill-quadratic-ms", type=float, default=0.00002),
+    opt("--noise-sigma", type=float, default=0.1),
+    opt("--budget-ms", type=int, default=3000, help="TTFT budget: Narwhal's ttft_budget_ms and x-narwhal-ttft-target-ms; goodput's target (default 3000)"),
+)
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The workload and fleet (module rules): shared with prefix_model.py."""
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="the Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--start", type=float, default=600.0, help="trace seconds skipped (default 600)")
-    p.add_argument("--window", type=float, default=1200.0, help="trace seconds replayed (default 1200)")
-    p.add_argument("--sample", type=float, default=0.35, help="share of conversations kept, seeded (default 0.35)")
-    p.add_argument("--seed", type=int, default=1, help="the conversation sample's seed")
-    p.add_argument("--tokens-per-block", type=int, default=64, help="tokens a 512-token trace block becomes (default 64)")
-    p.add_argument("--max-blocks", type=int, default=32, help="trace blocks kept per prompt, the first ones (default 32)")
-    p.add_argument("--output-scale", type=float, default=0.1, help="output_length multiplier (default 0.1)")
-    p.add_argument("--max-output", type=int, default=64, help="output cap, tokens (default 64)")
-    p.add_argument("--engines", type=int, default=4, help="unified vllm-dialect mock engines (default 4)")
-    p.add_argument("--cache-tokens", type=int, default=65536, help="each mock's --prefix-cache-tokens, and Narwhal's prefix_cache_tokens (default 65536)")
-    p.add_argument("--prefill-base-ms", type=float, default=10.0)
-    p.add_argument("--prefill-per-token-ms", type=float, default=0.4)
-    p.add_argument("--prefill-quadratic-ms", type=float, default=0.00002)
-    p.add_argument("--noise-sigma", type=float, default=0.1)
-    p.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget: Narwhal's ttft_budget_ms and x-narwhal-ttft-target-ms; goodput's target (default 3000)")
+add_workload_arguments = O.adder(WORKLOAD)  # the workload and fleet (module rules): shared with prefix_model.py
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_arguments(p)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} (default all)")
-    p.add_argument("--duration", type=float, default=140.0, help="seconds the window is compressed onto (default 140)")
-    p.add_argument("--drain", type=float, default=45.0, help="seconds to wait for open requests after the last arrival (default 45)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N selected requests (smoke runs)")
-    p.add_argument("--quiet-wait", type=float, default=300.0, help="before each arm, wait at most this long for the machine to be quiet (< 0.25 cores busy; default 300 s)")
-    p.add_argument("--plot-load", nargs="+", metavar="JSON", help="only plot: hit rate, TTFT p90 and goodput against load from these runs' prefix.json, to IMG/prefix-cache-load.png")
-    p.add_argument("--out", default="out/bench", help="write prefix.json / prefix.md here (default out/bench)")
-    p.add_argument("--img", default="docs", help="write prefix-cache-ttft.png here (default docs)")
+OPTIONS = (
+    opt("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} (default all)"),
+    opt("--duration", type=float, default=140.0, help="seconds the window is compressed onto (default 140)"),
+    opt("--drain", type=float, default=45.0, help="seconds to wait for open requests after the last arrival (default 45)"),
+    opt("--limit", type=int, default=None, help="replay only the first N selected requests (smoke runs)"),
+    opt("--quiet-wait", type=float, default=300.0, help="before each arm, wait at most this long for the machine to be quiet (< 0.25 cores busy; default 300 s)"),
+    opt("--plot-load", nargs="+", metavar="JSON", help="only plot: hit rate, TTFT p90 and goodput against load from these runs' prefix.json, to IMG/prefix-cache-load.png"),
+    opt("--out", default="out/bench", help="write prefix.json / prefix.md here (default out/bench)"),
+    opt("--img", default="docs", help="write prefix-cache-ttft.png here (default docs)"),
+)
+
+
+add_arguments = O.adder(WORKLOAD, OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.plot_load:
-        path = load_plot([json.loads(Path(f).read_text()) for f in args.plot_load], Path(args.img or ".") / "prefix-cache-load.png")
+        path = prefix_load_plot([json.loads(Path(f).read_text()) for f in args.plot_load], Path(args.img or ".") / "prefix-cache-load.png")
         print(f"plot: {path}")
         return 0
-    arms = _names(args.arms)
+    arms = O.names(args.arms)
     bad = [a for a in arms if a not in ARMS]
     if bad:
         print(f"unknown arms {bad} (known: {', '.join(ARMS)})", file=sys.stderr)
@@ -785,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
               f"goodput {s['goodput']:.3f} refused {s['refused']} {s['refusal_codes']} errors {s['errors']} {s['error_samples']} "
               f"engines {[e['requests'] for e in m['engines']]}" + (f" header within 16/64: {ha['within_engine_block']:.3f}/{ha['within_index_block']:.3f}" if ha else ""), flush=True)
     ended = _dt.datetime.now(_dt.UTC)
-    data = {"started": started.isoformat(timespec="seconds"), "ended": ended.isoformat(timespec="seconds"), "commit": _commit(), "argv": sys.argv,
+    data = {"started": started.isoformat(timespec="seconds"), "ended": ended.isoformat(timespec="seconds"), "commit": commit(), "argv": sys.argv,
             "args": vars(args), "workload": work, "timing": timing, "points": points, "unavailable": unavailable,
             "pinning": f"router CPU {sorted(rcpu)}, load tool + mocks CPU {sorted(lcpu or ())}" if rcpu else "not pinned"}
     md = table(points)
@@ -796,16 +567,14 @@ def run(args: argparse.Namespace) -> int:
         (out / "prefix.json").write_text(json.dumps(data, indent=1, default=str))
         (out / "prefix.md").write_text(md + "\n")
     if args.img and points:
-        path = plot(points, Path(args.img) / "prefix-cache-ttft.png", budget_ms=args.budget_ms,
+        path = prefix_ttft_plot(points, Path(args.img) / "prefix-cache-ttft.png", budget_ms=args.budget_ms,
                     title=f"Mooncake conversation trace, {len(reqs)} requests in {span:.0f} s, {args.engines} caching mocks")
         print(f"plot: {path}", flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.prefix", description="Prefix-cache-aware placement on the Mooncake trace (issue 15 item 4).")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.prefix", "Prefix-cache-aware placement on the Mooncake trace (issue 15 item 4).", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ from typing import Any
 from narwhal.mock.timing import Timing
 
 from . import prefix as P
+from . import prefix_workload as W
+from .harness import options as O
+from .harness.options import opt
 
 __all__ = ["RULES", "BENCH_TIMING", "simulate", "add_arguments", "run", "main"]
 
@@ -85,7 +88,7 @@ def _q(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
 
 
-def simulate(reqs: Sequence[P.TraceRequest], rule: str, *, engines: int = 4, cache_tokens: int = 65536, tokens_per_block: int = 64,
+def simulate(reqs: Sequence[W.TraceRequest], rule: str, *, engines: int = 4, cache_tokens: int = 65536, tokens_per_block: int = 64,
              budget_ms: float = 3000.0, timing: Timing = BENCH_TIMING, seed: int = 7) -> dict[str, Any]:
     """One rule over the requests: hit rate, TTFT p50/p90/p99 ms, goodput, refusals,
     follow-ups on their conversation's last engine."""
@@ -147,20 +150,23 @@ def simulate(reqs: Sequence[P.TraceRequest], rule: str, *, engines: int = 4, cac
             "goodput": good / len(reqs) if reqs else 0.0, "refused": refused, "same_engine": same / follow if follow else None}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    P.add_workload_arguments(p)
-    p.add_argument("--durations", default="220,180,160,140,110", help="seconds the window is compressed onto, one load point each (prefix --duration)")
-    p.add_argument("--seeds", type=int, default=3, help="noise seeds per point (default 3)")
+OPTIONS = (
+    opt("--durations", default="220,180,160,140,110", help="seconds the window is compressed onto, one load point each (prefix --duration)"),
+    opt("--seeds", type=int, default=3, help="noise seeds per point (default 3)"),
+)
+
+
+add_arguments = O.adder(P.WORKLOAD, OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = P.select(P.load_mooncake(args.trace), start_s=args.start, window_s=args.window, sample=args.sample, seed=args.seed)
+    rows = W.select(W.load_mooncake(args.trace), start_s=args.start, window_s=args.window, sample=args.sample, seed=args.seed)
     print("| duration s (rho uncached) | rule | hit rate | TTFT p50 / p90 / p99 ms | goodput | refused | follow-ups on their engine | p90 blind / p90 rule |")
     print("|---|---|---|---|---|---|---|---|")
     tm = Timing(prefill_base_ms=args.prefill_base_ms, prefill_per_token_ms=args.prefill_per_token_ms, prefill_quadratic_ms=args.prefill_quadratic_ms,
                 noise_sigma=args.noise_sigma)
     for d in [float(x) for x in args.durations.split(",") if x]:
-        reqs = P.scale(rows, start_s=args.start, speedup=args.window / d, tokens_per_block=args.tokens_per_block, max_blocks=args.max_blocks,
+        reqs = W.scale(rows, start_s=args.start, speedup=args.window / d, tokens_per_block=args.tokens_per_block, max_blocks=args.max_blocks,
                        output_scale=args.output_scale, max_output=args.max_output)
         rho = sum(tm.prefill_ms(r.prompt_tokens + TEMPLATE_TOKENS) for r in reqs) / 1000.0 / (args.engines * max(reqs[-1].at, 1e-9))
         res = {rule: [simulate(reqs, rule, engines=args.engines, cache_tokens=args.cache_tokens, tokens_per_block=args.tokens_per_block,
@@ -178,9 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.prefix_model", description="A queueing model of the prefix bench: what any placement rule could get.")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.prefix_model", "A queueing model of the prefix bench: what any placement rule could get.", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

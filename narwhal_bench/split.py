@@ -21,14 +21,14 @@ How
     a `socketpair(AF_UNIX)`; the client is a separate `python -m narwhal_bench.split
     client ...` process under uvloop (like `python -m narwhal.workers`) holding a `Link`
     on the other end and driving `RemoteDoor` exactly as a worker's request does. This
-    process runs on the router CPU, the clients on the load CPU (procs.layout()).
+    process runs on the router CPU, the clients on the load CPU (harness.processes.layout()).
   * A cycle: arrive, admit, [granted], then (cycle "full", the default: what a streamed
     request on a unified engine sends) first_token and close with a full Outcome (ok
     engine, TPOT, output tokens, finish reason, reported prompt tokens), or (cycle
     "minimal") close(Outcome(at)); then end("completed"). A decision = one admit.
   * Arrivals are uniform at the rate (each client takes rate/N, phase-shifted so their
     union is uniform); each cycle is its own task, started when due whatever happened to
-    earlier ones (open loop). As in load.run_open_loop, a cycle due within 0.5 ms leaves
+    earlier ones (open loop). As in harness.load.open_loop, a cycle due within 0.5 ms leaves
     at once (uvloop's timers tick in milliseconds; no busy wait), so at 2,000/s cycles
     leave in ones and twos; how late (or early) each one left is kept (send lag). A
     round trip is timed from the call itself, not from when its cycle was due.
@@ -48,35 +48,31 @@ PID (or its own process group).
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import gc
 import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import harness as H
-from .experiments import Report, _run, phase
-from .load import RequestShape, fixed_rate
-from .procs import cpu_seconds, layout, pin_self, python
-from .stats import fmt_ms, markdown_table, percentile, summarize
+from .harness import quiet as Q
+from .harness.load import RequestShape, fixed_rate, phase, run_loop
+from .harness.processes import layout, pin_self
+from .harness.quiet import QUIET_CORES, Others, tree_cpu, tree_pids
+from .harness.report import Report
+from .harness.stats import fmt_ms, markdown_table, percentile, summarize
+from .split_seam import authority, client_main, floor, inproc, ipc_arm, pct, summ, us
 
 __all__ = ["split", "decisions", "saturation", "relay_split", "ttft_split", "floor", "await_quiet", "Others", "tree_pids", "tree_cpu"]
 
-_TICK = os.sysconf("SC_CLK_TCK")
-CLIENT_START_S = 2.5  # a client interpreter's start-up (imports) before its first cycle
-ORDER_BYTES = 256  # a 64-token prompt at the sizer's 4 bytes per token
 
 
 _LAYOUT: tuple[set[int] | None, set[int] | None] | None = None
@@ -84,7 +80,7 @@ _stopping = False
 
 
 def _layout() -> tuple[set[int] | None, set[int] | None]:
-    """procs.layout(), taken once: each part pins this process, after which layout()
+    """harness.processes.layout(), taken once: each part pins this process, after which layout()
     would see one CPU."""
     global _LAYOUT
     if _LAYOUT is None:
@@ -105,28 +101,6 @@ def _check() -> None:
         raise KeyboardInterrupt
 
 
-# -- /proc -------------------------------------------------------------------------------------
-
-
-def tree_pids(pid: int) -> list[int]:
-    """pid and its live descendants, through /proc/<pid>/task/*/children."""
-    out: list[int] = []
-    todo = [pid]
-    while todo and len(out) < 4096:
-        p = todo.pop()
-        out.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                todo.extend(int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split())
-            except (OSError, ValueError):
-                pass
-    return out
-
-
 def _role(pid: int, root: int) -> str:
     if pid == root:
         return "authority" if len(tree_pids(root)) > 1 else "router"
@@ -136,416 +110,6 @@ def _role(pid: int, root: int) -> str:
         return "?"
     return "worker" if b"narwhal.workers" in argv else Path(argv[0].decode(errors="replace")).name
 
-
-def tree_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds of every process of the tree rooted at pid."""
-    return {p: cpu_seconds(p, tree=False) for p in tree_pids(pid)}
-
-
-# -- part 1: the seam's round trip -------------------------------------------------------------
-
-
-def _authority(engines: int, mode: str) -> Any:
-    """A ControlPlane over `engines` fake unified engines (nothing listens; it is never
-    started) and its LocalControls; limits out of reach, so only the decision is timed."""
-    from narwhal.authority.control import ControlPlane
-    from narwhal.authority.service import LocalControls
-    from narwhal.config import parse_config
-    from narwhal.upstream.engines import config_engines
-
-    cfg = parse_config({
-        "serving": {"model": "narwhal-demo"},
-        "admission": {"mode": mode, "http_retention_limit": 1_000_000, "queue_limit": 1_000_000,
-                      "phase_concurrency": {"prefill": 100_000, "decode": 100_000}},
-        "monitoring": {"stale_after_ms": 1_000_000_000},  # no health polls here: R01 must not fire
-        "engines": [{"name": f"u{i}", "url": f"http://127.0.0.1:{9 + i}", "role": "unified", "dialect": "vllm"} for i in range(engines)],
-    }, source="narwhal bench split")
-    return LocalControls(ControlPlane(cfg, config_engines(cfg)))
-
-
-async def _drive(door: Any, p: dict[str, Any]) -> dict[str, Any]:
-    """Open-loop cycles against `door` (LocalDoor or RemoteDoor) at p["rate"], from the
-    instant p["start"] (time.monotonic) for p["warm_s"] + p["window_s"]; the cycles due
-    in the window are recorded. Bounded: at most rate * (warm + window) cycles, then
-    p["drain_s"] for the last answers."""
-    from narwhal.core.lease import Order, Outcome
-    from narwhal.core.tickets import Refuse
-
-    loop = asyncio.get_running_loop()
-    rate, start, full = float(p["rate"]), float(p["start"]), p["cycle"] == "full"
-    w0 = start + float(p["warm_s"])
-    w1 = w0 + float(p["window_s"])
-    offset = float(p.get("offset", 0.0))
-    budget = 2000.0
-    arrive_us, admit_us, lag_us, at_s = array.array("d"), array.array("d"), array.array("d"), array.array("d")
-    trace = bool(p.get("trace"))  # keep each recorded cycle's start (at_s), for ad-hoc looks at the tails
-    counts: Counter[str] = Counter()
-    perf = time.perf_counter
-
-    async def one(due: float) -> None:
-        t0 = perf()
-        entry = await door.arrive(t0)
-        t1 = perf()
-        if isinstance(entry, Refuse):
-            counts["refused " + entry.row.id] += 1
-            return
-        lease = await entry.admit(Order("chat", ORDER_BYTES, None, 16, budget, t0, None))
-        t2 = perf()
-        if isinstance(lease, Refuse):
-            entry.end(lease.row.counter)
-            counts["refused " + lease.row.id] += 1
-            return
-        g = await lease.granted()
-        if isinstance(g, Refuse):
-            lease.close(Outcome(at=perf()))
-            entry.end(g.row.counter)
-            counts["refused " + g.row.id] += 1
-            return
-        if full:
-            lease.first_token(perf())
-            lease.close(Outcome(at=perf(), ok_engine=g.engine, tpot_s=0.010, tpot_engine=g.engine, output_tokens=16,
-                                finish_reason="length", reported_prompt_tokens=64))
-        else:
-            lease.close(Outcome(at=perf()))
-        entry.end("completed")
-        if w0 <= due < w1:
-            arrive_us.append((t1 - t0) * 1e6)
-            admit_us.append((t2 - t1) * 1e6)
-            lag_us.append((t0 - due) * 1e6)
-            if trace:
-                at_s.append(t0 - w0)
-            counts["completed"] += 1
-
-    cpu: dict[str, float] = {}
-
-    async def sample() -> None:
-        d = w0 - time.monotonic()
-        if d > 0:
-            await asyncio.sleep(d)
-        cpu["t0"], cpu["c0"] = time.monotonic(), time.process_time()
-        d = w1 - time.monotonic()
-        if d > 0:
-            await asyncio.sleep(d)
-        cpu["t1"], cpu["c1"] = time.monotonic(), time.process_time()
-
-    sampler = loop.create_task(sample())
-    tasks: set[asyncio.Task[None]] = set()
-    d = start - time.monotonic()
-    late_start = max(0.0, -d)
-    if d > 0:
-        await asyncio.sleep(d)
-    k = 0
-    n = math.ceil((w1 - start) * rate)
-    while k < n:
-        due = start + offset + k / rate
-        d = due - time.monotonic()
-        if d > 0.0005:  # as the load tool (load.run_open_loop): uvloop's timers tick in ms
-            await asyncio.sleep(d)
-            continue
-        t = loop.create_task(one(due))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-        k += 1
-        if k % 64 == 0:
-            await asyncio.sleep(0)  # behind schedule: let the answers in
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(sampler, timeout=max(1.0, w1 - time.monotonic() + 1.0))
-    if tasks:
-        _, pending = await asyncio.wait(set(tasks), timeout=float(p.get("drain_s", 5.0)))
-        for t in pending:
-            t.cancel()
-        if pending:
-            counts["unanswered"] += len(pending)
-    return {"arrive_us": arrive_us.tolist(), "admit_us": admit_us.tolist(), "lag_us": lag_us.tolist(), "at_s": at_s.tolist(), "counts": dict(counts),
-            "window_s": cpu.get("t1", w1) - cpu.get("t0", w0), "cpu_s": cpu.get("c1", 0.0) - cpu.get("c0", 0.0), "late_start_s": late_start,
-            "cycles_sent": k}
-
-
-async def _client(fd: int, p: dict[str, Any]) -> dict[str, Any]:
-    """The worker's side, in its own process: a Link on the channel, RemoteDoor."""
-    from narwhal.worker.remote import Link, RemoteDoor
-
-    loop = asyncio.get_running_loop()
-    link = Link()
-    link.hello.cancel()  # no Hello comes here (the authority side is a bare WorkerSession)
-    await loop.create_unix_connection(lambda: link.channel, sock=socket.socket(fileno=fd))
-    try:
-        return await _drive(RemoteDoor(link), p)
-    finally:
-        link.channel.close()
-
-
-def client_main(argv: list[str]) -> int:
-    """python -m narwhal_bench.split client FD PARAMS_JSON OUT_JSON"""
-    fd, p, out = int(argv[0]), json.loads(argv[1]), Path(argv[2])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides
-    import narwhal.worker.remote  # noqa: F401  (imported before the heap is frozen, as in a worker)
-
-    gc.freeze()
-    try:
-        import uvloop
-
-        res = uvloop.run(_client(fd, p))
-    except ImportError:
-        res = asyncio.run(_client(fd, p))
-    out.write_text(json.dumps(res))
-    return 0
-
-
-class _GCWatch:
-    """Collections in this process while it is on: count and longest pause per generation."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-        self.stats: dict[int, list[float]] = {}
-        self.on = False
-
-    def __call__(self, phase_: str, info: dict[str, int]) -> None:
-        if not self.on:
-            return
-        if phase_ == "start":
-            self.t = time.perf_counter()
-        else:
-            self.stats.setdefault(info["generation"], []).append(time.perf_counter() - self.t)
-
-    def __enter__(self) -> _GCWatch:
-        self.stats = {}
-        self.on = True
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.on = False
-        with contextlib.suppress(ValueError):
-            gc.callbacks.remove(self)
-
-    def summary(self) -> dict[str, Any]:
-        return {f"gen{g}": {"n": len(v), "max_ms": max(v) * 1000.0} for g, v in sorted(self.stats.items())}
-
-
-def _self_cpu() -> float:
-    return cpu_seconds(os.getpid(), tree=False)
-
-
-async def _inproc(controls: Any, p: dict[str, Any]) -> dict[str, Any]:
-    p = {**p, "start": time.monotonic() + 0.2}
-    w0 = p["start"] + p["warm_s"]
-    box: dict[str, float] = {}
-
-    async def proc_sample() -> None:
-        await asyncio.sleep(max(0.0, w0 - time.monotonic()))
-        box["p0"], (box["m0"], _, box["t0"]) = _self_cpu(), _machine()
-        await asyncio.sleep(max(0.0, w0 + p["window_s"] - time.monotonic()))
-        box["p1"], (box["m1"], _, box["t1"]) = _self_cpu(), _machine()
-
-    with _GCWatch() as gw:
-        s = asyncio.ensure_future(proc_sample())
-        res = await _drive(controls.door, p)
-        await s
-    res["proc_cpu_s"] = box["p1"] - box["p0"]
-    res["others_cores"] = max(0.0, box["m1"] - box["m0"] - res["proc_cpu_s"]) / (box["t1"] - box["t0"])
-    res["gc"] = gw.summary()
-    return res
-
-
-class _Echo:
-    """An authority that decides nothing: a bare ipc.Channel answering Arrive and Admit at
-    once with a fixed Arrived and Admitted (the real authority's answers, taken once), and
-    ignoring the rest. The channel and the two event loops' share of a round trip."""
-
-    def __init__(self, controls: Any) -> None:
-        from narwhal import ipc
-
-        self.ipc = ipc
-        self.arrived, self.admitted = _answers(controls)
-        self.channel = ipc.Channel(self._on, lambda exc: None)
-
-    def _on(self, m: Any) -> None:
-        import dataclasses
-
-        if type(m) is self.ipc.Arrive:
-            self.channel.send(dataclasses.replace(self.arrived, rid=m.rid))
-        elif type(m) is self.ipc.Admit:
-            self.channel.send(dataclasses.replace(self.admitted, rid=m.rid))
-
-    def close(self) -> None:
-        self.channel.close()
-
-
-def _answers(controls: Any) -> tuple[Any, Any]:
-    """The authority's Arrived and Admitted for one request, from a WorkerSession whose
-    writes are kept (no event loop turn needed: the writes are flushed by hand)."""
-    from narwhal import ipc
-    from narwhal.authority.channel import WorkerSession
-
-    out: list[Any] = []
-
-    class Keep:
-        def write(self, data: bytes) -> None:
-            pos = 0
-            while pos < len(data):
-                n = int.from_bytes(data[pos:pos + 4], "big")
-                out.append(ipc.decode(data[pos + 4:pos + 4 + n]))
-                pos += 4 + n
-
-        def close(self) -> None:
-            pass
-
-        def abort(self) -> None:
-            pass
-
-    sess = WorkerSession(999, controls, on_up=lambda s, m: None, on_penalise=lambda s, a, x: None, on_lost=lambda s: None)
-    sess.channel.connection_made(Keep())  # type: ignore[arg-type]
-    at = time.monotonic()
-    fields: dict[str, Any] = {f: _ADMIT.get(f, [] if "prefix" in f else None) for f in ipc.Admit.__dataclass_fields__ if f != "TAG"}
-    admit = ipc.Admit(**{**fields, "rid": 1, "arrival": at})
-    for m in (ipc.Arrive(1, at), admit):
-        sess.channel.data_received(ipc.encode(m))
-        sess.channel._flush()
-    sess.channel.data_received(ipc.encode(ipc.End(1, "completed")))
-    arrived = next(m for m in out if type(m) is ipc.Arrived)
-    admitted = next(m for m in out if type(m) is ipc.Admitted)
-    return arrived, admitted
-
-
-_ADMIT: dict[str, Any] = {"route": "chat", "prompt_bytes": ORDER_BYTES, "max_tokens": 16, "budget_ms": 2000.0}
-
-
-async def _ipc(controls: Any, p: dict[str, Any], clients: int, cpus: set[int] | None, tmp: Path, *, echo: bool = False) -> dict[str, Any]:
-    """`clients` client processes, each with its own channel and WorkerSession here (or,
-    with `echo`, an authority that decides nothing: _Echo)."""
-    from narwhal.authority.channel import WorkerSession
-
-    loop = asyncio.get_running_loop()
-    start = time.monotonic() + CLIENT_START_S
-    rate = float(p["rate"])
-    procs: list[subprocess.Popen[bytes]] = []
-    sessions: list[Any] = []
-    outs: list[Path] = []
-
-    def pre() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    try:
-        for i in range(clients):
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            sess: Any = _Echo(controls) if echo else WorkerSession(i, controls, on_up=lambda s, m: None, on_penalise=lambda s, a, x: None, on_lost=lambda s: None)
-            await loop.create_unix_connection(lambda s=sess: s.channel, sock=ours)  # type: ignore[misc]
-            sessions.append(sess)
-            out = tmp / f"client{i}.json"
-            with contextlib.suppress(FileNotFoundError):
-                out.unlink()
-            outs.append(out)
-            pi = {**p, "rate": rate / clients, "start": start, "offset": i / rate}
-            try:
-                procs.append(subprocess.Popen([python(), "-m", "narwhal_bench.split", "client", str(theirs.fileno()), json.dumps(pi), str(out)],
-                                              pass_fds=(theirs.fileno(),), preexec_fn=pre, start_new_session=True, stdin=subprocess.DEVNULL))
-            finally:
-                theirs.close()
-        w0 = start + p["warm_s"]
-        w1 = w0 + p["window_s"]
-        with _GCWatch() as gw:
-            await asyncio.sleep(max(0.0, w0 - time.monotonic()))
-            c0, q0, t0, m0 = _self_cpu(), time.process_time(), time.monotonic(), _machine()
-            await asyncio.sleep(max(0.0, w1 - time.monotonic()))
-            c1, q1, t1, m1 = _self_cpu(), time.process_time(), time.monotonic(), _machine()
-        deadline = time.monotonic() + float(p.get("drain_s", 5.0)) + 20.0
-        while any(pr.poll() is None for pr in procs) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        results = []
-        for pr, out in zip(procs, outs, strict=True):
-            if pr.poll() is None or pr.returncode != 0 or not out.exists():
-                raise RuntimeError(f"split client pid {pr.pid} failed (exit {pr.poll()})")
-            results.append(json.loads(out.read_text()))
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pr.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    pr.wait(5)
-        for s in sessions:
-            s.close()
-        await asyncio.sleep(0.05)  # let the sessions' losses run (End for anything still open)
-    arrive = [x for r in results for x in r["arrive_us"]]
-    admit = [x for r in results for x in r["admit_us"]]
-    lag = [x for r in results for x in r["lag_us"]]
-    at = [x for r in results for x in r["at_s"]]
-    counts: Counter[str] = Counter()
-    for r in results:
-        counts.update(r["counts"])
-    return {"arrive_us": arrive, "admit_us": admit, "lag_us": lag, "at_s": at, "counts": dict(counts), "window_s": t1 - t0,
-            "authority_cpu_s": c1 - c0, "authority_cpu_s_precise": q1 - q0,
-            "client_cpu_s": [r["cpu_s"] for r in results], "late_start_s": max(r["late_start_s"] for r in results), "gc": gw.summary(),
-            # the rest of the machine over the window: every CPU's busy time minus ours
-            "others_cores": max(0.0, m1[0] - m0[0] - (q1 - q0) - sum(r["cpu_s"] for r in results)) / (t1 - t0), "steal_s": m1[1] - m0[1],
-            "channel_messages": [{"in": s.channel.received, "out": s.channel.sent} for s in sessions]}
-
-
-def _pct(xs: Sequence[float]) -> dict[str, float | None]:
-    return {"p50": percentile(xs, 50), "p90": percentile(xs, 90), "p99": percentile(xs, 99), "max": max(xs) if xs else None}
-
-
-def _us(v: float | None) -> str:
-    return "—" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
-
-
-def _summ(r: dict[str, Any]) -> dict[str, Any]:
-    n = r["counts"].get("completed", 0)
-    both = [a + b for a, b in zip(r["arrive_us"], r["admit_us"], strict=True)]  # the request's whole wait for admission
-    out = {"arrive": _pct(r["arrive_us"]), "admit": _pct(r["admit_us"]), "both": _pct(both), "lag": _pct(r["lag_us"]), "completed": n,
-           "achieved_per_s": n / r["window_s"] if r["window_s"] else 0.0, "counts": r["counts"], "window_s": r["window_s"]}
-    return out
-
-
-_ECHO = "import socket, sys\ns = socket.socket(fileno=int(sys.argv[1]))\nwhile True:\n    d = s.recv(65536)\n    if not d:\n        break\n    s.sendall(d)\n"
-
-
-def floor(rate: float, warm_s: float, window_s: float, cpus: set[int] | None) -> tuple[list[float], float]:
-    """The machine's own floor for a round trip between two processes on different CPUs:
-    a 16-byte message over the same kind of socket pair to an echo process (blocking
-    calls, no event loop, no Python work on either side), paced at `rate`; µs."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-
-    def pre() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    try:
-        pr = subprocess.Popen([python(), "-c", _ECHO, str(b.fileno())], pass_fds=(b.fileno(),), preexec_fn=pre, start_new_session=True, stdin=subprocess.DEVNULL)
-    finally:
-        b.close()
-    xs: list[float] = []
-    try:
-        a.settimeout(5.0)
-        a.sendall(b"x" * 16)
-        a.recv(65536)  # the echo is up
-        n = int((warm_s + window_s) * rate)
-        skip = int(warm_s * rate)
-        oth = Others([pr.pid])
-        start = time.monotonic()
-        for k in range(n):
-            d = start + k / rate - time.monotonic()
-            if d > 0:
-                time.sleep(d)
-            t0 = time.perf_counter()
-            a.sendall(b"x" * 16)
-            got = 0
-            while got < 16:
-                got += len(a.recv(65536))
-            if k >= skip:
-                xs.append((time.perf_counter() - t0) * 1e6)
-        others = oth.cores()
-    finally:
-        a.close()
-        try:
-            pr.wait(5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pr.pid, signal.SIGKILL)
-            pr.wait(5)
-    return xs, others
 
 
 def _attempts(repeats: int, retries: int, busy: Any) -> Any:
@@ -569,11 +133,11 @@ def decisions(*, rate: float = 2000.0, warm_s: float = 2.0, window_s: float = 10
     p = {"rate": rate, "warm_s": warm_s, "window_s": window_s, "cycle": cycle, "drain_s": 5.0}
 
     async def go() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        controls = _authority(engines, mode)
+        controls = authority(engines, mode)
         with tempfile.TemporaryDirectory(prefix="narwhal-split-") as tmp:
-            local = await _inproc(controls, p)
-            remote = await _ipc(controls, p, 1, lcpu, Path(tmp))
-            echo = await _ipc(controls, p, 1, lcpu, Path(tmp), echo=True)
+            local = await inproc(controls, p)
+            remote = await ipc_arm(controls, p, 1, lcpu, Path(tmp))
+            echo = await ipc_arm(controls, p, 1, lcpu, Path(tmp), echo=True)
         books = controls.control.books.snapshot()
         await controls.control.stop()
         return local, remote, echo, books
@@ -583,9 +147,9 @@ def decisions(*, rate: float = 2000.0, warm_s: float = 2.0, window_s: float = 10
     for k, attempt in _attempts(repeats, retries, lambda: bool(runs) and runs[-1]["others_cores"] > RETRY_OTHERS):
         quiet = await_quiet()
         at = time.strftime("%H:%M:%S", time.gmtime())
-        local, remote, echo, books = _run(go())
+        local, remote, echo, books = run_loop(go())
         fl, f_others = floor(rate, warm_s, window_s, lcpu)
-        ls, rs, es = _summ(local), _summ(remote), _summ(echo)
+        ls, rs, es = summ(local), summ(remote), summ(echo)
         es["authority_cpu_us_per_cycle"] = echo["authority_cpu_s"] / max(1, es["completed"]) * 1e6
         ls["process_cpu_us_per_cycle"] = local["proc_cpu_s"] / max(1, ls["completed"]) * 1e6
         ls["process_cpu_us_per_cycle_precise"] = local["cpu_s"] / max(1, ls["completed"]) * 1e6
@@ -595,19 +159,19 @@ def decisions(*, rate: float = 2000.0, warm_s: float = 2.0, window_s: float = 10
         others = max(local["others_cores"], remote["others_cores"], echo["others_cores"], f_others)
         run = {"at": at, "in_process": {**ls, "gc": local["gc"], "others_cores": local["others_cores"]},
                "ipc": {**rs, "gc": remote["gc"], "late_start_s": remote["late_start_s"], "channel_messages": remote["channel_messages"], "others_cores": remote["others_cores"]},
-               "echo": {**es, "others_cores": echo["others_cores"]}, "floor": _pct(fl), "books": books, "others_cores": others, "steal_s": remote["steal_s"], "quiet": quiet, "attempt": attempt, "k": k}
+               "echo": {**es, "others_cores": echo["others_cores"]}, "floor": pct(fl), "books": books, "others_cores": others, "steal_s": remote["steal_s"], "quiet": quiet, "attempt": attempt, "k": k}
         runs.append(run)
         for name, sm in (("in process (LocalDoor)", ls), ("over the channel (RemoteDoor -> WorkerSession)", rs),
                          ("over the channel, an authority that decides nothing (bare Channel answering at once)", es)):
             for what in ("arrive", "admit", "both"):
                 q = sm[what]
-                rows.append([f"#{k + 1}{'' if attempt == 0 else f'.{attempt + 1}'} ({at})", name, what, _us(q["p50"]), _us(q["p90"]), _us(q["p99"]), _us(q["max"]), f"{sm['achieved_per_s']:,.0f}",
-                             _us(sm["lag"]["p99"])])
+                rows.append([f"#{k + 1}{'' if attempt == 0 else f'.{attempt + 1}'} ({at})", name, what, us(q["p50"]), us(q["p90"]), us(q["p99"]), us(q["max"]), f"{sm['achieved_per_s']:,.0f}",
+                             us(sm["lag"]["p99"])])
         q = run["floor"]
-        rows.append([f"#{k + 1}{'' if attempt == 0 else f'.{attempt + 1}'}", "floor: bare echo over a socket pair, CPU 0 <-> 1", "one message each way", _us(q["p50"]), _us(q["p90"]), _us(q["p99"]), _us(q["max"]),
+        rows.append([f"#{k + 1}{'' if attempt == 0 else f'.{attempt + 1}'}", "floor: bare echo over a socket pair, CPU 0 <-> 1", "one message each way", us(q["p50"]), us(q["p90"]), us(q["p99"]), us(q["max"]),
                      f"{rate:,.0f}", "—"])
-        print(f"  decisions #{k + 1}: channel arrive p50/p99 {_us(rs['arrive']['p50'])}/{_us(rs['arrive']['p99'])} µs, admit {_us(rs['admit']['p50'])}/"
-              f"{_us(rs['admit']['p99'])} µs, both {_us(rs['both']['p50'])}/{_us(rs['both']['p99'])} µs; no-decision echo arrive {_us(es['arrive']['p50'])}/{_us(es['arrive']['p99'])} µs; floor {_us(q['p50'])}/{_us(q['p99'])} µs; "
+        print(f"  decisions #{k + 1}: channel arrive p50/p99 {us(rs['arrive']['p50'])}/{us(rs['arrive']['p99'])} µs, admit {us(rs['admit']['p50'])}/"
+              f"{us(rs['admit']['p99'])} µs, both {us(rs['both']['p50'])}/{us(rs['both']['p99'])} µs; no-decision echo arrive {us(es['arrive']['p50'])}/{us(es['arrive']['p99'])} µs; floor {us(q['p50'])}/{us(q['p99'])} µs; "
               f"others {others:.2f} cores", flush=True)
     rep.data["decisions"] = {"rate": rate, "warm_s": warm_s, "window_s": window_s, "engines": engines, "mode": mode, "cycle": cycle, "runs": runs,
                              "pinning": f"authority (this process) on CPU {sorted(rcpu or ())}, the client process on CPU {sorted(lcpu or ())}"}
@@ -627,38 +191,10 @@ def decisions(*, rate: float = 2000.0, warm_s: float = 2.0, window_s: float = 10
     worst = max(max(r["ipc"]["arrive"]["p99"] or 1e9, r["ipc"]["admit"]["p99"] or 1e9) for r in runs)
     best = min(max(r["ipc"]["arrive"]["p99"] or 1e9, r["ipc"]["admit"]["p99"] or 1e9) for r in runs)
     rep.data["decisions"]["worst_p99_us"], rep.data["decisions"]["best_p99_us"] = worst, best
-    rep.add(f"Target (issue 13): p99 ≤ 250 µs at 2,000 decisions/s over the channel: the larger of the two round trips' p99 was {_us(best)} µs in the best run, "
-            f"{_us(worst)} µs in the worst ({'met' if worst <= 250 else 'met in some runs' if best <= 250 else 'NOT met'}). A run during which other processes kept "
+    rep.add(f"Target (issue 13): p99 ≤ 250 µs at 2,000 decisions/s over the channel: the larger of the two round trips' p99 was {us(best)} µs in the best run, "
+            f"{us(worst)} µs in the worst ({'met' if worst <= 250 else 'met in some runs' if best <= 250 else 'NOT met'}). A run during which other processes kept "
             f"> {RETRY_OTHERS:g} core busy was repeated (at most {retries} times; numbered #k.2, #k.3).")
     return rep
-
-
-def _machine() -> tuple[float, float, float]:
-    """(busy CPU-seconds of every CPU, steal seconds, now) from /proc/stat."""
-    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
-    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK, time.monotonic()
-
-
-class Others:
-    """The rest of the machine's CPU over a span: every CPU's busy time (/proc/stat) minus
-    this process and the trees rooted at `roots` (routers, engines), in cores."""
-
-    def __init__(self, roots: Sequence[int]) -> None:
-        self.roots = list(roots)
-        self.m0 = _machine()
-        self.c0 = self._ours()
-
-    def _ours(self) -> dict[int, float]:
-        out = {os.getpid(): cpu_seconds(os.getpid(), tree=False)}
-        for r in self.roots:
-            out.update(tree_cpu(r))
-        return out
-
-    def cores(self) -> float:
-        m1, c1 = _machine(), self._ours()
-        ours = sum(v - self.c0.get(p, 0.0) for p, v in c1.items())
-        return max(0.0, m1[0] - self.m0[0] - ours) / max(1e-9, m1[2] - self.m0[2])
 
 
 # Prefill slots per engine for the relay and TTFT parts (the harness's default is 4): with
@@ -666,29 +202,13 @@ class Others:
 # section), so both parts keep requests from queueing and measure the split itself.
 PREFILL_SLOTS = 256
 
-QUIET_CORES = 0.15
 RETRY_OTHERS = 0.25  # a measurement during which other processes kept more than this busy is repeated
 _quiet_wait_s = 60.0  # split(quiet_wait=...)
 
 
 def await_quiet(exclude: Sequence[int] = (), *, max_wait_s: float | None = None, sample_s: float = 1.0) -> dict[str, float]:
-    """Wait (at most max_wait_s) until the rest of the machine - every CPU's busy time minus
-    the processes in `exclude` (and this one) - keeps less than QUIET_CORES busy over
-    `sample_s`. The machine is shared with other engineers' test runs; a measurement taken
-    while they run measures them too. Returns what was seen: others' cores, waited seconds."""
-    limit = _quiet_wait_s if max_wait_s is None else max_wait_s
-    t_start = time.monotonic()
-    others = math.inf
-    while True:
-        _check()
-        pids = [os.getpid(), *exclude]
-        c0, m0 = sum(cpu_seconds(p, tree=False) for p in pids), _machine()
-        time.sleep(sample_s)
-        c1, m1 = sum(cpu_seconds(p, tree=False) for p in pids), _machine()
-        others = max(0.0, m1[0] - m0[0] - (c1 - c0)) / (m1[2] - m0[2])
-        waited = time.monotonic() - t_start
-        if others < QUIET_CORES or waited >= limit:
-            return {"others_cores": others, "waited_s": waited}
+    """harness.quiet.await_quiet with this run's --quiet-wait and its SIGTERM check."""
+    return Q.await_quiet(exclude, max_wait_s=_quiet_wait_s if max_wait_s is None else max_wait_s, sample_s=sample_s, check=_check)
 
 
 def _other(c: dict[str, int]) -> str:
@@ -710,16 +230,16 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
     steps: list[dict[str, Any]] = []
 
     async def go() -> dict[str, Any]:
-        controls = _authority(engines, mode)
+        controls = authority(engines, mode)
         with tempfile.TemporaryDirectory(prefix="narwhal-split-") as tmp:
             # warm the authority's code paths and the learners once
-            await _ipc(controls, {"rate": 1000.0, "warm_s": 0.5, "window_s": 0.5, "cycle": cycle, "drain_s": 2.0}, 1, lcpu, Path(tmp))
+            await ipc_arm(controls, {"rate": 1000.0, "warm_s": 0.5, "window_s": 0.5, "cycle": cycle, "drain_s": 2.0}, 1, lcpu, Path(tmp))
             for rate in rates:
                 for attempt in range(retries + 1):
                     _check()
                     quiet = await_quiet()  # blocks this loop: nothing else runs between steps
-                    r = await _ipc(controls, {"rate": float(rate), "warm_s": warm_s, "window_s": window_s, "cycle": cycle, "drain_s": 3.0}, clients, lcpu, Path(tmp))
-                    s = _summ(r)
+                    r = await ipc_arm(controls, {"rate": float(rate), "warm_s": warm_s, "window_s": window_s, "cycle": cycle, "drain_s": 3.0}, clients, lcpu, Path(tmp))
+                    s = summ(r)
                     s.update(rate=rate, attempt=attempt, at=time.strftime("%H:%M:%S", time.gmtime()), authority_busy=r["authority_cpu_s"] / r["window_s"],
                              authority_cpu_us=r["authority_cpu_s"] / max(1, s["completed"]) * 1e6,
                              authority_cpu_us_precise=r["authority_cpu_s_precise"] / max(1, s["completed"]) * 1e6,
@@ -727,8 +247,8 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
                     s["kept_up"] = s["achieved_per_s"] >= 0.97 * rate and not any(v for k, v in s["counts"].items() if k != "completed")
                     s["ok"] = s["kept_up"] and max(s["arrive"]["p99"] or 1e9, s["admit"]["p99"] or 1e9) <= p99_limit_us
                     steps.append(s)
-                    print(f"  saturation {rate:,.0f}/s (attempt {attempt + 1}): achieved {s['achieved_per_s']:,.0f}/s, arrive p99 {_us(s['arrive']['p99'])} µs, "
-                          f"admit p99 {_us(s['admit']['p99'])} µs, authority busy {s['authority_busy']:.2f} ({s['authority_cpu_us']:.1f} µs/request), "
+                    print(f"  saturation {rate:,.0f}/s (attempt {attempt + 1}): achieved {s['achieved_per_s']:,.0f}/s, arrive p99 {us(s['arrive']['p99'])} µs, "
+                          f"admit p99 {us(s['admit']['p99'])} µs, authority busy {s['authority_busy']:.2f} ({s['authority_cpu_us']:.1f} µs/request), "
                           f"clients busy {', '.join(f'{c:.2f}' for c in s['client_busy'])}, others ~{s['others_cores']:.2f} cores{'' if s['ok'] else '  <- over'}", flush=True)
                     if s["ok"] or s["others_cores"] <= RETRY_OTHERS:
                         break
@@ -738,7 +258,7 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
         await controls.control.stop()
         return books
 
-    books = _run(go())
+    books = run_loop(go())
     best = None
     for s in sorted(steps, key=lambda s: (s["rate"], -s["attempt"])):  # the highest rate before the first step that failed (its last attempt)
         last = [x for x in steps if x["rate"] == s["rate"]][-1]
@@ -748,9 +268,9 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
     top = max((s for s in steps if s["kept_up"]), key=lambda s: s["achieved_per_s"], default=None)
     rep.data["saturation"] = {"steps": steps, "books": books, "clients": clients, "cycle": cycle, "mode": mode, "engines": engines, "p99_limit_us": p99_limit_us,
                               "best_rate": best["rate"] if best else None, "best": best, "throughput": top}
-    rows = [[f"{s['rate']:,.0f}" + (f" (again, {s['attempt'] + 1})" if s["attempt"] else ""), s["at"], f"{s['achieved_per_s']:,.0f}", _us(s["arrive"]["p50"]),
-             _us(s["arrive"]["p99"]), _us(s["admit"]["p50"]), _us(s["admit"]["p99"]), _us(s["admit"]["max"]), f"{s['authority_busy']:.2f}", f"{s['authority_cpu_us']:.1f}",
-             " + ".join(f"{c:.2f}" for c in s["client_busy"]), f"{s['others_cores']:.2f}", _us(s["lag"]["p99"]), "yes" if s["ok"] else "**no**"] for s in steps]
+    rows = [[f"{s['rate']:,.0f}" + (f" (again, {s['attempt'] + 1})" if s["attempt"] else ""), s["at"], f"{s['achieved_per_s']:,.0f}", us(s["arrive"]["p50"]),
+             us(s["arrive"]["p99"]), us(s["admit"]["p50"]), us(s["admit"]["p99"]), us(s["admit"]["max"]), f"{s['authority_busy']:.2f}", f"{s['authority_cpu_us']:.1f}",
+             " + ".join(f"{c:.2f}" for c in s["client_busy"]), f"{s['others_cores']:.2f}", us(s["lag"]["p99"]), "yes" if s["ok"] else "**no**"] for s in steps]
     rep.add(f"**Authority saturation**: request cycles ({cycle}) at rising rates from {clients} client process(es) (each its own channel and WorkerSession, "
             f"as a worker has) on CPU {sorted(lcpu or ())}, the authority alone on CPU {sorted(rcpu or ())}; {window_s:g} s per step after {warm_s:g} s. "
             f"A step passes when both round trips' p99 ≤ {p99_limit_us:,.0f} µs, the client(s) achieved ≥ 97 % of the rate and nothing was refused; the "
@@ -762,7 +282,7 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
              f"(authority core {best['authority_busy']:.0%} busy)." if best else "No step passed."]
     if top:
         words.append(f"Highest rate completed in full: {top['achieved_per_s']:,.0f} requests/s at {top['authority_cpu_us']:.1f} µs of authority CPU per request "
-                     f"(authority core {top['authority_busy']:.0%} busy; admit p99 {_us(top['admit']['p99'])} µs).")
+                     f"(authority core {top['authority_busy']:.0%} busy; admit p99 {us(top['admit']['p99'])} µs).")
     words.append(f"Books: {books['offered']} offered, open {books['open']}, double ends {books['double_ends']}.")
     rep.add(" ".join(words))
     return rep
@@ -772,8 +292,8 @@ def saturation(*, rates: Sequence[float] = (2000, 3000, 4000, 5000, 6000, 8000, 
 
 
 async def _relay_window(url: str, streams: int, tokens: int, root: int, warm_s: float, window_s: float, engine_pid: int) -> dict[str, Any]:
-    from .client import SSERecorder, make_client
-    from .load import run_closed_loop
+    from .harness.client import SSERecorder, make_client
+    from .harness.load import run_closed_loop
 
     c = make_client(url, "1")
     total = warm_s + window_s + 1.0
@@ -821,7 +341,7 @@ def relay_split(*, streams: int = 200, interval_ms: float = 20.0, tokens: int = 
                     things.append(r.proc)
                     try:
                         quiet = await_quiet([*tree_pids(r.proc.pid), tk.proc.pid])
-                        win = _run(_relay_window(r.url, streams, tokens, r.proc.pid, warm_s, window_s, tk.proc.pid))
+                        win = run_loop(_relay_window(r.url, streams, tokens, r.proc.pid, warm_s, window_s, tk.proc.pid))
                         win["quiet"] = quiet
                     finally:
                         r.stop()
@@ -948,6 +468,15 @@ def ttft_split(*, rates: Sequence[float] = (50, 100, 150, 200, 300, 400, 600), d
             for p in reversed(things):
                 with contextlib.suppress(Exception):
                     p.stop()
+    _ttft_report(rep, points, rates=rates, duration_s=duration_s, rounds=rounds, limit_ms=limit_ms, output_tokens=output_tokens, tpot_ms=tpot_ms, workers=workers,
+                 layouts=layouts, misses=misses, retries=retries, rcpu=rcpu, lcpu=lcpu)
+    return rep
+
+
+def _ttft_report(rep: Report, points: list[dict[str, Any]], *, rates: Sequence[float], duration_s: float, rounds: int, limit_ms: float, output_tokens: int,
+                 tpot_ms: float, workers: Sequence[int], layouts: Sequence[str], misses: int, retries: int, rcpu: set[int] | None, lcpu: set[int] | None) -> None:
+    """ttft_split's data and tables: every point, and per layout and worker count the
+    highest rate before the first miss in each round."""
     best: dict[str, dict[int, list[float | None]]] = {}
     for lay in layouts:
         for n in workers:
@@ -975,7 +504,6 @@ def ttft_split(*, rates: Sequence[float] = (50, 100, 150, 200, 300, 400, 600), d
                             "router CPU ms / request", "send lag p99", "others' cores busy", "passes"], rows))
     srows = [[lay, n, ", ".join("—" if b is None else f"{b:g}" for b in best[lay][n])] for lay in layouts for n in workers]
     rep.add(markdown_table(["layout", "workers", "highest req/s before the first miss, per round"], srows))
-    return rep
 
 
 # -- the command -----------------------------------------------------------------------------

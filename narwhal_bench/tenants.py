@@ -14,7 +14,7 @@ The run
     runs beside the prefill), so with one request shape the fleet sustains engines / T(n)
     requests/s, T(n) = (a + b n + c n^2) x time_scale from narwhal/mock/timing.py
     (experiments.capacity). Checked before the arms: `--engines` x 10 requests sent at
-    once directly to the engines, prefills completed per second (experiments._burst).
+    once directly to the engines, prefills completed per second (overload.burst).
   * Two tenants of equal weight, each with its own API key: the offered total is `--load`
     x capacity, split 1 : `--noisy-factor` (defaults: 2x, 10: quiet 0.18x, noisy 1.82x of
     capacity). Poisson arrivals, seeded: every arm replays the same arrivals.
@@ -60,7 +60,7 @@ alone (narwhal vs narwhal-alone); the noisy tenant refused with Retry-After; not
 failed; books balanced.
 
 Every loop is bounded in time and count; every process is stopped by its PID / process
-group in a `finally` (procs.Proc). Output: Markdown on stdout and, with --out (default
+group in a `finally` (harness.processes.Proc). Output: Markdown on stdout and, with --out (default
 out/bench/tenants), tenants.md and tenants.json.
 """
 
@@ -81,11 +81,14 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 
 from . import harness as H
-from .client import make_client
-from .experiments import _burst, _cleanup, _pinning_note, _prefill_ms, _run, _wait_idle, capacity
-from .load import Arrival, RequestShape, fixed_rate, run_open_loop
-from .procs import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
-from .stats import Result, fmt_ms, markdown_table, percentile
+from .harness import options as O
+from .harness.client import make_client
+from .harness.load import Arrival, RequestShape, fixed_rate, run_loop, run_open_loop
+from .harness.options import opt
+from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
+from .harness.report import pinning_note, save
+from .harness.stats import Result, fmt_ms, markdown_table, percentile
+from .overload import burst, capacity, prefill_ms
 
 __all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "ARMS"]
 
@@ -98,21 +101,25 @@ TERMINAL = ("completed", "rejected", "refused", "invalid_requests", "expired", "
 # -- arguments ---------------------------------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated (default all): {', '.join(ARMS)}")
-    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per arm (default 90; --quick 4)")
-    p.add_argument("--drain", type=float, default=15.0, help="wait at most this long for open requests after the last arrival (default 15)")
-    p.add_argument("--engines", type=int, default=4, help="unified mock engines (default 4)")
-    p.add_argument("--time-scale", type=float, default=4.0, help="the mocks' --time-scale (default 4)")
-    p.add_argument("--prompt-tokens", type=int, default=2000, help="prompt tokens per request (default 2000: T = 208 ms at time scale 4)")
-    p.add_argument("--output-tokens", type=int, default=8, help="output tokens per request (default 8)")
-    p.add_argument("--load", type=float, default=2.0, help="offered total as a multiple of capacity (default 2)")
-    p.add_argument("--noisy-factor", type=float, default=10.0, help="noisy rate / quiet rate (default 10)")
-    p.add_argument("--ttft-budget-ms", type=float, default=1000.0, help="the tenants' TTFT budget: goodput's target (default 1000)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="a short run (4 s per arm, 2 engines): a smoke test")
-    p.add_argument("--out", default="out/bench/tenants", help="save tenants.md and tenants.json here (default out/bench/tenants; '' to skip)")
-    p.add_argument("--from-json", default=None, help="print the tables of a saved tenants.json again (no run)")
+OPTIONS = (
+    opt("--arms", default=",".join(ARMS), help=f"comma-separated (default all): {', '.join(ARMS)}"),
+    opt("--duration", type=float, default=None, help="seconds of arrivals per arm (default 90; --quick 4)"),
+    O.drain(15.0),
+    opt("--engines", type=int, default=4, help="unified mock engines (default 4)"),
+    opt("--time-scale", type=float, default=4.0, help="the mocks' --time-scale (default 4)"),
+    opt("--prompt-tokens", type=int, default=2000, help="prompt tokens per request (default 2000: T = 208 ms at time scale 4)"),
+    opt("--output-tokens", type=int, default=8, help="output tokens per request (default 8)"),
+    opt("--load", type=float, default=2.0, help="offered total as a multiple of capacity (default 2)"),
+    opt("--noisy-factor", type=float, default=10.0, help="noisy rate / quiet rate (default 10)"),
+    opt("--ttft-budget-ms", type=float, default=1000.0, help="the tenants' TTFT budget: goodput's target (default 1000)"),
+    opt("--seed", type=int, default=1),
+    O.quick("4 s per arm, 2 engines"),
+    O.out("tenants"),
+    O.from_json("tenants"),
+)
+
+
+add_arguments = O.adder(OPTIONS)
 
 
 def _defaults(args: argparse.Namespace) -> None:
@@ -307,7 +314,7 @@ def _arm(name: str, fleet: list[H.Engine], loads: dict[str, list[Arrival]], *, b
         raise ValueError(f"unknown arm {name!r} (known: {', '.join(ARMS)})")
     try:
         c0 = st.proc.cpu()
-        res = _run(_drive(st.url, loads, RequestShape(model=MODEL), timeout_s=duration_s + drain_s + 10, drain_s=drain_s))
+        res = run_loop(_drive(st.url, loads, RequestShape(model=MODEL), timeout_s=duration_s + drain_s + 10, drain_s=drain_s))
         cpu = st.proc.cpu() - c0
         books = narwhal_books(st.url) if router == "narwhal" else None
     finally:
@@ -343,22 +350,22 @@ def tenants(args: argparse.Namespace) -> dict[str, Any]:
     }
     data: dict[str, Any] = {
         "command": command_line("narwhal_bench.tenants"), "engines": args.engines, "timing": timing, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-        "prefill_ms": _prefill_ms(args.prompt_tokens, timing), "capacity": cap, "load": args.load, "noisy_factor": args.noisy_factor,
+        "prefill_ms": prefill_ms(args.prompt_tokens, timing), "capacity": cap, "load": args.load, "noisy_factor": args.noisy_factor,
         "rates": {"quiet": quiet_rps, "noisy": noisy_rps, "total": total}, "offered": {t: len(a) for t, a in loads_both.items()},
         "ttft_budget_ms": args.ttft_budget_ms, "duration_s": args.duration, "drain_s": args.drain, "equal_share_rps": share_rps,
-        "pinning": _pinning_note(rcpu, lcpu), "arms": [], "unavailable": {},
+        "pinning": pinning_note(rcpu, lcpu), "arms": [], "unavailable": {},
     }
     print(f"capacity: {cap['capacity_req_s']:.2f} req/s = {args.engines} engines / T({args.prompt_tokens}) = {data['prefill_ms']:.0f} ms; offered {total:.2f} req/s "
           f"({args.load:g}x): quiet {quiet_rps:.2f}/s ({quiet_rps / cap['capacity_req_s']:.3f}x), noisy {noisy_rps:.2f}/s ({noisy_rps / cap['capacity_req_s']:.3f}x)", flush=True)
-    with _cleanup() as things:
+    with H.stopping() as things:
         fleet = [H.mock_engine(f"u{i}", cpus=lcpu, model=MODEL, timing={**timing, "seed": i + 1}, output_tokens=args.output_tokens) for i in range(args.engines)]
         things.extend(fleet)
-        burst = [Arrival(0.0, args.prompt_tokens, args.output_tokens)] * (10 * args.engines)
-        measured = _run(_burst([e.url for e in fleet], burst))
+        at_once = [Arrival(0.0, args.prompt_tokens, args.output_tokens)] * (10 * args.engines)
+        measured = run_loop(burst([e.url for e in fleet], at_once))
         data["capacity"]["measured_req_s_burst"] = measured
-        print(f"capacity check: {len(burst)} requests at once directly to the engines: prefills completed at {measured:.2f} req/s (computed {cap['capacity_req_s']:.2f})", flush=True)
+        print(f"capacity check: {len(at_once)} requests at once directly to the engines: prefills completed at {measured:.2f} req/s (computed {cap['capacity_req_s']:.2f})", flush=True)
         for name in arms:
-            if not _wait_idle(fleet, 20.0):  # a router that does not pass aborts upstream left work behind
+            if not H.engines_idle(fleet, 20.0):  # a router that does not pass aborts upstream left work behind
                 print(f"  engines still busy before {name}: restarting them", flush=True)
                 data.setdefault("engine_restarts", []).append(name)
                 for e in fleet:
@@ -463,18 +470,12 @@ def run(args: argparse.Namespace) -> int:
     md = tables(data)
     print()
     print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tenants.md").write_text("## Tenants: one tenant's overload\n\n" + md + "\n")
-        (out / "tenants.json").write_text(json.dumps(data, indent=1, default=str))
+    save(args.out, "tenants", "## Tenants: one tenant's overload\n\n" + md + "\n", data)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.tenants", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.tenants", __doc__.split("\n\n")[0] if __doc__ else None, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

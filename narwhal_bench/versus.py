@@ -11,7 +11,7 @@ The run
     `memory` (experiments.relay_one, phase, memory_one): the same engines, the same load
     client (the raw HTTP/1.1 client), the router's CPU and RSS read from /proc over its
     whole process tree, the router pinned alone to one CPU and the engines and the load
-    tool to the other (procs.layout()). Peers are started by harness.start_peer as plain
+    tool to the other (harness.processes.layout()). Peers are started by harness.start_peer as plain
     relays (no retries, circuit breaker or health polling where they have a flag; Envoy
     with one worker thread per router CPU). Narwhal: `narwhal serve` (hypercorn; granian
     with --servers granian when installed), admission `--mode` (default open, as the
@@ -45,7 +45,7 @@ The run
     the table shows each router's count). Ephemeral ports are checked before anything
     runs; a count that does not fit stops the run at once, naming the most that would.
   * Before each measurement the run waits at most `--quiet-wait` s for the rest of the
-    machine to go quiet (< 0.15 core busy, split.await_quiet), and records how busy the
+    machine to go quiet (< 0.15 core busy, harness.quiet.await_quiet), and records how busy the
     rest of the machine kept the CPUs meanwhile (`others' cores`).
 
 Results: per router and run, then per router the median over runs: events per router
@@ -56,7 +56,7 @@ Targets (issue 25), PASS/MISS on the medians: Narwhal CPU per relayed event <= 1
 best Rust peer's (stretch <= 1.0x); added TTFT p50 <= the best Rust peer's + 0.2 ms and
 p99 <= 2 ms at 200 req/s; memory per open stream <= 16 KiB at 20,000 streams (measured at
 fewer streams, the line says so). Output: Markdown on stdout and, with --out (default
-out/bench), versus.md and versus.json (experiments.Report), the command line included.
+out/bench), versus.md and versus.json (harness.report.Report), the command line included.
 """
 
 from __future__ import annotations
@@ -74,20 +74,13 @@ from pathlib import Path
 from typing import Any
 
 from . import harness as H
-from .experiments import (
-    Report,
-    _cleanup,
-    _pinning_note,
-    memory_one,
-    memory_preflight,
-    narwhal_overrides,
-    phase,
-    phases_at_once,
-    relay_one,
-)
-from .load import RequestShape, fixed_rate
-from .procs import command_line, layout, pin_self, run_bench
-from .stats import fmt_ms, markdown_table, summarize
+from .experiments import memory_one, memory_preflight, narwhal_overrides, relay_one
+from .harness import options as O
+from .harness.load import RequestShape, fixed_rate, phase, phases_at_once
+from .harness.options import opt
+from .harness.processes import command_line, layout, pin_self, run_bench
+from .harness.report import Report, pinning_note
+from .harness.stats import fmt_ms, markdown_table, summarize
 
 __all__ = ["add_arguments", "run", "main", "versus", "command", "runs_order", "median", "summary", "verdict", "tables", "estimate_s", "PARTS", "ROUTERS", "TARGETS"]
 
@@ -99,34 +92,37 @@ TARGETS = {"cpu_ratio": 1.5, "cpu_ratio_stretch": 1.0, "ttft_p50_margin_ms": 0.2
 # -- arguments ---------------------------------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, in the order of odd runs (default {','.join(ROUTERS)}); known: {', '.join(H.PEERS)}")
-    p.add_argument("--runs", type=int, default=3, help="runs, the routers' order reversed every other run (default 3)")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: relay, ttft, memory (default all)")
-    p.add_argument("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode in the relay and TTFT parts (default open, as the relay bench)")
-    p.add_argument("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated; each a row)")
-    p.add_argument("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)")
-    p.add_argument("--streams", type=int, default=200, help="relay: concurrent streams (default 200)")
-    p.add_argument("--tokens", type=int, default=100, help="relay: tokens per stream (default 100)")
-    p.add_argument("--interval-ms", type=float, default=20.0, help="relay: ms between a stream's tokens (default 20)")
-    p.add_argument("--warm", type=float, default=4.0, help="relay: seconds of ramp before the window (default 4)")
-    p.add_argument("--window", type=float, default=15.0, help="relay: measured seconds (default 15)")
-    p.add_argument("--rate", type=float, default=200.0, help="ttft: req/s, Poisson (default 200)")
-    p.add_argument("--ttft-duration", type=float, default=10.0, help="ttft: seconds of arrivals per phase (default 10)")
-    p.add_argument("--direct-rate", type=float, default=50.0,
-                   help="ttft: req/s of the direct arm, sent at the same time as the routed one (default 50; 0: a direct phase at --rate before the routed one)")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--tpot-ms", type=float, default=10.0)
-    p.add_argument("--mem-streams", type=int, default=TARGETS["mem_streams"], help="memory: streams held open (default 20000; fewer for a smoke run)")
+OPTIONS = (
+    opt("--routers", default=",".join(ROUTERS), help=f"comma-separated, in the order of odd runs (default {','.join(ROUTERS)}); known: {', '.join(H.PEERS)}"),
+    opt("--runs", type=int, default=3, help="runs, the routers' order reversed every other run (default 3)"),
+    opt("--parts", default=",".join(PARTS), help="comma-separated: relay, ttft, memory (default all)"),
+    opt("--mode", default="open", choices=["open", "predictive"], help="Narwhal's admission mode in the relay and TTFT parts (default open, as the relay bench)"),
+    opt("--servers", default="hypercorn", help="Narwhal's ASGI servers: hypercorn, granian (comma-separated; each a row)"),
+    opt("--workers", type=int, default=1, help="Narwhal's serving.workers (default 1)"),
+    opt("--streams", type=int, default=200, help="relay: concurrent streams (default 200)"),
+    opt("--tokens", type=int, default=100, help="relay: tokens per stream (default 100)"),
+    opt("--interval-ms", type=float, default=20.0, help="relay: ms between a stream's tokens (default 20)"),
+    opt("--warm", type=float, default=4.0, help="relay: seconds of ramp before the window (default 4)"),
+    opt("--window", type=float, default=15.0, help="relay: measured seconds (default 15)"),
+    opt("--rate", type=float, default=200.0, help="ttft: req/s, Poisson (default 200)"),
+    opt("--ttft-duration", type=float, default=10.0, help="ttft: seconds of arrivals per phase (default 10)"),
+    opt("--direct-rate", type=float, default=50.0, help="ttft: req/s of the direct arm, sent at the same time as the routed one (default 50; 0: a direct phase at --rate before the routed one)"),
+    opt("--prompt-tokens", type=int, default=64),
+    opt("--output-tokens", type=int, default=16),
+    opt("--tpot-ms", type=float, default=10.0),
+    opt("--mem-streams", type=int, default=TARGETS["mem_streams"], help="memory: streams held open (default 20000; fewer for a smoke run)"),
     # 20,000 streams on two cores: opened at 333/s and one token each 10 s (2,000 events/s),
     # so the holders, tickers and routers keep up (at 1,333/s and 10,000 events/s some were cut)
-    p.add_argument("--mem-interval-ms", type=float, default=10000.0, help="memory: ms between a held stream's tokens (default 10000)")
-    p.add_argument("--mem-ramp", type=float, default=60.0, help="memory: seconds to open them (default 60)")
-    p.add_argument("--mem-hold", type=float, default=5.0, help="memory: seconds held before the reading (default 5)")
-    p.add_argument("--quiet-wait", type=float, default=30.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (default 30; 0: never)")
-    p.add_argument("--out", default="out/bench", help="save versus.md and versus.json here (default out/bench; '' to skip)")
-    p.add_argument("--from-json", default=None, help="print the tables of a saved versus.json again (no run)")
+    opt("--mem-interval-ms", type=float, default=10000.0, help="memory: ms between a held stream's tokens (default 10000)"),
+    opt("--mem-ramp", type=float, default=60.0, help="memory: seconds to open them (default 60)"),
+    opt("--mem-hold", type=float, default=5.0, help="memory: seconds held before the reading (default 5)"),
+    opt("--quiet-wait", type=float, default=30.0, help="wait at most this long before each measurement for the rest of the machine to go quiet (default 30; 0: never)"),
+    opt("--out", default="out/bench", help="save versus.md and versus.json here (default out/bench; '' to skip)"),
+    O.from_json("versus"),
+)
+
+
+add_arguments = O.adder(OPTIONS)
 
 
 def command(args: argparse.Namespace) -> str:
@@ -145,10 +141,6 @@ def command(args: argparse.Namespace) -> str:
         if v != act.default:
             out.append(f"{act.option_strings[0]} {v:g}" if isinstance(v, float) else f"{act.option_strings[0]} {v}")
     return " ".join(out)
-
-
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
 
 
 # -- pure parts --------------------------------------------------------------------------------
@@ -331,7 +323,7 @@ def tables(data: dict[str, Any]) -> str:
 
 def _measure(fn: Callable[[], dict[str, Any]], roots: Sequence[int], quiet_wait: float) -> dict[str, Any]:
     """fn() after waiting (bounded) for a quiet machine, with how busy the rest kept it."""
-    from .split import Others, await_quiet, tree_pids
+    from .harness.quiet import Others, await_quiet, tree_pids
 
     quiet = await_quiet([p for r in roots for p in tree_pids(r)], max_wait_s=quiet_wait, sample_s=0.5) if quiet_wait > 0 else None
     o = Others(roots)
@@ -381,11 +373,11 @@ def _one(part: str, r: H.Started, e: H.Engine, a: argparse.Namespace, run_no: in
 
 
 def versus(a: argparse.Namespace) -> dict[str, Any]:
-    parts = _names(a.parts)
+    parts = O.names(a.parts)
     for p in parts:
         if p not in PARTS:
             raise ValueError(f"unknown part {p!r} (known: {', '.join(PARTS)})")
-    routers = H.router_names(_names(a.routers), _names(a.servers))
+    routers = H.router_names(O.names(a.routers), O.names(a.servers))
     if a.runs < 1:
         raise ValueError("--runs must be at least 1")
     pre = memory_preflight(a.mem_streams) if "memory" in parts else memory_preflight(0)
@@ -401,13 +393,13 @@ def versus(a: argparse.Namespace) -> dict[str, Any]:
         "command": command(a), "routers": routers, "runs": a.runs, "parts": parts, "mode": a.mode, "mem_streams": a.mem_streams,
         "settings": {k: getattr(a, k) for k in ("streams", "tokens", "interval_ms", "warm", "window", "rate", "direct_rate", "ttft_duration", "prompt_tokens", "output_tokens", "tpot_ms",
                                                  "mem_interval_ms", "mem_ramp", "mem_hold", "quiet_wait", "workers")},
-        "pinning": _pinning_note(rcpu, lcpu), "nofile": pre["nofile"], "preflight": pre, "estimate_s": est, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "pinning": pinning_note(rcpu, lcpu), "nofile": pre["nofile"], "preflight": pre, "estimate_s": est, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "measurements": [], "notes": {}, "unavailable": {}, "targets": TARGETS,
     }
     data["mem_plan"] = {"narwhal_workers": mem_workers, "peer_streams": pre["peer_streams"], "holders": pre["spread"], "tickers": pre["spread"]}
     print(f"narwhal bench versus: {', '.join(routers)} x {a.runs} run(s), parts {', '.join(parts)}; expected ~{est / 60:.0f} min", flush=True)
     mem_tokens = int((a.mem_ramp + a.mem_hold + 40) * 1000 / a.mem_interval_ms) + 5
-    with _cleanup() as things:
+    with H.stopping() as things:
         eng: dict[str, H.Engine] = {}
         if "relay" in parts:
             eng["relay"] = H.ticker_engine("t-relay", interval_ms=a.interval_ms, cpus=lcpu)
@@ -489,9 +481,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m narwhal_bench.versus", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return O.main("narwhal_bench.versus", __doc__.split("\n\n")[0] if __doc__ else None, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,17 @@ import os
 
 import pytest
 
-from narwhal_bench.fleet import (
+from narwhal_bench.fleet import add_arguments
+from narwhal_bench.fleet_report import (
     SigtermRecord,
     StepRecord,
-    add_arguments,
     analyse,
     classify,
     sigterm_times,
     tables,
 )
-from narwhal_bench.ha import Attempt, Poll, Request
-from narwhal_bench.stats import Result
+from narwhal_bench.harness.follow import Attempt, Poll, Request
+from narwhal_bench.harness.stats import Result
 
 T0 = 100.0
 
@@ -123,15 +123,16 @@ def test_tables_render_every_part() -> None:
 
 
 def test_arguments_and_quick_defaults() -> None:
-    from narwhal_bench.fleet import _defaults
+    from narwhal_bench.fleet import QUICK
+    from narwhal_bench.harness.options import fill_defaults
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     a = p.parse_args(["--quick"])
-    _defaults(a)
+    fill_defaults(a, QUICK)
     assert (a.rate, a.output_tokens, a.gap) == (20.0, 40, 2.0)
     b = p.parse_args(["--rate", "10"])
-    _defaults(b)
+    fill_defaults(b, QUICK)
     assert (b.rate, b.output_tokens, b.gap, b.out) == (10.0, 100, 4.0, "out/bench/fleet")
 
 

@@ -8,10 +8,9 @@ import asyncio
 import pytest
 
 from narwhal.mock import MockConfig, running_mock
-from narwhal_bench.client import H1Pool, SSERecorder, _H1Conn, make_client
-from narwhal_bench.experiments import phases_at_once
-from narwhal_bench.load import RequestShape, fixed_rate, run_open_loop
-from narwhal_bench.stats import Result, summarize
+from narwhal_bench.harness.client import H1Pool, SSERecorder, _H1Conn, make_client
+from narwhal_bench.harness.load import RequestShape, fixed_rate, phases_at_once, run_open_loop
+from narwhal_bench.harness.stats import Result, summarize
 
 
 def _run(coro):  # type: ignore[no-untyped-def]

@@ -12,23 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from narwhal_bench.migration import (
-    ARMS,
+from narwhal_bench.harness.stats import Result
+from narwhal_bench.migration import ARMS, MigRec, MReq, add_arguments, run
+from narwhal_bench.migration_report import (
     KillRecord,
-    MigRec,
-    MReq,
     RollStep,
-    add_arguments,
     analyse_kill,
     analyse_roll,
     cut_at,
     expected_ids,
     read_migrations,
     request_body,
-    run,
     tables,
 )
-from narwhal_bench.stats import Result
 
 T0 = 100.0
 

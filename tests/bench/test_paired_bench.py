@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from narwhal_bench.harness.stats import Result
 from narwhal_bench.paired import in_window, ttft_report, ttft_round
-from narwhal_bench.stats import Result
 
 
 def _stream(first: float, last: float, tokens: int) -> Result:

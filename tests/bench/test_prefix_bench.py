@@ -11,19 +11,18 @@ import orjson
 from narwhal.mock import MockConfig, running_mock
 from narwhal.mock.cache import block_hashes
 from narwhal.mock.tokens import prompt_token_ids
-from narwhal_bench.client import make_client
-from narwhal_bench.prefix import (
-    PrefixRecorder,
+from narwhal_bench.harness.client import make_client
+from narwhal_bench.harness.stats import Result
+from narwhal_bench.prefix import PrefixRecorder, header_accuracy
+from narwhal_bench.prefix_workload import (
     TraceRequest,
     block_text,
-    header_accuracy,
     ideal_hit_rate,
     prompt_content,
     request_body,
     scale,
     select,
 )
-from narwhal_bench.stats import Result
 
 
 def _row(ts: int, ids: list[int], n: int | None = None, out: int = 100) -> dict[str, object]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal_bench.load import Arrival, RequestShape, fixed_rate, trace_arrivals
-from narwhal_bench.stats import Result, goodput, markdown_table, percentile, summarize
+from narwhal_bench.harness.load import Arrival, RequestShape, fixed_rate, trace_arrivals
+from narwhal_bench.harness.stats import Result, goodput, markdown_table, percentile, summarize
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:

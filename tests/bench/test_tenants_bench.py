@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from narwhal_bench.stats import Result
+from narwhal_bench.harness.stats import Result
 from narwhal_bench.tenants import add_arguments, outcome, run, tenant_summary
 
 

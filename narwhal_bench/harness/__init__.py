@@ -1,9 +1,22 @@
-"""Starting what a benchmark measures: mock engines, the ticker, Narwhal (hypercorn or
-granian) and the peer routers, each a pinned child process (procs.Proc).
+"""The harness every bench stands on. This module: starting what a bench measures (mock
+engines, the ticker, Narwhal under hypercorn or granian, the peer routers), each a pinned
+child process (processes.Proc). Beside it:
+
+  processes  child processes in their own session, stopped by their process group; CPU
+             and RSS from /proc; the CPU layout; run_bench (SIGTERM unwinds a bench)
+  quiet      how busy the rest of the machine is, and waiting for it to go quiet
+  etcd       a throw-away etcd (ha, fleet) and the few v3 calls a bench makes
+  load       arrivals (fixed rate, traces), request bodies, open and closed loops, drain
+  client     the raw HTTP/1.1 client and the SSE recorder; h2: the HTTP/2 clients
+  follow     a client of several routers that follows the leader; the routers' books
+  admin      a router's fleet as a bench changes and reads it (admin API, /v1/engines)
+  stats      per-request records, percentiles, goodput, Markdown tables
+  report     Report (Markdown + JSON), the commit and the facts a run states
+  options    a bench's command-line options as a table, the rows benches share
 
 Rules
   * Engines and the load tool share the "load" CPUs; every router under test gets the
-    "router" CPU alone (procs.layout()). Peers run one worker/process so that CPU per
+    "router" CPU alone (processes.layout()). Peers run one worker/process so that CPU per
     token compares like with like (Envoy: one worker thread per router CPU).
   * SMG 1.13 and vLLM's router (Rust) and Envoy 1.40 (C++, the baseline that adds
     nothing) run as plain relays: no retries, no circuit breaker, no health polling, no
@@ -17,23 +30,24 @@ Rules
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .procs import Proc, free_port, log_dir, python, wait_http
+from .processes import Proc, free_port, log_dir, python, wait_http
 
 __all__ = [
     "REPO", "peers_dir", "Engine", "mock_engine", "ticker_engine", "narwhal_config", "start_narwhal",
     "Started", "PeerUnavailable", "start_peer", "PEERS", "RUST_PEERS", "router_names", "smg_argv", "smg_workers_file", "start_smg", "SMG_RELAY_FLAGS",
-    "start_envoy",
+    "start_envoy", "stopping", "engines_idle", "start_healthy",
 ]
 
-REPO = Path(__file__).resolve().parents[1]  # narwhal_bench/harness.py -> the repository
+REPO = Path(__file__).resolve().parents[2]  # narwhal_bench/harness/__init__.py -> the repository
 MASTER_KEY = "sk-narwhal-bench-0123456789abcdef"
 PEERS = ("narwhal", "narwhal-granian", "litellm", "vllm-router", "xpyd-proxy", "smg", "envoy")
 RUST_PEERS = ("smg", "vllm-router")  # the routers Narwhal's targets compare with (issue 25); Envoy is the baseline
@@ -59,18 +73,34 @@ class Engine:
     url: str
     proc: Proc
 
+    def entry(self) -> dict[str, Any]:
+        """Its engines[] entry in a router's config (the file, etcd, the admin API)."""
+        return {"name": self.name, "url": self.url, "role": self.role, "dialect": "vllm"}
 
-def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo", dialect: str = "vllm", cpus: set[int] | None = None, timing: dict[str, float] | None = None, output_tokens: int = 16, port: int | None = None) -> Engine:
-    """`narwhal mock-engine` as a child process; timing keys are the CLI's flag names
-    without dashes (prefill_base_ms, tpot_per_seq_ms, time_scale, noise_sigma, ...)."""
+
+def start_healthy(p: Proc, health_url: str, timeout_s: float = 30.0) -> Proc:
+    """Start p and wait until health_url answers 200; stopped again when it does not."""
+    p.start()
+    try:
+        wait_http(health_url, proc=p, timeout_s=timeout_s)
+    except BaseException:
+        p.stop()
+        raise
+    return p
+
+
+def mock_engine(name: str, role: str = "unified", *, model: str = "narwhal-demo", dialect: str = "vllm", cpus: set[int] | None = None,
+                timing: dict[str, float] | None = None, output_tokens: int = 16, port: int | None = None, log_name: str | None = None) -> Engine:
+    """`narwhal mock-engine` as a child process (its log: log_name, default mock-NAME);
+    timing keys are the CLI's flag names without dashes (prefill_base_ms,
+    tpot_per_seq_ms, time_scale, noise_sigma, ...). Stopped again when it does not
+    become healthy."""
     port = port or free_port()
     argv = [python(), "-m", "narwhal.mock", "--dialect", dialect, "--role", role, "--port", str(port), "--model", model, "--name", name, "--output-tokens", str(output_tokens)]
     for k, v in (timing or {}).items():
         argv += ["--" + k.replace("_", "-"), str(v)]
-    p = Proc(f"mock-{name}", argv, cpus=cpus).start()
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc=p, timeout_s=30)
-    return Engine(name, role, url, p)
+    return Engine(name, role, url, start_healthy(Proc(log_name or f"mock-{name}", argv, cpus=cpus), url + "/health"))
 
 
 def ticker_engine(name: str, *, interval_ms: float = 20.0, model: str = "narwhal-demo", cpus: set[int] | None = None) -> Engine:
@@ -90,7 +120,7 @@ def narwhal_config(engines: list[Engine], *, model: str = "narwhal-demo", admiss
     cfg: dict[str, Any] = {
         "serving": {"model": model, **(serving or {})},
         "admission": adm,
-        "engines": [{"name": e.name, "url": e.url, "role": e.role, "dialect": "vllm"} for e in engines],
+        "engines": [e.entry() for e in engines],
     }
     if monitoring:
         cfg["monitoring"] = monitoring
@@ -111,6 +141,36 @@ class Started:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def engines_idle(engines: Sequence[Engine], timeout_s: float = 20.0) -> bool:
+    """True once every mock engine's /mock/stats says nothing is in flight (polled every
+    250 ms, at most timeout_s); False then, or at once when an engine does not answer."""
+    import httpx
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            st = [httpx.get(e.url + "/mock/stats", timeout=5, trust_env=False).json() for e in engines]
+        except (httpx.HTTPError, ValueError):
+            return False
+        if all(s.get("in_flight") == 0 for s in st):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[list[Any]]:
+    """A list to put what a bench starts in (engines, routers, Procs: anything with
+    .stop()); on exit each is stopped, in reverse, whatever happened."""
+    things: list[Any] = []
+    try:
+        yield things
+    finally:
+        for t in reversed(things):
+            with contextlib.suppress(Exception):
+                (t.proc if isinstance(t, Engine) else t).stop()
 
 
 class PeerUnavailable(Exception):
@@ -335,7 +395,7 @@ def start_envoy(engines: Sequence[Engine], *, cpus: set[int] | None = None, name
     CPU; ready once a GET through it reaches an engine (/health)."""
     import json
 
-    from . import envoy
+    from .. import envoy
 
     unified = [e for e in engines if e.role == "unified"]
     if not unified:

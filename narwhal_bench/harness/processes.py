@@ -224,14 +224,17 @@ def python() -> str:
 
 
 def run_bench(name: str, work: Callable[[], Any]) -> tuple[int, Any]:
-    """Run a whole bench: SIGTERM unwinds it like ^C (every process it started is stopped
+    """Run a whole bench: SIGTERM (on the main thread) unwinds it like ^C (every process it started is stopped
     by its own cleanup); (0, work's result), or (130, None) when interrupted, or (1, None)
     with the reason printed when it could not run."""
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread's only
+    previous = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
         return 0, work()
     except KeyboardInterrupt:
@@ -241,4 +244,5 @@ def run_bench(name: str, work: Callable[[], Any]) -> tuple[int, Any]:
         print(f"narwhal bench {name}: {e}", file=sys.stderr)
         return 1, None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Result", "percentile", "summarize", "markdown_table", "goodput", "REFUSAL_STATUSES", "fmt_ms"]
+__all__ = ["Result", "percentile", "summarize", "markdown_table", "goodput", "REFUSAL_STATUSES", "fmt_ms", "fmt_whole", "to_ms"]
 
 REFUSAL_STATUSES = frozenset((429, 503, 504))
 
@@ -155,6 +155,20 @@ def summarize(results: Sequence[Result], *, duration_s: float | None = None, ttf
         out["goodput"] = goodput(results, ttft_target_s, tpot_target_s)
         out["ttft_target_s"] = ttft_target_s
     return out
+
+
+def to_ms(v: float | None) -> float | None:
+    """Seconds as milliseconds to a tenth (None stays None): the JSON of the benches."""
+    return None if v is None else round(v * 1000.0, 1)
+
+
+def fmt_whole(v: Any) -> str:
+    """A table cell: an em dash for None, a float to the unit, anything else as str()."""
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.0f}"
+    return str(v)
 
 
 def fmt_ms(v: float | None, digits: int = 2) -> str:

@@ -32,10 +32,12 @@ from typing import Any
 
 import orjson
 
-from .client import H1Pool, H2Client, H2Pool, SSERecorder
+from .client import H1Pool, SSERecorder, make_client
+from .h2 import H2Client, H2Pool
 from .stats import Result
 
-__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace"]
+__all__ = ["Arrival", "fixed_rate", "load_trace", "trace_arrivals", "RequestShape", "run_open_loop", "open_loop", "run_closed_loop", "default_trace", "run_loop", "phase", "drain", "post",
+           "phases_at_once"]
 
 _FILLER = "the quick brown fox jumps over the lazy dog while narwhals route tokens "
 
@@ -173,17 +175,23 @@ class RequestShape:
         return orjson.dumps(b)
 
 
-async def _one(client: H1Pool | H2Pool | H2Client, shape: RequestShape, a: Arrival, scheduled: float, timeout_s: float, out: list[Result]) -> None:
-    r = Result(scheduled=scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
-    out.append(r)
-    rec = SSERecorder(r)
+async def post(client: Any, path: str, body: bytes, rec: SSERecorder, *, headers: dict[str, str] | None, timeout_s: float) -> None:
+    """POST one request; cancelled (the run's end), it is recorded as cut, sent when it
+    was due (rec.r.scheduled) if it had not left yet."""
+    r = rec.r
     try:
-        await client.request("POST", shape.path, shape.body(a), rec, headers=shape.headers or None, timeout_s=timeout_s)
+        await client.request("POST", path, body, rec, headers=headers, timeout_s=timeout_s)
     except asyncio.CancelledError:
         r.error = r.error or "cut at end of run"
         if not r.sent:
-            r.sent = scheduled
+            r.sent = r.scheduled
         raise
+
+
+async def _one(client: H1Pool | H2Pool | H2Client, shape: RequestShape, a: Arrival, scheduled: float, timeout_s: float, out: list[Result]) -> None:
+    r = Result(scheduled=scheduled, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
+    out.append(r)
+    await post(client, shape.path, shape.body(a), SSERecorder(r), headers=shape.headers or None, timeout_s=timeout_s)
 
 
 async def run_open_loop(
@@ -198,6 +206,19 @@ async def run_open_loop(
     out: list[Result] = []
     await open_loop([a.at for a in arrivals], lambda i, target: _one(client, shape, arrivals[i], target, timeout_s, out), drain_s=drain_s)
     return out
+
+
+async def drain(tasks: set[asyncio.Task[Any]], drain_s: float) -> int:
+    """Wait at most drain_s for tasks to end, then cancel the rest and give them 5 s to
+    unwind; how many were cut."""
+    if not tasks:
+        return 0
+    _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
+    for tk in pending:
+        tk.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=5.0)
+    return len(pending)
 
 
 async def open_loop(offsets: Sequence[float], start: Callable[[int, float], Coroutine[Any, Any, None]], *, drain_s: float) -> None:
@@ -215,12 +236,7 @@ async def open_loop(offsets: Sequence[float], start: Callable[[int, float], Coro
         tk = loop.create_task(start(i, target))
         tasks.add(tk)
         tk.add_done_callback(tasks.discard)
-    if tasks:
-        _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-        for tk in pending:
-            tk.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
+    await drain(tasks, drain_s)
 
 
 async def run_closed_loop(
@@ -246,9 +262,41 @@ async def run_closed_loop(
             await _one(client, shape, a, time.perf_counter(), timeout_s, out)
 
     tasks = [asyncio.create_task(worker(k)) for k in range(concurrency)]
-    _, pending = await asyncio.wait(tasks, timeout=duration_s + 0.5)
-    for tk in pending:
-        tk.cancel()
-    if pending:
-        await asyncio.wait(pending, timeout=5.0)
+    await drain(set(tasks), duration_s + 0.5)
     return out
+
+
+def run_loop(coro: Any) -> Any:
+    """Run coro to its end in a fresh event loop: uvloop's when installed, else asyncio's."""
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+async def _phase(url: str, headers: dict[str, str], http: str, arrivals: Sequence[Arrival], shape: RequestShape, *, timeout_s: float = 60.0,
+                 drain_s: float = 30.0) -> list[Result]:
+    c = make_client(url, http, headers=headers)
+    try:
+        return await run_open_loop(c, arrivals, shape, timeout_s=timeout_s, drain_s=drain_s)
+    finally:
+        await c.aclose()
+
+
+def phase(url: str, headers: dict[str, str], http: str, arrivals: Sequence[Arrival], shape: RequestShape, **kw: Any) -> list[Result]:
+    """One open loop of these arrivals against url (a client of its own, closed after)."""
+    return run_loop(_phase(url, headers, http, arrivals, shape, **kw))
+
+
+async def _phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
+    return list(await asyncio.gather(*(_phase(url, headers, http, arrivals, shape, **kw) for url, headers, arrivals in arms)))
+
+
+def phases_at_once(arms: Sequence[tuple[str, dict[str, str], Sequence[Arrival]]], http: str, shape: RequestShape, **kw: Any) -> list[list[Result]]:
+    """Each arm (url, headers, arrivals) an open loop of its own, all in one event loop at
+    the same time: their requests interleave, so whatever drifts on the machine during the
+    run (the VM's speed, the engine's load) drifts for every arm alike. One list of results
+    per arm, in the arms' order."""
+    return run_loop(_phases_at_once(arms, http, shape, **kw))
