@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from narwhal.fleet.file import FleetFile, read_fleet_file
+from narwhal.config import read_watched
+from narwhal.fleet.file import FleetFile, parse_fleet_file
 from narwhal.fleet.source import Snapshot, SourceError
 
 TWO = "- {name: f0, url: 'http://127.0.0.1:9'}\n- {name: f1, url: 'http://127.0.0.1:10'}\n"
@@ -16,9 +17,10 @@ ONE = "- {name: f0, url: 'http://127.0.0.1:9'}\n"
 
 def _check(w: FleetFile) -> Snapshot | SourceError | None | bool:
     """One check: False when the file was not read, else what it emits."""
-    if not w.due():
+    read = read_watched(w.path, 1 << 20)
+    if not w.due(read):
         return False
-    return w.take(read_fleet_file(w.path, 1 << 20))
+    return w.take(parse_fleet_file(w.path, read))
 
 
 def _touch(p: Path, text: str, ns: int) -> None:
