@@ -59,6 +59,8 @@ class _Admin:
             want = admin_token(self.plane)
             if want is None:
                 return row_response(E.H01, method=request.method, path=request.url.path)
+            if len(request.headers.getlist("authorization")) > 1:  # the client identity's rule 1 too (R04)
+                return row_response(E.H04, param=None, detail="more than one Authorization header; send one")
             got = request.headers.get("authorization", "")
             scheme, _, value = got.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), want.encode()):
