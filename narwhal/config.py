@@ -11,8 +11,8 @@ Every key has a default; unknown keys are an error at start-up. Errors name the 
     queue, and protocol grpc its exporter package;
   * upstream.deny_fields names each field once, and none the router cannot do without
     (model, messages, prompt);
-  * engines on one host and port carry the same userinfo, if any (the credentials are
-    kept per host and port, see narwhal/upstream/http1.py).
+  * engines on one host and port carry the same userinfo, if any;
+  * no more engines than discovery.max_engines.
 The schema admits http:// engine URLs only; an https:// one gets its own words, naming
 the engine (the engine client has no TLS).
 """
@@ -101,6 +101,8 @@ def _https_engine(data: dict[str, Any], err: Any) -> str | None:
 
 
 def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
+    if cfg.engines is not None and len(cfg.engines) > cfg.discovery.max_engines:
+        raise ConfigError(f"{source}: engines: {len(cfg.engines)} entries, over discovery.max_engines ({cfg.discovery.max_engines})")
     if any(n < 1 for n in cfg.admission.prediction.profile_prompt_tokens):
         raise ConfigError(f"{source}: admission.prediction.profile_prompt_tokens: every length must be >= 1")
     tls = cfg.serving.tls

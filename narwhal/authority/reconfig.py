@@ -170,6 +170,7 @@ def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str
     u = cfg.upstream
     c.client.reconfigure(connect_timeout_s=u.connect_timeout_ms / 1000.0, idle_timeout_s=u.idle_timeout_ms / 1000.0, max_body_bytes=u.max_event_bytes)
     c.membership.drain_timeout_s = cfg.discovery.drain_timeout_ms / 1000.0
+    c.membership.max_engines = cfg.discovery.max_engines
     c.tell_config(cfg)
     fleet = None
     if "engines" in changed and cfg.engines is not None:

@@ -75,6 +75,9 @@ class LocalControls:
         """PUT /admin/engines/{name}: `entry` validated by the caller (config.parse_engines)."""
         c = self.control
         spec = EngineSpec.from_dict(entry)
+        refused = c.membership.refusal(spec)
+        if refused is not None:  # the router's own address, discovery.max_engines
+            return {"engine": spec.name, "refused": refused}
         what = c.membership.put(spec, source="admin")
         e = c.engines.get(spec.name)
         return {"engine": spec.name, "change": what, "lifecycle": e.lifecycle.state if e is not None else "gone"}

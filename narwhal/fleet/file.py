@@ -37,13 +37,14 @@ from .source import Emit, Snapshot, Source, SourceError
 __all__ = ["file_source", "read_fleet_file", "parse_fleet_file", "FleetFile"]
 
 
-def read_fleet_file(path: str, max_bytes: int) -> Snapshot | SourceError:
+def read_fleet_file(path: str, max_bytes: int, max_engines: int | None = None) -> Snapshot | SourceError:
     """One read of the file (blocking: off the event loop): its engines, or why not."""
-    return parse_fleet_file(path, read_watched(path, max_bytes, setting="discovery.max_file_bytes"))
+    return parse_fleet_file(path, read_watched(path, max_bytes, setting="discovery.max_file_bytes"), max_engines)
 
 
-def parse_fleet_file(path: str, got: FileRead) -> Snapshot | SourceError:
-    """A read of the file: its engines, or why not."""
+def parse_fleet_file(path: str, got: FileRead, max_engines: int | None = None) -> Snapshot | SourceError:
+    """A read of the file: its engines, or why not (more entries than `max_engines`:
+    refused before any is validated)."""
     if got.raw is None:
         return SourceError("file", str(got.error))
     raw = got.raw
@@ -56,6 +57,8 @@ def parse_fleet_file(path: str, got: FileRead) -> Snapshot | SourceError:
     key = "engines"
     if isinstance(data, dict) and set(data) == {"engines"}:
         data = data["engines"]
+    if max_engines is not None and isinstance(data, list) and len(data) > max_engines:
+        return SourceError("file", f"{path}: {len(data)} engines, over discovery.max_engines ({max_engines})")
     try:
         engines = parse_engines(data, source=path, key=key)
     except ConfigError as e:
@@ -136,7 +139,7 @@ def file_source(cfg: NarwhalConfig) -> Source:
         while True:
             read = await reader.read()
             if watch.due(read):
-                got = watch.take(await asyncio.to_thread(parse_fleet_file, path, read))
+                got = watch.take(await asyncio.to_thread(parse_fleet_file, path, read, d.max_engines))
                 if got is not None:
                     emit(got)
             await asyncio.sleep(interval)

@@ -148,7 +148,10 @@ class _Admin:
             msg = str(x).split(": ", 1)[-1]
             field = msg.split(":", 1)[0].removeprefix("engine[0]").lstrip(".") or None
             return row_response(E.H04, param=field, detail=msg.replace("engine[0].", ""))
-        return _ok(**await self.controls.put_engine(engine_spec(entry).as_dict()))
+        got = await self.controls.put_engine(engine_spec(entry).as_dict())
+        if "refused" in got:  # the router's own address, discovery.max_engines (authority/membership.py)
+            return row_response(E.H04, param="url" if "listen address" in got["refused"] else None, detail=got["refused"])
+        return _ok(**got)
 
     async def delete_engine(self, request: Request) -> Response:
         e = self.engine(request)
