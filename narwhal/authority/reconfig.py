@@ -142,9 +142,9 @@ async def _still(path: str) -> bytes:
         got = await f.read()
         if got.raw is None:
             raise ConfigError(str(got.error))
-        if _blank(got.raw):
-            raise ConfigError(f"{path}: the file is empty (a reload never turns every key back to its default; nothing changed)")
         if last is not None and last.stamp == got.stamp:
+            if _blank(got.raw):  # judged once it stood still: a write under way is empty for a moment
+                raise ConfigError(f"{path}: the file is empty (a reload never turns every key back to its default; nothing changed)")
             return got.raw
         last = got
         await asyncio.sleep(STILL_S)

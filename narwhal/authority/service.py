@@ -51,7 +51,10 @@ class LocalControls:
 
         # all workers at once: a stuck one costs SCRAPE_TIMEOUT_S, not that per worker
         planes = await asyncio.gather(*(one(s) for _, s in sorted(self.scrapers.items())))
-        return metrics.render(lambda: views.state_snapshot(self.control), planes)
+        # off the loop's critical path (issue 40 item 4): the engines read in batches with
+        # the loop let go between them, the text rendered in a thread
+        snap = await views.state_snapshot_paced(self.control)
+        return await asyncio.to_thread(metrics.render, lambda: snap, planes)
 
     async def set_state(self, state: str) -> str:
         before = self.control.state.reason(self.control.clock.now()) or "active"

@@ -15,6 +15,7 @@ now, E06, and carried on (spec/tables/migration.yaml); the others run on, as wit
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -86,7 +87,7 @@ class DataPlane:
         engines = list(self.engines.values())
         # host names of the fleet: an engine's own error message passed on to a client
         # names none of them (narwhal/core/relay.py, engine_message)
-        self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))
+        self.engine_hosts = tuple(sorted({h for s in engines if (h := _hostname(s.url))}))
         # admission.prediction.prefix_cache: requests carry their prefix blocks (core/prefix.py)
         mode = self.config.admission.prediction.prefix_cache
         # text keys only where some engine gets an approximate index (authority.py
@@ -213,3 +214,10 @@ def tokenizer_of(config: NarwhalConfig) -> Callable[[str], int] | None:
         return len(tok.encode(text).ids)
 
     return count_tokens
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _hostname(url: str) -> str | None:
+    """An engine URL's host (remembered: a fleet change re-derives every engine's, issue
+    40 item 4: a change costs what it changes)."""
+    return urlsplit(url).hostname
