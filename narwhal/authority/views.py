@@ -77,7 +77,7 @@ def engines(a: ControlPlane, *, sizing: dict[str, Any]) -> dict[str, Any]:
             "books": a.books.snapshot(),
             "held": a.held,
             "ha": _ha(a),
-            "fleet": a.membership.snapshot(),
+            "fleet": {**(f := a.membership.snapshot()), "source_errors": {**dict.fromkeys(a.sources, 0), **f["source_errors"]}},  # configured sources at 0 (issue 40 item 9)
             "tenants": tenants(a),
             "config": {"path": a.config_path, "sha256": a.config_hash, "loaded_at": a.config_loaded_at},
         },
@@ -151,7 +151,7 @@ def state_snapshot(a: ControlPlane, *, engines: bool = True) -> dict[str, Any]:
     """What the authority's metrics collector exports."""
     return {
         "tenants": tenants(a),
-        "fleet": a.membership.snapshot(),
+        "fleet": {**(f := a.membership.snapshot()), "source_errors": {**dict.fromkeys(a.sources, 0), **f["source_errors"]}},  # configured sources at 0 (issue 40 item 9)
         "books": a.books.snapshot(),
         "held": a.held,
         "queued": a.scheduler.queued,
