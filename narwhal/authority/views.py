@@ -120,6 +120,8 @@ def tenants(a: Authority) -> dict[str, dict[str, Any]] | None:
         row(name)
     for name, b in q.books.items():
         row(q.label(None if name == "default" else name))["in_flight"] += b.in_flight
+    if q.overflow is not None and q.overflow.in_flight:  # tenants past the books' bound (core/quota.py)
+        row("other")["in_flight"] += q.overflow.in_flight
     for e in a.engines.values():
         for t in e.queue:
             row(q.label(t.work.tenant))["queued"] += 1
