@@ -24,10 +24,10 @@ from narwhal_generated.models.config import NarwhalConfig
 from ..core.accounting import Books
 from ..core.admission import Scheduler
 from ..core.clock import Clock, MonotonicClock
+from ..core.fairness import retention_victim
 from ..core.fleet import PHASE1_ROLES, Breaker, EngineState
 from ..core.prediction import Margin, OutputLengthLearner
 from ..core.prefix import APPROX_BLOCK_TOKENS, MAX_BLOCKS, PrefixIndex
-from ..core.fairness import retention_victim
 from ..core.quota import DEFAULT, Limits, Quotas
 from ..core.sizing import PromptSizer
 from ..core.state import RouterState

@@ -334,8 +334,8 @@ def is_self(url: str, listen: str) -> bool:
     and the same host, a loopback name for a loopback or wildcard listen address, or any
     of this host's own names for a wildcard one. Without DNS: a name that resolves to
     this host under another spelling is not seen."""
-    from urllib.parse import urlsplit
     import socket
+    from urllib.parse import urlsplit
 
     try:
         u = urlsplit(url)

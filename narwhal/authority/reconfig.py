@@ -20,7 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, FileRead, WatchedFile, config_from_bytes, load_config, load_yaml, parse_config
+from ..config import (
+    ConfigError,
+    FileRead,
+    WatchedFile,
+    config_from_bytes,
+    load_config,
+    load_yaml,
+    parse_config,
+)
 from ..core.reload import changed_keys, plan
 from ..fleet.sources import configured
 from ..telemetry.logs import event as log_event

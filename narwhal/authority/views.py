@@ -5,7 +5,6 @@ client reaches gives the same answer."""
 from __future__ import annotations
 
 import asyncio
-
 from typing import Any
 
 from narwhal_generated import dialects as D

@@ -164,7 +164,7 @@ def test_a_hung_read_times_out_is_counted_and_starts_no_second_read(tmp_path: Pa
     calls: list[str] = []
     real = config.read_watched
 
-    def hung(path: str, max_bytes: int, *, setting: str = "") -> "FileRead":
+    def hung(path: str, max_bytes: int, *, setting: str = "") -> FileRead:
         calls.append(path)
         release.wait(10)  # a read on a hung network mount
         return real(path, max_bytes)
@@ -174,7 +174,7 @@ def test_a_hung_read_times_out_is_counted_and_starts_no_second_read(tmp_path: Pa
     f.write_text("[]\n")
     w = WatchedFile(str(f), 1024, timeout=0.2)
 
-    async def go() -> "list[FileRead]":
+    async def go() -> list[FileRead]:
         out = [await w.read(), await w.read()]
         release.set()
         await asyncio.sleep(0.1)
