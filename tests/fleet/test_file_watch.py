@@ -77,3 +77,17 @@ def test_what_is_emitted_is_what_changed(tmp_path: Path) -> None:
     _touch(f, "[]\n", 6_000_000_000)
     assert _check(w) is False
     assert _names(_check(w)) == []
+
+
+def test_an_edit_keeping_size_and_mtime_is_seen(tmp_path: Path) -> None:
+    """Issue 40 item 3: `touch -r` or `rsync --inplace -t` keep size and mtime; the stamp
+    has ctime and the bytes' hash too."""
+    f = tmp_path / "fleet.yaml"
+    _touch(f, ONE, 1_000_000_000)
+    w = FleetFile(str(f))
+    assert _names(_check(w)) == ["f0"]
+    same = ONE.replace("f0", "g0")
+    assert len(same) == len(ONE)
+    _touch(f, same, 1_000_000_000)  # the same size and modification time
+    assert _check(w) is False
+    assert _names(_check(w)) == ["g0"]
