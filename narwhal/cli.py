@@ -32,12 +32,13 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"workers": value})})
     if args.log_format is not None:  # overrides serving.log_format
         cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"log_format": args.log_format})})
-    from .telemetry.logs import configure
+    from .telemetry.logs import announce, configure
 
     configure(cfg.serving.log_format, args.log_level)
     scheme = "https" if cfg.serving.tls.certfile else "http"
     fleet = "the embedded simulated fleet" if cfg.engines is None else f"{len(cfg.engines)} configured engines"
-    print(f"narwhal: serving model {cfg.serving.model!r} on {scheme}://{listen} (HTTP/1.1 and HTTP/2) in front of {fleet}", flush=True)
+    announce(cfg.serving.log_format, f"narwhal: serving model {cfg.serving.model!r} on {scheme}://{listen} (HTTP/1.1 and HTTP/2) in front of {fleet}",
+             "serving", model=cfg.serving.model, listen=f"{scheme}://{listen}", engines=None if cfg.engines is None else len(cfg.engines))
     try:
         import uvloop
 

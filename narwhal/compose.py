@@ -151,6 +151,7 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, stopping: S
             await supervise(config, engines, listen, n, stopping=stopping, ready=ready, config_path=config_path)
             return
         router = build_router(config, engines)
+        router.control.membership.listen = listen  # never an engine (membership.py bounds)
         stopping.hooks.append(lambda: begin_draining(router.control))
         reconfig.attach(router.control, config_path)  # POST /admin/config/reload and SIGHUP read it again
         if built is not None:

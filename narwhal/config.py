@@ -11,15 +11,22 @@ Every key has a default; unknown keys are an error at start-up. Errors name the 
     queue, and protocol grpc its exporter package;
   * upstream.deny_fields names each field once, and none the router cannot do without
     (model, messages, prompt);
-  * engines on one host and port carry the same userinfo, if any (the credentials are
-    kept per host and port, see narwhal/upstream/http1.py).
+  * engines on one host and port carry the same userinfo, if any;
+  * no more engines than discovery.max_engines.
 The schema admits http:// engine URLs only; an https:// one gets its own words, naming
 the engine (the engine client has no TLS).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import importlib.util
+import json
+import os
+import stat as _stat
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,7 +36,7 @@ from pydantic import ValidationError
 
 from narwhal_generated.models.config import Engine, NarwhalConfig
 
-__all__ = ["ConfigError", "load_config", "parse_config", "parse_engines", "has_discovery", "NarwhalConfig", "EMBEDDED_FLEET"]
+__all__ = ["ConfigError", "load_config", "parse_config", "config_from_bytes", "load_yaml", "FileRead", "read_watched", "WatchedFile", "READ_TIMEOUT_S", "parse_engines", "has_discovery", "NarwhalConfig", "EMBEDDED_FLEET"]
 
 # docs/contract.md "Commands": with no engines, the embedded simulated fleet (one prefill and one decode
 # engine of the vllm dialect) runs in-process on free loopback ports.
@@ -94,6 +101,8 @@ def _https_engine(data: dict[str, Any], err: Any) -> str | None:
 
 
 def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
+    if cfg.engines is not None and len(cfg.engines) > cfg.discovery.max_engines:
+        raise ConfigError(f"{source}: engines: {len(cfg.engines)} entries, over discovery.max_engines ({cfg.discovery.max_engines})")
     if any(n < 1 for n in cfg.admission.prediction.profile_prompt_tokens):
         raise ConfigError(f"{source}: admission.prediction.profile_prompt_tokens: every length must be >= 1")
     tls = cfg.serving.tls
@@ -192,17 +201,126 @@ def parse_engines(data: Any, *, source: str, key: str = "engines") -> list[Engin
     return out
 
 
+def load_yaml(raw: bytes | str, *, json_too: bool = False) -> Any:
+    """YAML through libyaml's C loader when PyYAML has it (several times the pure-Python
+    loader's speed); `json_too`: text that starts like JSON is tried as JSON first (JSON
+    is YAML, and its parser is faster still). yaml.YAMLError on bad input."""
+    if json_too and raw.lstrip()[:1] in (b"[", b"{", "[", "{"):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            pass  # YAML flow style is not JSON: the YAML loader says where it is wrong
+    return yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - a safe loader
+
+
+def config_from_bytes(raw: bytes, *, source: str) -> NarwhalConfig:
+    """The configuration from a file's bytes (narwhal serve --config, a reload)."""
+    try:
+        data = load_yaml(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    return parse_config(data, source=source)
+
+
 def load_config(path: str | Path | None) -> NarwhalConfig:
     """The configuration from a YAML file, or the embedded default when path is None."""
     if path is None:
         return parse_config({}, source="embedded default")
-    p = Path(path)
+    got = read_watched(str(path), 1 << 30)
+    if got.raw is None:
+        raise ConfigError(str(got.error))
+    return config_from_bytes(got.raw, source=str(path))
+
+
+# -- watched files: auth.keys_file, auth.jwt.jwks_file, discovery.file, a reload ---------
+#
+# Invariants (issue 40 items 2 and 3):
+#   * only a regular file is read: opened non-blocking (a FIFO's open would wait for a
+#     writer for ever), then fstat'ed; anything else is an error naming the file;
+#   * a read runs in a daemon thread of its own and is awaited at most READ_TIMEOUT_S: a
+#     hung network mount blocks that thread, never the event loop, and a stop never
+#     waits for it (a daemon thread does not hold the interpreter's exit); while it hangs
+#     no second read of the same file starts (each check is an error, counted);
+#   * the stamp a change is seen by is inode, device, size, mtime_ns, ctime_ns and the
+#     SHA-256 of the bytes: an edit that keeps size and modification time (touch -r,
+#     rsync --inplace -t) changes ctime and the bytes.
+
+READ_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class FileRead:
+    """One read: `raw` and its `stamp`, or `error` (then `stamp` is the error's own, so a
+    lasting error settles and is said once)."""
+
+    stamp: tuple[Any, ...]
+    raw: bytes | None
+    error: str | None = None
+
+
+def read_watched(path: str, max_bytes: int, *, setting: str = "max_file_bytes") -> FileRead:
+    """Read `path` whole if it is a regular file of at most `max_bytes` (blocking only
+    on the disk: call it off the event loop)."""
     try:
-        text = p.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as e:
-        raise ConfigError(f"{p}: {e.strerror}") from None
+        return FileRead(("error", e.errno), None, f"{path}: {e.strerror or e}")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    return parse_config(data, source=str(p))
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            return FileRead(("error", "not regular"), None, f"{path}: not a regular file (a FIFO, device or socket is never read)")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            b = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not b:
+                break
+            chunks.append(b)
+            size += len(b)
+    except OSError as e:
+        return FileRead(("error", e.errno), None, f"{path}: {e.strerror or e}")
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        return FileRead(("error", "large", st.st_size), None, f"{path}: larger than {setting} ({max_bytes})")
+    raw = b"".join(chunks)
+    return FileRead((st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns, hashlib.sha256(raw).digest()), raw)
+
+
+class WatchedFile:
+    """One watched file's reads, each in a daemon thread, awaited at most `timeout` s
+    (invariants above). `failures` counts reads that did not return in time."""
+
+    __slots__ = ("path", "max_bytes", "setting", "timeout", "_busy", "failures")
+
+    def __init__(self, path: str, max_bytes: int, *, setting: str = "max_file_bytes", timeout: float = READ_TIMEOUT_S) -> None:
+        self.path, self.max_bytes, self.setting, self.timeout = path, max_bytes, setting, timeout
+        self._busy = False  # a read's thread has not returned yet
+        self.failures = 0
+
+    async def read(self) -> FileRead:
+        if self._busy:
+            self.failures += 1
+            return FileRead(("error", "hung"), None, f"{self.path}: an earlier read has not returned yet (a hung mount?)")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[FileRead] = loop.create_future()
+
+        def done(got: FileRead) -> None:
+            if not fut.done():
+                fut.set_result(got)
+
+        def run() -> None:
+            got = read_watched(self.path, self.max_bytes, setting=self.setting)
+            self._busy = False
+            try:
+                loop.call_soon_threadsafe(done, got)
+            except RuntimeError:  # the loop closed while this read hung: nobody waits
+                pass
+
+        self._busy = True
+        threading.Thread(target=run, name="narwhal-file-read", daemon=True).start()
+        try:
+            return await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError:
+            self.failures += 1
+            return FileRead(("error", "timeout"), None, f"{self.path}: not read within {self.timeout:g} s (a hung mount?)")

@@ -263,6 +263,7 @@ async def supervise(config: NarwhalConfig, engines: list[EngineSpec], listen: st
     listener closes; then the workers' grace (module docstring, "Stopping")."""
     sock = listening_socket(listen)
     control = ControlPlane(config, engines)
+    control.membership.listen = listen  # never an engine (authority/membership.py bounds)
     controls = LocalControls(control)
     sup = Supervisor(config, engines, sock, n, controls)
     stopping.hooks.append(lambda: begin_draining(control))

@@ -780,6 +780,14 @@ class Discovery(BaseModel):
             le=67108864,
         ),
     ] = 4194304
+    max_engines: Annotated[
+        StrictInt,
+        Field(
+            description="The most engines the fleet holds, whatever names them (engines, PUT /admin/engines, discovery.file, discovery.dns, a reload; discovery.etcd keeps its own 256 per prefix below this). A change that would take the fleet past it is refused whole, naming this key: a PUT with 400 invalid_admin_request, a source's snapshot or a reload as an error (the fleet stays as it was), a configuration with more engines at start-up.",
+            ge=1,
+            le=100000,
+        ),
+    ] = 1024
     drain: Annotated[
         Literal['wait', 'migrate'],
         Field(

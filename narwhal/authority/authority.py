@@ -24,10 +24,11 @@ from narwhal_generated.models.config import NarwhalConfig
 from ..core.accounting import Books
 from ..core.admission import Scheduler
 from ..core.clock import Clock, MonotonicClock
+from ..core.fairness import retention_victim
 from ..core.fleet import PHASE1_ROLES, Breaker, EngineState
 from ..core.prediction import Margin, OutputLengthLearner
 from ..core.prefix import APPROX_BLOCK_TOKENS, MAX_BLOCKS, PrefixIndex
-from ..core.quota import Limits, Quotas
+from ..core.quota import DEFAULT, Limits, Quotas
 from ..core.sizing import PromptSizer
 from ..core.state import RouterState
 from ..core.tickets import Dispatch, Refuse, Ticket
@@ -236,6 +237,37 @@ class Authority:
             f = self.waiters.pop(t.id, None)
             if f is not None and not f.done():
                 f.set_result(r)
+
+    def yield_retention(self, tenant: str) -> bool:
+        """R02 with tenants (core/fairness.py retention_victim): the tenant furthest over
+        its share of the retention yields its newest request not yet granted (queued),
+        refused R02 (Retry-After) in its books, and `tenant`'s arrival is held in its
+        place. False when nobody is over `tenant`'s share or the one over it has nothing
+        queued (then R02 stands). The yielded request leaves the retention when its data
+        plane ends it: until then `held` is one over the limit."""
+        q = self.quotas
+        if q is None:
+            return False
+        victim = retention_victim({n: b.in_flight for n, b in q.books.items()}, q.weight, tenant)
+        if victim is None:
+            return False
+        keys = (None, DEFAULT) if victim == DEFAULT else (victim,)  # a request without identity queues as None
+        best: tuple[float, EngineState, Ticket] | None = None
+        for e in self.engines.values():
+            for k in keys:
+                t = e.queue.newest(k)
+                if t is not None and (best is None or (t.enqueued_at or 0.0) >= best[0]):
+                    best = (t.enqueued_at or 0.0, e, t)
+        if best is None:
+            return False
+        _, e, t = best
+        e.queue.remove(t)
+        e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
+        self.scheduler.queued -= 1
+        t.state = "done"
+        self.scheduler.evicted.append((t, Refuse(E.R02, fields={"limit": self.config.admission.http_retention_limit})))
+        self.settle_evicted()
+        return True
 
     def settle_evicted(self) -> None:
         """Queued tickets that yielded their place (admission.py `_yield_to`): their

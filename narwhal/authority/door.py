@@ -251,7 +251,7 @@ class LocalDoor:
                 return Refuse(row, overrun_s=wait if row.retry_after == "overrun" else None,
                               fields={"tenant": name, "limit": limit, "retry_after": E.retry_after_seconds(row, wait)})
         limit = a.config.admission.http_retention_limit
-        if a.held >= limit:  # R02
+        if a.held >= limit and not (name is not None and a.yield_retention(name)):  # R02; with tenants, fair (core/fairness.py retention_victim)
             a.books.end(books, E.R02.counter)
             if name is not None:
                 a.quotas.end(name, at)  # type: ignore[union-attr]

@@ -16,6 +16,14 @@ source's diff adds, updates, replaces and removes only its own engines; a name a
 source owns is refused (logged, counted as that source's error), except a leaving one,
 which the new spec rejoins (M31). The admin API may act on any engine and takes it over.
 
+Bounds (issue 40 items 4 and 10)
+  * discovery.max_engines: no change takes the fleet past it. A PUT of a new name at the
+    limit is refused; a source's set (or a reload's engines) that would is refused whole
+    (logged and counted as that source's error; the fleet stays as it was), naming the
+    key. Leaving engines count until they are gone.
+  * The router's own listen address is no engine (every request placed there would come
+    back to the router): a PUT naming it is refused, a source's entry naming it refused.
+
 Invariants
   * An engine is released (M04, M29) only when it holds nothing: no slot, no queue, so
     no ticket names it; releasing drops it from the scheduler, the prefix index, health
@@ -65,13 +73,23 @@ class Membership:
         self.last_error: dict[str, str] = {}
         self._pending_source: dict[str, str] = {}  # M31: the source of a rejoining spec
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.max_engines: int = a.config.discovery.max_engines  # a reload sets it again
+        self.listen: str | None = None  # the router's own host:port (narwhal serve sets it)
 
     # -- what the sources and the admin API call ----------------------------------------
+
+    def refusal(self, spec: EngineSpec) -> str | None:
+        """Why `spec` may not be put (module bounds), or None."""
+        if self.listen is not None and is_self(spec.url, self.listen):
+            return f"engine {spec.name!r}: {spec.url} is this router's own listen address ({self.listen}), not an engine"
+        if spec.name not in self.a.engines and len(self.a.engines) >= self.max_engines:
+            return f"engine {spec.name!r}: the fleet holds {len(self.a.engines)} engines, discovery.max_engines ({self.max_engines})"
+        return None
 
     def put(self, spec: EngineSpec, *, source: str = "admin") -> str:
         """Add an engine, or update or replace one (M07/M15/M16...). Returns what was
         done: added, updated, replaced (the new spec joins once the old one is gone),
-        unchanged."""
+        unchanged. The caller checked `refusal(spec)` first."""
         e = self.a.engines.get(spec.name)
         if e is None:
             self.join(spec, source=source)
@@ -104,11 +122,20 @@ class Membership:
         """One source's whole set, applied as one diff against the engines it owns."""
         out: dict[str, list[str]] = {"added": [], "updated": [], "replaced": [], "rejoining": [], "removed": [], "refused": []}
         want = {s.name: s for s in specs}
+        total = len(want) + sum(1 for e in self.a.engines.values() if e.source != source or e.name not in want and e.lifecycle.state == "draining")
+        if total > self.max_engines:  # refused whole (module bounds)
+            self.error(source, f"{total} engines with this change, over discovery.max_engines ({self.max_engines})")
+            out["refused"] = sorted(want)
+            return out
         for name, s in want.items():
             e = self.a.engines.get(name)
             if e is not None and e.source != source and e.lifecycle.state != "draining":
                 msg = f"engine {name!r} is already named by {e.source}; {source} cannot change it"
                 self.error(source, msg)
+                out["refused"].append(name)
+                continue
+            if self.listen is not None and is_self(s.url, self.listen):
+                self.error(source, f"engine {name!r}: {s.url} is this router's own listen address ({self.listen}), not an engine")
                 out["refused"].append(name)
                 continue
             what = self.put(s, source=source)
@@ -292,6 +319,38 @@ def _settings(s: EngineSpec) -> tuple[Any, ...]:
 
 def _cap(slots: int, limit: int | None) -> int:
     return slots if limit is None else min(slots, limit)
+
+
+_LOOPBACK = frozenset(("localhost", "::1", "ip6-localhost"))
+_ANY = frozenset(("", "0.0.0.0", "::", "*"))
+
+
+def _loopback(host: str) -> bool:
+    return host in _LOOPBACK or host.startswith("127.") or host.endswith(".localhost")
+
+
+def is_self(url: str, listen: str) -> bool:
+    """Whether `url` names the router listening on `listen` (host:port): the same port,
+    and the same host, a loopback name for a loopback or wildcard listen address, or any
+    of this host's own names for a wildcard one. Without DNS: a name that resolves to
+    this host under another spelling is not seen."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        host, port = (u.hostname or "").lower(), u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return False
+    lhost, _, lport = listen.rpartition(":")
+    lhost = lhost.strip("[]").lower()
+    if not lport.isdigit() or int(lport) != port:
+        return False
+    if host == lhost:
+        return True
+    if lhost in _ANY:
+        return _loopback(host) or host in (socket.gethostname().lower(), socket.getfqdn().lower())
+    return _loopback(lhost) and _loopback(host)
 
 
 def _origin(url: str) -> str:

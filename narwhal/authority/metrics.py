@@ -31,6 +31,7 @@ PROFILE_STATUSES = ("pending", "running", "ok", "failed")
 
 # one family as plain data: [name, help, type, unit, [[sample name, labels, value], ...]]
 Family = list[Any]
+_ZERO_BOOKS = {"offered": 0, **dict.fromkeys(A.TERMINAL_CLASSES, 0)}
 
 
 
@@ -52,10 +53,11 @@ class _StateCollector(Collector):
         for cls in A.TERMINAL_CLASSES:
             term.add_metric([cls], books["terminal"][cls])
         yield term
-        if books.get("by_tenant"):  # tenants configured: each tenant's books (labels bounded: configured, default, other)
+        by_tenant = {**{t: _ZERO_BOOKS for t in (s.get("tenants") or ())}, **books.get("by_tenant", {})}  # configured tenants from 0 (issue 40 item 9)
+        if by_tenant:  # tenants configured: each tenant's books (labels bounded: configured, default, other)
             toff = CounterMetricFamily("narwhal_tenant_requests_offered", "Requests offered, per tenant (the fleet's offered is their sum).", labels=["tenant"])
             tterm = CounterMetricFamily("narwhal_tenant_requests_terminal", "Offered requests by terminal class, per tenant.", labels=["tenant", "class"])
-            for name, tb in sorted(books["by_tenant"].items()):
+            for name, tb in sorted(by_tenant.items()):
                 toff.add_metric([name], tb["offered"])
                 for cls in A.TERMINAL_CLASSES:
                     tterm.add_metric([name, cls], tb[cls])

@@ -20,7 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, load_config, parse_config
+from ..config import (
+    ConfigError,
+    FileRead,
+    WatchedFile,
+    config_from_bytes,
+    load_config,
+    load_yaml,
+    parse_config,
+)
 from ..core.reload import changed_keys, plan
 from ..fleet.sources import configured
 from ..telemetry.logs import event as log_event
@@ -86,10 +94,10 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
     if path is None:
         raise ReloadError("the router was started without --config: there is no file to reload", missing=True)
     try:
-        raw = await asyncio.to_thread(Path(path).read_bytes)
-        new = load_config(path)
-    except (OSError, ConfigError) as e:
-        msg = str(e) if isinstance(e, ConfigError) else f"{path}: {e.strerror or e}"
+        raw = await _still(path)
+        new = config_from_bytes(raw, source=str(path))
+    except ConfigError as e:
+        msg = str(e)
         log.error("configuration reload: %s (nothing changed)", msg, extra=log_event("config_reload_failed", path=str(path), error=msg))
         raise ReloadError(msg) from None
     running = control.config.model_dump(mode="json", by_alias=True)
@@ -115,6 +123,42 @@ async def reload(control: ControlPlane) -> dict[str, Any]:
             "config": {"path": str(path), "sha256": control.config_hash, "loaded_at": control.config_loaded_at}}
 
 
+# a reload reads the file only once it has stood still (as the keys file and
+# discovery.file are): two reads STILL_S apart with the same stamp (inode, size, mtime,
+# ctime, the bytes' hash); a file still changing after STILL_TRIES reads is refused (H11)
+STILL_S = 0.2
+STILL_TRIES = 25
+MAX_CONFIG_BYTES = 1 << 24
+
+
+def _blank(raw: bytes) -> bool:
+    """No configuration at all: no bytes, only white space or comments."""
+    try:
+        return not raw.strip() or load_yaml(raw) is None
+    except Exception:  # noqa: BLE001 - not YAML: the parse names the error
+        return False
+
+
+async def _still(path: str) -> bytes:
+    """The file's bytes once two reads agree; ConfigError (H11, nothing changed) if it
+    cannot be read (a regular file only, never blocking the loop, with a timeout), is
+    empty (a truncated write, or an empty file: never "every key to its default"), or
+    does not stand still."""
+    f = WatchedFile(path, MAX_CONFIG_BYTES)
+    last: FileRead | None = None
+    for _ in range(STILL_TRIES):
+        got = await f.read()
+        if got.raw is None:
+            raise ConfigError(str(got.error))
+        if last is not None and last.stamp == got.stamp:
+            if _blank(got.raw):  # judged once it stood still: a write under way is empty for a moment
+                raise ConfigError(f"{path}: the file is empty (a reload never turns every key back to its default; nothing changed)")
+            return got.raw
+        last = got
+        await asyncio.sleep(STILL_S)
+    raise ConfigError(f"{path}: the file kept changing for {STILL_S * STILL_TRIES:g} s; nothing changed")
+
+
 def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str, list[str]] | None:
     """Make `cfg` the running configuration (no await inside: one turn of the loop)."""
     c = control
@@ -134,6 +178,7 @@ def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str
     u = cfg.upstream
     c.client.reconfigure(connect_timeout_s=u.connect_timeout_ms / 1000.0, idle_timeout_s=u.idle_timeout_ms / 1000.0, max_body_bytes=u.max_event_bytes)
     c.membership.drain_timeout_s = cfg.discovery.drain_timeout_ms / 1000.0
+    c.membership.max_engines = cfg.discovery.max_engines
     c.tell_config(cfg)
     fleet = None
     if "engines" in changed and cfg.engines is not None:

@@ -51,7 +51,10 @@ class LocalControls:
 
         # all workers at once: a stuck one costs SCRAPE_TIMEOUT_S, not that per worker
         planes = await asyncio.gather(*(one(s) for _, s in sorted(self.scrapers.items())))
-        return metrics.render(lambda: views.state_snapshot(self.control), planes)
+        # off the loop's critical path (issue 40 item 4): the engines read in batches with
+        # the loop let go between them, the text rendered in a thread
+        snap = await views.state_snapshot_paced(self.control)
+        return await asyncio.to_thread(metrics.render, lambda: snap, planes)
 
     async def set_state(self, state: str) -> str:
         before = self.control.state.reason(self.control.clock.now()) or "active"
@@ -75,6 +78,9 @@ class LocalControls:
         """PUT /admin/engines/{name}: `entry` validated by the caller (config.parse_engines)."""
         c = self.control
         spec = EngineSpec.from_dict(entry)
+        refused = c.membership.refusal(spec)
+        if refused is not None:  # the router's own address, discovery.max_engines
+            return {"engine": spec.name, "refused": refused}
         what = c.membership.put(spec, source="admin")
         e = c.engines.get(spec.name)
         return {"engine": spec.name, "change": what, "lifecycle": e.lifecycle.state if e is not None else "gone"}

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["FairQueue", "Weights"]
+__all__ = ["FairQueue", "Weights", "retention_victim"]
 
 Weights = Callable[[str | None], float]
 
@@ -204,6 +204,28 @@ class FairQueue:
                 best, best_load = (tenant, f.q[-1]), load
         return best
 
+    def newest(self, tenant: str | None) -> Any:
+        """`tenant`'s newest queued ticket, or None."""
+        f = self._flows.get(tenant)
+        return f.q[-1] if f is not None and f.q else None
+
     def share_load(self, tenant: str | None, extra: int = 0) -> float:
         """`tenant`'s queued requests (plus `extra`) per unit of weight."""
         return (self.queued(tenant) + extra) / self.weights(tenant)
+
+
+def retention_victim(held: dict[str, int], weight: Weights, tenant: str) -> str | None:
+    """R02 with tenants (issue 40 item 6; R11's rule applied to the HTTP retention): the
+    retention is full and `tenant` arrives (`held` counts every tenant's requests held,
+    the arrival included). When the arrival leaves `tenant` holding less per weight than
+    the tenant furthest over its share, that tenant yields (its newest request not yet
+    granted is refused in the arrival's place): who, else None (R02 stands). Ties stay:
+    a tenant at its share is refused as before, so two tenants never trade places."""
+    over: str | None = None
+    over_load = -1.0
+    for u, n in held.items():
+        if u != tenant and n > 0 and n / weight(u) > over_load:
+            over, over_load = u, n / weight(u)
+    if over is None or held.get(tenant, 0) / weight(tenant) >= over_load:
+        return None
+    return over

@@ -18,8 +18,17 @@ Invariants
   * Every bucket is bounded: at most its capacity, never below -capacity (a request's
     output may overdraw it once, so a tenant over its budget waits it out).
   * Only configured tenants (and `default`) have limits; any other tenant name (from a key
-    or a JWT claim) gets `default`'s, and the books keep at most MAX_TENANTS of them (the
-    least recently seen goes), so a stream of invented tenant names costs nothing.
+    or a JWT claim) gets `default`'s, and the books keep at most MAX_TENANTS of them, so a
+    stream of invented tenant names costs nothing.
+  * No eviction gives anyone a fresh budget (issue 40 item 5: a tenant that spent its
+    tokens_per_min was served on a full bucket after 4,200 other tenants arrived):
+      - configured tenants' books and `default`'s are never evicted;
+      - another tenant's book goes only when it is idle (nothing in flight) and every
+        bucket of it is full again: a new book starts full, so nothing is given;
+      - eviction looks past books it cannot evict (at most EVICT_SCAN of them per new
+        tenant, each moved to the recent end), never stopping at the first;
+      - when none of those can go, the new tenant shares one overflow book (default's
+        limits, one budget for all of them) until its requests there have ended.
 """
 
 from __future__ import annotations
@@ -27,10 +36,13 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
-__all__ = ["Limits", "Bucket", "TenantBook", "Quotas", "MAX_TENANTS", "DEFAULT"]
+__all__ = ["Limits", "Bucket", "TenantBook", "Quotas", "MAX_TENANTS", "DEFAULT", "OVERFLOW"]
 
-MAX_TENANTS = 4096  # tenant books kept at once (least recently seen first out)
+MAX_TENANTS = 4096  # books of tenants not configured kept at once (module invariants)
+EVICT_SCAN = 32  # books looked at per new tenant when the books are full
+OVERFLOW = "(overflow)"  # the shared book's name (not a valid tenant name: tenants.NAME has no parentheses)
 DEFAULT = "default"  # the entry of tenants: that applies to a tenant without its own
 
 
@@ -89,6 +101,10 @@ class TenantBook:
         self.requests = Bucket(limits.requests_per_s, max(1.0, limits.requests_per_s), now) if limits.requests_per_s else None
         self.tokens = Bucket(limits.tokens_per_min / 60.0, float(limits.tokens_per_min), now) if limits.tokens_per_min else None
 
+    def spare(self, now: float) -> bool:
+        """Nothing in flight and every bucket full: forgetting it gives nothing away."""
+        return self.in_flight == 0 and all(b is None or b.level_at(now) >= b.capacity for b in (self.requests, self.tokens))
+
 
 class Quotas:
     """The tenants' books and the checks of rows R17-R20 (the caller names the row)."""
@@ -98,6 +114,9 @@ class Quotas:
         self.default = self.limits.get(DEFAULT, Limits())
         self.books: OrderedDict[str, TenantBook] = OrderedDict()
         self.configured = frozenset(n for n in self.limits if n != DEFAULT)
+        self.others = 0  # books in self.books of tenants neither configured nor default
+        self.overflow: TenantBook | None = None  # the shared book (module invariants)
+        self.in_overflow: dict[str, int] = {}  # tenant -> its requests in flight there
 
     def limits_of(self, tenant: str | None) -> Limits:
         if tenant is None:
@@ -116,16 +135,43 @@ class Quotas:
 
     def book(self, tenant: str, now: float) -> TenantBook:
         b = self.books.get(tenant)
-        if b is None:
-            b = self.books[tenant] = TenantBook(tenant, self.limits_of(tenant), now)
-            while len(self.books) > MAX_TENANTS:
-                old, ob = next(iter(self.books.items()))
-                if ob.in_flight:  # still holding requests: keep it (bounded by those)
-                    break
-                del self.books[old]
-        else:
+        if b is not None:
             self.books.move_to_end(tenant)
+            return b
+        if tenant in self.in_overflow:  # until its requests there end: one book per tenant at a time
+            return self._overflow(now)
+        pinned = tenant in self.configured or tenant == DEFAULT
+        if not pinned:
+            if self.others >= MAX_TENANTS and not self._evict(now):
+                return self._overflow(now)
+            self.others += 1
+        b = self.books[tenant] = TenantBook(tenant, self.limits_of(tenant), now)
         return b
+
+    def _evict(self, now: float) -> bool:
+        """Forget one spare book of a tenant not configured, looking at EVICT_SCAN of
+        them from the least recently seen; those that cannot go move to the recent end."""
+        looked: list[str] = []
+        for name, b in islice(self.books.items(), EVICT_SCAN + len(self.configured) + 1):
+            if name in self.configured or name == DEFAULT:
+                continue
+            if b.spare(now):
+                del self.books[name]
+                self.others -= 1
+                for n in looked:
+                    self.books.move_to_end(n)
+                return True
+            looked.append(name)
+            if len(looked) >= EVICT_SCAN:
+                break
+        for n in looked:
+            self.books.move_to_end(n)
+        return False
+
+    def _overflow(self, now: float) -> TenantBook:
+        if self.overflow is None:
+            self.overflow = TenantBook(OVERFLOW, self.default, now)
+        return self.overflow
 
     # -- the rows ------------------------------------------------------------------------
 
@@ -142,6 +188,8 @@ class Quotas:
                 return ("R18", w)
             b.requests.take(1.0, now)
         b.in_flight += 1
+        if b is self.overflow:
+            self.in_overflow[tenant] = self.in_overflow.get(tenant, 0) + 1
         return None
 
     def charge_prompt(self, tenant: str, prompt_tokens: int, now: float) -> float:
@@ -158,7 +206,15 @@ class Quotas:
     def end(self, tenant: str, now: float, *, charged_prompt: int = 0, output_tokens: int | None = None) -> None:
         """The request ended: out of flight; its output charged as counted; a request
         that produced nothing is refunded the prompt it was charged."""
-        b = self.books.get(tenant)
+        n = self.in_overflow.get(tenant)
+        if n is not None:  # its request was counted in the overflow book
+            b = self.overflow
+            if n <= 1:
+                del self.in_overflow[tenant]
+            else:
+                self.in_overflow[tenant] = n - 1
+        else:
+            b = self.books.get(tenant)
         if b is None:
             return
         b.in_flight = max(0, b.in_flight - 1)

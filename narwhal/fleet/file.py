@@ -3,8 +3,10 @@
 The file holds a list of engines[] entries (or a mapping with the key `engines`), each
 validated by the configuration's own schema and checks (narwhal/config.py
 `parse_engines`). It is read at start and checked every discovery.file_interval_ms; a
-change (its size, modification time or inode) is read whole once it has stood still for
-one check (narwhal/core/settle.py: a file rewritten in place is not read half-way), and
+file is read whole at every check (a regular file only, never blocking the event loop,
+at most narwhal/config.py READ_TIMEOUT_S: a FIFO or a hung mount is an error, not a hang)
+and a change of its stamp (inode, size, mtime, ctime, the bytes' SHA-256) is parsed once
+it has stood still for one check (narwhal/core/settle.py: a file rewritten in place is not read half-way), and
 emitted as one Snapshot when its engines differ: the authority applies it as one diff.
 
 Why polling and not inotify: Kubernetes replaces a mounted ConfigMap by swapping a
@@ -21,32 +23,33 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 from typing import Any
 
 import yaml
 
 from narwhal_generated.models.config import NarwhalConfig
 
-from ..config import ConfigError, parse_engines
+from ..config import ConfigError, FileRead, WatchedFile, load_yaml, parse_engines, read_watched
 from ..core.settle import Settle
 from ..upstream.engines import engine_spec
 from .source import Emit, Snapshot, Source, SourceError
 
-__all__ = ["file_source", "read_fleet_file", "FleetFile"]
+__all__ = ["file_source", "read_fleet_file", "parse_fleet_file", "FleetFile"]
 
 
-def read_fleet_file(path: str, max_bytes: int) -> Snapshot | SourceError:
-    """One read of the file: its engines, or why not."""
+def read_fleet_file(path: str, max_bytes: int, max_engines: int | None = None) -> Snapshot | SourceError:
+    """One read of the file (blocking: off the event loop): its engines, or why not."""
+    return parse_fleet_file(path, read_watched(path, max_bytes, setting="discovery.max_file_bytes"), max_engines)
+
+
+def parse_fleet_file(path: str, got: FileRead, max_engines: int | None = None) -> Snapshot | SourceError:
+    """A read of the file: its engines, or why not (more entries than `max_engines`:
+    refused before any is validated)."""
+    if got.raw is None:
+        return SourceError("file", str(got.error))
+    raw = got.raw
     try:
-        with open(path, "rb") as f:
-            raw = f.read(max_bytes + 1)
-    except OSError as e:
-        return SourceError("file", f"{path}: {e.strerror or e}")
-    if len(raw) > max_bytes:
-        return SourceError("file", f"{path}: larger than discovery.max_file_bytes ({max_bytes})")
-    try:
-        data: Any = yaml.safe_load(raw) if raw.strip() else []
+        data: Any = load_yaml(raw, json_too=True) if raw.strip() else []
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
@@ -54,6 +57,8 @@ def read_fleet_file(path: str, max_bytes: int) -> Snapshot | SourceError:
     key = "engines"
     if isinstance(data, dict) and set(data) == {"engines"}:
         data = data["engines"]
+    if max_engines is not None and isinstance(data, list) and len(data) > max_engines:
+        return SourceError("file", f"{path}: {len(data)} engines, over discovery.max_engines ({max_engines})")
     try:
         engines = parse_engines(data, source=path, key=key)
     except ConfigError as e:
@@ -83,11 +88,13 @@ def _with_line(msg: str, raw: bytes, data: Any) -> str:
 
 
 class FleetFile:
-    """The watch on one fleet file, sans event loop: `due()` stats it (True at the first
-    check, then once a change has stood still for one check: core/settle.py); the caller
-    then reads it (read_fleet_file, off the loop) and `take(got)` says what to emit: a
-    snapshot when the engines differ from the last emitted (or the last read failed), an
-    error when it is not the one last said, else None."""
+    """The watch on one fleet file, sans event loop: the caller reads it (a WatchedFile of
+    narwhal/config.py: a regular file only, off the loop, with a timeout) and `due(read)`
+    says whether to parse it (True at the first check, then once a change of its stamp,
+    inode, size, mtime, ctime and the bytes' hash, has stood still for one check:
+    core/settle.py); `take(got)` says what to emit: a snapshot when the engines differ
+    from the last emitted (or the last read failed), an error when it is not the one last
+    said, else None."""
 
     __slots__ = ("path", "settle", "started", "digest", "last_error")
 
@@ -98,12 +105,8 @@ class FleetFile:
         self.digest: bytes | None = None
         self.last_error: str | None = None
 
-    def due(self) -> bool:
-        try:
-            st = os.stat(self.path)
-            stamp: tuple[Any, ...] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-        except OSError:
-            stamp = ("missing",)
+    def due(self, read: FileRead) -> bool:
+        stamp = read.stamp
         if not self.started:  # read at start at once
             self.started = True
             self.settle.stamp = stamp
@@ -132,9 +135,11 @@ def file_source(cfg: NarwhalConfig) -> Source:
 
     async def run(emit: Emit) -> None:
         watch = FleetFile(path)
+        reader = WatchedFile(path, max_bytes, setting="discovery.max_file_bytes")
         while True:
-            if watch.due():
-                got = watch.take(await asyncio.to_thread(read_fleet_file, path, max_bytes))
+            read = await reader.read()
+            if watch.due(read):
+                got = watch.take(await asyncio.to_thread(parse_fleet_file, path, read, d.max_engines))
                 if got is not None:
                     emit(got)
             await asyncio.sleep(interval)

@@ -59,6 +59,8 @@ class _Admin:
             want = admin_token(self.plane)
             if want is None:
                 return row_response(E.H01, method=request.method, path=request.url.path)
+            if len(request.headers.getlist("authorization")) > 1:  # the client identity's rule 1 too (R04)
+                return row_response(E.H04, param=None, detail="more than one Authorization header; send one")
             got = request.headers.get("authorization", "")
             scheme, _, value = got.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), want.encode()):
@@ -146,7 +148,10 @@ class _Admin:
             msg = str(x).split(": ", 1)[-1]
             field = msg.split(":", 1)[0].removeprefix("engine[0]").lstrip(".") or None
             return row_response(E.H04, param=field, detail=msg.replace("engine[0].", ""))
-        return _ok(**await self.controls.put_engine(engine_spec(entry).as_dict()))
+        got = await self.controls.put_engine(engine_spec(entry).as_dict())
+        if "refused" in got:  # the router's own address, discovery.max_engines (authority/membership.py)
+            return row_response(E.H04, param="url" if "listen address" in got["refused"] else None, detail=got["refused"])
+        return _ok(**got)
 
     async def delete_engine(self, request: Request) -> Response:
         e = self.engine(request)

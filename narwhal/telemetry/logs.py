@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 __all__ = ["JsonFormatter", "configure", "event", "RequestRecord", "REQUEST_END", "REQUEST_FIELDS", "ROUTER_EVENTS",
-           "emit_request_end", "request_log"]
+           "emit_request_end", "request_log", "announce"]
 
 # -- field names of every line
 TS, LEVEL, LOGGER, EVENT, MSG, WORKER, EXC = "ts", "level", "logger", "event", "msg", "worker", "exc"
@@ -79,6 +79,7 @@ ROUTER_EVENTS = {
     "config_reload_failed": ("path", "error"),  # nothing changed
     "worker_up": ("worker_index", "pid"),  # a data-plane worker process serves (serving.workers > 1)
     "worker_exit": ("worker_index", "pid", "code", "restart_in_s"),  # one died; restarted
+    "serving": ("model", "listen", "engines"),  # narwhal serve starts (engines: the count configured, null: the embedded fleet)
 }
 
 _KEY = "narwhal_event"
@@ -134,6 +135,20 @@ def configure(log_format: str, level: str | int = "INFO", *, worker: int | None 
     # the OTel SDK's own complaints (an export that failed) are counted on /metrics; one
     # line per failure is enough, none per span
     logging.getLogger("opentelemetry").setLevel(logging.ERROR)
+
+
+def announce(log_format: str, msg: str, name: str, /, **fields: Any) -> None:
+    """A line said whatever the log level (narwhal serve's start-up line): with json, one
+    JSON object on standard error like every other line (issue 40 item 8: a JSON log
+    pipeline dropped or mis-parsed the plain one); with text, `msg` on standard output
+    as before."""
+    if log_format != "json":
+        print(msg, flush=True)
+        return
+    rec = logging.LogRecord("narwhal", logging.INFO, __file__, 0, msg, None, None)
+    setattr(rec, _KEY, (name, fields))
+    sys.stderr.write(JsonFormatter().format(rec) + "\n")
+    sys.stderr.flush()
 
 
 request_log = logging.getLogger("narwhal.request")

@@ -5,7 +5,9 @@ Rules
   1. The credential is `Authorization: Bearer <token>` (the scheme in any case, RFC 6750
      section 2.1), else `x-api-key: <token>` (OpenAI-compatible clients send either).
      When both are there, Authorization decides. An Authorization of another scheme, or
-     an empty value, is no credential.
+     an empty value, is no credential. Two Authorization fields (or two x-api-key) are
+     refused R04 (400) whatever they hold: a proxy and the router could each read a
+     different one (RFC 9110 section 11.6.2: one credential per request).
   2. No credential: R15 (missing_api_key). A credential that names no valid key: R16
      (invalid_api_key), whatever the reason (unknown, revoked, expired, a JWT that does
      not verify): the reason is not the client's to learn.
@@ -31,7 +33,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jwt
@@ -46,6 +48,9 @@ NAME = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 MAX_CREDENTIAL_BYTES = 16384
 # RFC 6750 section 2.1 b64token, and what x-api-key values are: visible ASCII, no space
 _TOKEN = re.compile(rb"[!-~]+")
+# rule 1: two credential fields; R04 with its {detail} said (the row's counter: invalid_requests)
+TWO_CREDENTIALS = replace(E.R04, message=E.R04.message.format(detail="more than one Authorization (or x-api-key) header; send one"))
+_TWO = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +100,21 @@ def credential(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     (lowercase names)."""
     bearer: bytes | None = None
     api_key: bytes | None = None
+    auths = keys = 0
     for k, v in headers:
         if k == b"authorization":
+            auths += 1
+            if auths > 1:
+                return _TWO  # type: ignore[return-value]  # rule 1: two of one field
             scheme, _, rest = v.strip().partition(b" ")
             if scheme.lower() == b"bearer":
                 tok = rest.strip()
                 if tok:
                     bearer = tok
         elif k == b"x-api-key":
+            keys += 1
+            if keys > 1:
+                return _TWO  # type: ignore[return-value]
             tok = v.strip()
             if tok:
                 api_key = tok
@@ -112,6 +124,8 @@ def credential(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
 def identify(headers: Iterable[tuple[bytes, bytes]], keys: KeyTable, jwt_settings: JwtSettings | None, now: float) -> Identity | E.ErrorRow:
     """Rules 1-4: the request's Identity, or R15/R16."""
     tok = credential(headers)
+    if tok is _TWO:
+        return TWO_CREDENTIALS  # implements R04: two credentials (rule 1)
     if tok is None:
         return E.R15  # implements R15
     if len(tok) > MAX_CREDENTIAL_BYTES or not _TOKEN.fullmatch(tok):

@@ -3,8 +3,9 @@
 The keys file is a YAML or JSON list of `{id, tenant, sha256, expires_at}` (or a mapping
 with the key `keys`); the JWKS file a JSON Web Key Set. Both are read at start (an error
 then stops the router, naming file, line and key) and checked every
-auth.keys_interval_ms like discovery.file (narwhal/fleet/file.py: a stat, and on a
-change of size, time or inode a whole, bounded read once the change is still there one
+auth.keys_interval_ms like discovery.file (narwhal/fleet/file.py: a whole, bounded read
+of a regular file only, off the event loop in a thread of its own with a timeout, and a
+change of inode, size, mtime, ctime or the bytes' hash taken once it is still there one
 check later, narwhal/core/settle.py): a changed file that reads and
 validates replaces the table whole; one that does not leaves the table as it was, is
 logged once per distinct error with file, line and key, and counted
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from narwhal_generated import errors as E
 from narwhal_generated.models.config import Auth as AuthConfig
 
-from ..config import ConfigError
+from ..config import ConfigError, FileRead, WatchedFile, read_watched
 from ..core.settle import Settle
 from .identity import EMPTY, NAME, Identity, JwtSettings, KeyEntry, KeyTable, identify
 
@@ -46,21 +46,6 @@ log = logging.getLogger("narwhal")
 
 _HEX64 = frozenset("0123456789abcdef")
 _FIELDS = frozenset(("id", "tenant", "sha256", "expires_at"))
-
-
-class _Bad(Exception):
-    """One source's error, already worded (file, line, key)."""
-
-
-def _read(path: str, max_bytes: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(max_bytes + 1)
-    except OSError as e:
-        raise _Bad(f"{path}: {e.strerror or e}") from None
-    if len(raw) > max_bytes:
-        raise _Bad(f"{path}: larger than auth.max_file_bytes ({max_bytes})")
-    return raw
 
 
 def _lines(raw: bytes) -> list[int]:
@@ -156,33 +141,32 @@ def parse_jwks(raw: bytes, *, path: str) -> Any:
 
 
 class _Watched:
-    """One file: its settling rule (narwhal/core/settle.py) and the last error said
-    (said once)."""
+    """One file: its reads (narwhal/config.py WatchedFile: a regular file only, never
+    blocking the loop, at most READ_TIMEOUT_S), its settling rule (narwhal/core/settle.py)
+    and the last error said (said once)."""
 
-    __slots__ = ("path", "what", "settle", "error")
+    __slots__ = ("path", "what", "settle", "error", "file")
 
-    def __init__(self, path: str, what: str) -> None:
+    def __init__(self, path: str, what: str, max_bytes: int) -> None:
         self.path = path
         self.what = what
         self.settle = Settle()
         self.error: str | None = None
+        self.file = WatchedFile(path, max_bytes, setting="auth.max_file_bytes")
 
-    def _now(self) -> tuple[Any, ...]:
-        try:
-            st = os.stat(self.path)
-            return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-        except OSError:
-            return ("missing",)
+    def first(self) -> FileRead:
+        """At start: one read, its stamp taken (an error then stops the router)."""
+        got = read_watched(self.path, self.file.max_bytes, setting="auth.max_file_bytes")
+        self.settle.stamp = got.stamp
+        return got
 
-    def mark(self) -> None:
-        """At start: the stamp of the file about to be read."""
-        self.settle.stamp = self._now()
-
-    def changed(self) -> bool:
-        """True once per change, when the new stamp was already there one check before
-        (core/settle.py): a keys file rewritten in place is not read half-way (an empty
-        keys file is valid and revokes every key). A change takes one interval more."""
-        return self.settle.changed(self._now())
+    async def changed(self) -> FileRead | None:
+        """The read to take, once per change, when the new stamp was already there one
+        check before (core/settle.py): a keys file rewritten in place is not read
+        half-way (an empty keys file is valid and revokes every key). The stamp has
+        ctime and the bytes' hash: an edit keeping size and mtime is seen."""
+        got = await self.file.read()
+        return got if self.settle.changed(got.stamp) else None
 
 
 class Auth:
@@ -199,13 +183,12 @@ class Auth:
         self.errors = {"keys_file": 0, "jwks_file": 0}
         self._files: list[_Watched] = []
         if cfg.keys_file is not None:
-            self._files.append(_Watched(cfg.keys_file, "keys_file"))
+            self._files.append(_Watched(cfg.keys_file, "keys_file", cfg.max_file_bytes))
         if cfg.jwt is not None:
-            self._files.append(_Watched(cfg.jwt.jwks_file, "jwks_file"))
+            self._files.append(_Watched(cfg.jwt.jwks_file, "jwks_file", cfg.max_file_bytes))
         for w in self._files:  # at start an error stops the router
-            w.mark()
             try:
-                self._apply(w, self._load(w))
+                self._apply(w, self._load(w, w.first()))
             except ValueError as e:
                 raise ConfigError(f"auth.{w.what}: {e}") from None
 
@@ -214,11 +197,10 @@ class Auth:
 
     # -- the files -----------------------------------------------------------------------
 
-    def _load(self, w: _Watched) -> Any:
-        try:
-            raw = _read(w.path, self.cfg.max_file_bytes)
-        except _Bad as e:
-            raise ValueError(str(e)) from None
+    def _load(self, w: _Watched, got: FileRead) -> Any:
+        if got.raw is None:
+            raise ValueError(got.error)
+        raw = got.raw
         if w.what == "keys_file":
             return parse_keys(raw, path=w.path, max_keys=self.cfg.max_keys)
         return parse_jwks(raw, path=w.path)
@@ -236,10 +218,11 @@ class Auth:
     async def refresh(self) -> None:
         """One round: every file that changed is read again (off the event loop)."""
         for w in self._files:
-            if not w.changed():
+            read = await w.changed()
+            if read is None:
                 continue
             try:
-                got = await asyncio.to_thread(self._load, w)
+                got = await asyncio.to_thread(self._load, w, read)
             except ValueError as e:
                 self.errors[w.what] += 1
                 if str(e) != w.error:
@@ -271,6 +254,7 @@ class Auth:
             g.add_metric(["jwks_file"], len(self.jwt.keys.keys))
         yield g
         c = CounterMetricFamily("narwhal_auth_source_errors", "Changes of auth.keys_file or auth.jwt.jwks_file that could not be read or validated (the keys stayed as they were).", labels=["source"])
+        hung = {w.what: w.file.failures for w in self._files}  # reads that did not return in time
         for k, n in self.errors.items():
-            c.add_metric([k], n)
+            c.add_metric([k], n + hung.get(k, 0))
         yield c

@@ -17,8 +17,10 @@ knob.
 
 An UpstreamError's `detail` is words a client may read (no engine address, no engine
 bytes); `log_detail` keeps both for the log. Engine URLs with userinfo: the credentials
-are registered with `authorize` (Basic, on every request to that host and port) and the
-URL the router keeps and publishes is the one without them (`split_userinfo`).
+are registered with `authorize` under the engine's own URL (Basic, on every request under
+that URL: two engines behind one host and port keep their own, issue 40 item 10; the pool
+keyed them by host and port, and a later engine's replaced an earlier one's) and the URL
+the router keeps and publishes is the one without them (`split_userinfo`).
 """
 
 from __future__ import annotations
@@ -121,12 +123,18 @@ class EngineClient:
         self.max_body_bytes = max_body_bytes  # a whole (non-streaming) engine body: upstream.max_event_bytes
         self._pool = H1Pool(connect_timeout_s=connect_timeout_s, idle_timeout_s=idle_timeout_s, max_idle_per_host=max_connections)
         self._json_headers = {"content-type": "application/json", "accept": "text/event-stream, application/json"}
+        self._auth: dict[str, str] = {}  # an engine's URL (no userinfo, no trailing /) -> Authorization
+        self._auth_of: dict[str, str | None] = {}  # a request URL -> its engine's Authorization (memo; cleared on change)
 
     async def open(self, method: str, url: str, *, body: bytes | None = None, headers: dict[str, str] | None = None, timeout_s: float | None = None,
                    sent: Callable[[], None] | None = None) -> Upstream:
         """Send a request and return once the engine's response head arrived; `sent()`
         is called once the request is written, before the wait (H1Pool.request)."""
         h = self._json_headers if not headers else {**self._json_headers, **headers}
+        if self._auth:
+            auth = self._auth_of[url] if url in self._auth_of else self._find(url)
+            if auth is not None and not (headers and "authorization" in headers):
+                h = {**h, "authorization": auth}
         try:
             resp = await self._pool.request(method, url, body=body or b"", headers=h, timeout_s=timeout_s, sent=sent)
         except H1Error as e:
@@ -134,8 +142,22 @@ class EngineClient:
         return Upstream(resp)
 
     def authorize(self, url: str, authorization: str) -> None:
-        """Send `Authorization: authorization` on every request to url's host and port."""
-        self._pool.authorize(url, authorization)
+        """Send `Authorization: authorization` on every request under the engine URL `url`
+        (its own: not another engine's at the same host and port)."""
+        self._auth[url.rstrip("/")] = authorization
+        self._auth_of.clear()
+
+    def _find(self, url: str) -> str | None:
+        """The Authorization of the engine whose URL is the longest prefix of `url` (at a
+        path boundary); remembered per request URL (a few per engine)."""
+        best, got = -1, None
+        for base, auth in self._auth.items():
+            if len(base) > best and url.startswith(base) and (len(url) == len(base) or url[len(base)] in "/?"):
+                best, got = len(base), auth
+        if len(self._auth_of) > 64 * (len(self._auth) + 16):  # bounded: never more than the routes of the fleet
+            self._auth_of.clear()
+        self._auth_of[url] = got
+        return got
 
     async def post_json(self, url: str, obj: Any, *, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """A non-streaming request; the body is bounded by max_body_bytes (E02 past it)."""
@@ -166,6 +188,8 @@ class EngineClient:
 
     def forget(self, url: str) -> None:
         """The engine at url left the fleet: its idle connections and credentials go."""
+        if self._auth.pop(url.rstrip("/"), None) is not None:
+            self._auth_of.clear()
         self._pool.forget(url)
 
     def stats(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import orjson
 
 from .client import EngineClient
 
-__all__ = ["PromptCounter", "CountTarget", "detect", "COUNT_TIMEOUT_S", "USAGE_SOURCE_HEADER"]
+__all__ = ["PromptCounter", "CountTarget", "Provisional", "detect", "COUNT_TIMEOUT_S", "USAGE_SOURCE_HEADER"]
 
 log = logging.getLogger("narwhal")
 
@@ -165,6 +165,44 @@ class PromptCounter:
         except Exception as x:  # noqa: BLE001 - the engine client's errors: an estimate, never a failed request
             log.info("engine %s: prompt count failed (%s: %s); the usage is an estimate", self.e.name, type(x).__name__, x)
             return None
+
+
+class Provisional:
+    """An engine's count before its profile has said how it counts, or where no profile
+    runs (issue 40 item 7: engines configured at start begin active, and answers given
+    while the first profile ran reported the estimate, 6-10 where the engine counts
+    34-38). Tries what `detect` tries first, on the answer's own prompt: the engine's
+    /tokenize, then llama.cpp's /apply-template and /tokenize; the first that counts is
+    kept, one that answers otherwise is not tried again (so an engine that cannot count
+    costs at most two refused calls, once). The template calibration (llama-cpp-python)
+    needs the profile. `kind`: the way that counted, for x-narwhal-usage-source."""
+
+    def __init__(self, e: CountTarget) -> None:
+        self.e = e
+        self.kind = "tokenize"
+        self.found: PromptCounter | None = None
+        self.refused: set[str] = set()
+
+    async def count(self, route: str, body: dict[str, Any]) -> int | None:
+        if self.found is not None:
+            return await self.found.count(route, body)
+        for path in ("/tokenize", "/apply-template"):
+            if path in self.refused:
+                continue
+            pc = PromptCounter(self.e, "tokenize", path)
+            try:
+                async with asyncio.timeout(COUNT_TIMEOUT_S):
+                    n = await pc._count(route, body)
+            except TimeoutError:
+                return None  # slow, not unable: tried again next time
+            except Exception as x:  # noqa: BLE001 - no such endpoint, or not this shape
+                log.debug("engine %s: %s does not count (%s)", self.e.name, path, x)
+                n = None
+            if n is not None:
+                self.found = pc
+                return n
+            self.refused.add(path)
+        return None
 
 
 async def _usage_of(e: CountTarget, shape: list[tuple[str, str]]) -> int:

@@ -379,7 +379,7 @@ class Run(Migrating):
         came before."""
         r = self.r
         prompt, source = self._prompt_usage(assembler, e)
-        if source == "estimate" and (pc := r.prompt_counters.get(e.name)) is not None:
+        if source == "estimate" and (pc := r.prompt_counter(e.name)) is not None:
             # the engine omits usage but can count: ask it now, after the stream (an
             # engine that serialises requests is idle for this one: it still holds
             # the slot), bounded by usage.COUNT_TIMEOUT_S

@@ -15,6 +15,7 @@ now, E06, and carried on (spec/tables/migration.yaml); the others run on, as wit
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,7 @@ from ..core.lease import Door
 from ..core.prefix import token_keys
 from ..tenants.keys import Auth
 from ..upstream.engines import EngineSpec, engine_client
-from ..upstream.usage import CountTarget, PromptCounter
+from ..upstream.usage import CountTarget, PromptCounter, Provisional
 from .telemetry import Telemetry
 
 __all__ = ["DataPlane", "ENGINE_REQUEST_IDS", "tokenizer_of", "TOKENIZE_TIMEOUT_S"]
@@ -75,6 +76,7 @@ class DataPlane:
         self.deny_fields = frozenset(config.upstream.deny_fields)
         self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
         self.prompt_counters: dict[str, PromptCounter] = {}
+        self.provisional: dict[str, Provisional] = {}  # engines whose way of counting the authority has not said
         # auth (issue 22): this process's own reading of auth.keys_file / jwks_file (the
         # file is the source of truth; narwhal/tenants/keys.py); None: no key is asked for
         self.auth: Auth | None = Auth(config.auth) if config.auth is not None else None
@@ -86,7 +88,7 @@ class DataPlane:
         engines = list(self.engines.values())
         # host names of the fleet: an engine's own error message passed on to a client
         # names none of them (narwhal/core/relay.py, engine_message)
-        self.engine_hosts = tuple(sorted({h for s in engines if (h := urlsplit(s.url).hostname)}))
+        self.engine_hosts = tuple(sorted({h for s in engines if (h := _hostname(s.url))}))
         # admission.prediction.prefix_cache: requests carry their prefix blocks (core/prefix.py)
         mode = self.config.admission.prediction.prefix_cache
         # text keys only where some engine gets an approximate index (authority.py
@@ -122,6 +124,19 @@ class DataPlane:
                 return float(t.ttft_budget_ms)
         return float(self.config.admission.ttft_budget_ms)
 
+    def prompt_counter(self, name: str) -> PromptCounter | Provisional | None:
+        """How to count `name`'s prompts exactly when its answer carries no usage: the
+        way its profile found (a fact from the authority), else a provisional one that
+        tries the engine's own tokenizer on the answer's prompt (upstream/usage.py), so
+        no answer is an estimate where the engine can count, profile or not."""
+        pc = self.prompt_counters.get(name)
+        if pc is not None:
+            return pc
+        p = self.provisional.get(name)
+        if p is None and (s := self.engines.get(name)) is not None:
+            p = self.provisional[name] = Provisional(CountTarget(self.client, s.url, s.name, self.model_of(name)))
+        return p
+
     def model_of(self, name: str) -> str:
         return self.engines[name].model or self.config.serving.model
 
@@ -132,6 +147,7 @@ class DataPlane:
             s = EngineSpec.from_dict(facts[1])
             if s.authorization is not None:
                 self.client.authorize(s.url, s.authorization)
+            self.provisional.pop(engine, None)  # its URL or model may have changed
             old = self.engines.get(engine)
             if old is not None:  # settings changed in place (lifecycle M07): keep what was learned
                 s.kv_block_size = old.kv_block_size if old.kv_events == s.kv_events else s.kv_block_size
@@ -150,6 +166,7 @@ class DataPlane:
         if facts and facts[0] == "gone":
             s = self.engines.pop(engine, None)
             self.prompt_counters.pop(engine, None)
+            self.provisional.pop(engine, None)
             self.legs.pop(engine, None)
             self.movers.pop(engine, None)
             self.telemetry.forget_engine(engine)
@@ -213,3 +230,10 @@ def tokenizer_of(config: NarwhalConfig) -> Callable[[str], int] | None:
         return len(tok.encode(text).ids)
 
     return count_tokens
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _hostname(url: str) -> str | None:
+    """An engine URL's host (remembered: a fleet change re-derives every engine's, issue
+    40 item 4: a change costs what it changes)."""
+    return urlsplit(url).hostname

@@ -33,6 +33,22 @@ class Telemetry:
         self.tracing: Any = None  # narwhal.telemetry.tracing.Tracing when observability samples
         self.json_logs = False  # serving.log_format json: a request_end line per request
         self._children: dict[tuple[str, str], Any] = {}
+        self._zero()
+
+    def _zero(self) -> None:
+        """Labelled counters whose label values are known start at 0 (issue 40 item 9):
+        a series that first appears at 1 is no increase() to Prometheus, and an alert on
+        the first event missed it. Bounded: the refusal rows' codes, the migration
+        table's failures x decisions."""
+        from narwhal_generated import errors as E
+        from narwhal_generated import migration as G
+
+        for row in E.ROWS.values():
+            if row.id.startswith("R"):
+                self.child(self.refusal, row.code)
+        for cause in G.FAILURES:
+            for decision in G.REASONS:
+                self.migrations.labels(cause, decision)
 
     def child(self, metric: Any, label: str) -> Any:
         """`metric.labels(label)`, kept: prometheus_client's labels() checks its arguments

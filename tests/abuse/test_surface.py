@@ -87,3 +87,18 @@ def test_H08_H09_the_servers_own_refusals_carry_the_envelope(rr: RunningRouter, 
     head, _, body = out.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 " + status), out[:200]
     assert json.loads(body)["error"]["code"] == code.decode()
+
+
+def test_two_authorization_headers_on_the_admin_api_are_refused_400(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40 item 10: the admin guard read the first Authorization, client identity the
+    last; a proxy checking one and the router the other could be split. Both refuse two."""
+    import httpx
+
+    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "tok-admin-two")
+    with running_router({"admission": {"mode": "open", "prediction": {"profile_on_start": False}}}) as r:
+        good = [("authorization", "Bearer tok-admin-two")]
+        body = {"state": "active"}
+        assert httpx.post(r.url + "/admin/state", json=body, headers=good, timeout=5).status_code == 200
+        for pair in (good + [("authorization", "Bearer wrong")], [("authorization", "Bearer wrong")] + good, good + good):
+            got = httpx.post(r.url + "/admin/state", json=body, headers=pair, timeout=5)
+            assert got.status_code == 400 and got.json()["error"]["code"] == "invalid_admin_request", (pair, got.text)

@@ -162,3 +162,25 @@ def test_ahead_is_the_work_served_before_a_newcomer(ops: list[tuple[str, bool]],
     while (t := q.popleft()) is not newcomer:
         served += t.pred_prefill_ms
     assert ahead == pytest.approx(served)
+
+
+# -- R02 with tenants: fair retention (issue 40 item 6) ----------------------------------------
+
+from narwhal.core.fairness import retention_victim  # noqa: E402
+
+RETENTION = [
+    # (held, including the arrival; weights; arriving tenant; who yields)
+    ({"noisy": 9, "quiet": 1}, {}, "quiet", "noisy"),
+    ({"noisy": 5, "quiet": 5}, {}, "quiet", None),  # at its share: R02 stands
+    ({"noisy": 6, "quiet": 5}, {}, "quiet", "noisy"),
+    ({"noisy": 10}, {}, "noisy", None),  # alone: nobody else to yield
+    ({"a": 6, "b": 3, "q": 1}, {}, "q", "a"),  # the furthest over its share
+    ({"a": 6, "b": 3, "q": 1}, {"a": 4.0}, "q", "b"),  # per weight: a holds 1.5 per unit, b 3
+    ({"noisy": 4, "quiet": 3}, {"quiet": 0.5}, "quiet", None),  # 6 per unit of weight: over noisy's 4
+    ({"noisy": 0, "quiet": 1}, {}, "quiet", None),
+]
+
+
+@pytest.mark.parametrize(("held", "weights", "tenant", "want"), RETENTION)
+def test_retention_victim(held: dict[str, int], weights: dict[str, float], tenant: str, want: str | None) -> None:
+    assert retention_victim(held, lambda u: weights.get(u, 1.0), tenant) == want

@@ -59,3 +59,52 @@ def test_tenant_books_are_bounded() -> None:
     for i in range(MAX_TENANTS + 10):
         q.book(f"t{i}", 0.0)
     assert len(q.books) == MAX_TENANTS and "t0" not in q.books
+
+
+# -- issue 40 item 5: no eviction gives anyone a fresh budget ---------------------------------
+
+def _spend(q: Quotas, tenant: str, now: float) -> None:
+    assert q.arrive(tenant, now) is None
+    assert q.charge_prompt(tenant, 1000, now) == 0.0
+    q.end(tenant, now, charged_prompt=1000, output_tokens=1000)  # 2,000 of 1,000: overdrawn
+
+
+def test_a_configured_tenants_spent_budget_outlives_any_number_of_others() -> None:
+    q = Quotas({"acme": Limits(tokens_per_min=1000), DEFAULT: Limits(tokens_per_min=1000)})
+    _spend(q, "acme", 0.0)
+    for i in range(MAX_TENANTS + 200):  # JWT subjects, within seconds
+        q.book(f"sub{i}", 1.0 + i * 1e-3)
+    assert q.charge_prompt("acme", 10, 6.0) > 0  # still spent: not a full bucket
+
+
+def test_an_unconfigured_tenants_spent_budget_is_not_evicted_with_its_book() -> None:
+    q = Quotas({DEFAULT: Limits(tokens_per_min=1000)})
+    _spend(q, "t-spent", 0.0)
+    for i in range(MAX_TENANTS + 200):
+        q.book(f"sub{i}", 1.0)
+    assert len(q.books) <= MAX_TENANTS
+    assert q.charge_prompt("t-spent", 10, 6.0) > 0
+
+
+def test_eviction_looks_past_a_book_with_requests_in_flight() -> None:
+    q = Quotas({})
+    assert q.arrive("busy", 0.0) is None  # the least recently seen, in flight
+    for i in range(MAX_TENANTS * 2):
+        q.book(f"t{i}", 0.0)
+    assert len(q.books) <= MAX_TENANTS and "busy" in q.books
+    q.end("busy", 1.0)
+    assert q.books["busy"].in_flight == 0
+
+
+def test_past_the_bound_new_tenants_share_one_budget_and_their_books_balance() -> None:
+    q = Quotas({DEFAULT: Limits(tokens_per_min=600, max_in_flight=3)})
+    for i in range(MAX_TENANTS):  # every book spent: none can go
+        _spend(q, f"t{i}", 0.0)
+    assert q.arrive("new-a", 0.0) is None and q.arrive("new-b", 0.0) is None
+    assert "new-a" not in q.books and q.overflow is not None and q.overflow.in_flight == 2
+    assert q.charge_prompt("new-a", 500, 0.0) == 0.0
+    assert q.charge_prompt("new-b", 500, 0.0) > 0  # one budget for both: nobody got a fresh one
+    assert q.arrive("new-c", 0.0) is None and q.arrive("new-d", 0.0) == ("R17", 0.0)  # default's max_in_flight, shared
+    for t in ("new-a", "new-b", "new-c"):
+        q.end(t, 1.0)
+    assert q.overflow.in_flight == 0 and q.in_overflow == {}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from narwhal.fleet.file import FleetFile, read_fleet_file
+from narwhal.config import read_watched
+from narwhal.fleet.file import FleetFile, parse_fleet_file
 from narwhal.fleet.source import Snapshot, SourceError
 
 TWO = "- {name: f0, url: 'http://127.0.0.1:9'}\n- {name: f1, url: 'http://127.0.0.1:10'}\n"
@@ -16,9 +17,10 @@ ONE = "- {name: f0, url: 'http://127.0.0.1:9'}\n"
 
 def _check(w: FleetFile) -> Snapshot | SourceError | None | bool:
     """One check: False when the file was not read, else what it emits."""
-    if not w.due():
+    read = read_watched(w.path, 1 << 20)
+    if not w.due(read):
         return False
-    return w.take(read_fleet_file(w.path, 1 << 20))
+    return w.take(parse_fleet_file(w.path, read))
 
 
 def _touch(p: Path, text: str, ns: int) -> None:
@@ -75,3 +77,17 @@ def test_what_is_emitted_is_what_changed(tmp_path: Path) -> None:
     _touch(f, "[]\n", 6_000_000_000)
     assert _check(w) is False
     assert _names(_check(w)) == []
+
+
+def test_an_edit_keeping_size_and_mtime_is_seen(tmp_path: Path) -> None:
+    """Issue 40 item 3: `touch -r` or `rsync --inplace -t` keep size and mtime; the stamp
+    has ctime and the bytes' hash too."""
+    f = tmp_path / "fleet.yaml"
+    _touch(f, ONE, 1_000_000_000)
+    w = FleetFile(str(f))
+    assert _names(_check(w)) == ["f0"]
+    same = ONE.replace("f0", "g0")
+    assert len(same) == len(ONE)
+    _touch(f, same, 1_000_000_000)  # the same size and modification time
+    assert _check(w) is False
+    assert _names(_check(w)) == ["g0"]

@@ -149,3 +149,49 @@ def test_sighup_reloads_narwhal_serve_and_a_command_line_override_is_not_a_chang
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
     assert "configuration reloaded" in log.read_text(), log.read_text()[-2000:]
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# only a comment\n"], ids=["empty", "blank", "comment only"])
+def test_an_empty_configuration_is_refused_and_nothing_changes(mocks: dict[str, Any], tmp_path: Path, text: str) -> None:
+    """Issue 40 item 1: an empty file answered 200 and applied every default (discovery
+    dropped, admission to predictive, migration attempts 0). Now H11, nothing changed."""
+    f = tmp_path / "narwhal.yaml"
+    first = cfg(mocks, queue_limit=17)
+    f.write_text(yaml.safe_dump(first))
+    with running_router(first) as rr:
+        rr.call(lambda: setattr(rr.router, "config_path", str(f)))
+        assert reload(rr).status_code == 200
+        sha = router_view(rr)["config"]["sha256"]
+        f.write_text(text)
+        r = reload(rr)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_configuration", r.text
+        assert "empty" in r.json()["error"]["message"]
+        view = router_view(rr)
+        assert view["scheduler"]["queue_limit"] == 17 and view["config"]["sha256"] == sha
+        assert [e["name"] for e in rr.get("/v1/engines").json()["data"]] == ["e0"]
+
+
+def test_a_reload_during_an_in_place_write_waits_for_the_file_to_stand_still(mocks: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 40 item 1: a reload that reads the file half-written (truncated, then written
+    a little later) takes the file as finally written, never the truncated one."""
+    import threading
+    import time
+
+    f = tmp_path / "narwhal.yaml"
+    first = cfg(mocks, queue_limit=17)
+    f.write_text(yaml.safe_dump(first))
+    with running_router(first) as rr:
+        rr.call(lambda: setattr(rr.router, "config_path", str(f)))
+        text = yaml.safe_dump(cfg(mocks, queue_limit=29))
+        f.write_text(text[: len(text) // 3])  # the write under way: a valid but partial file
+
+        def finish() -> None:
+            time.sleep(0.1)
+            f.write_text(text)
+
+        t = threading.Thread(target=finish)
+        t.start()
+        r = reload(rr)
+        t.join()
+        assert r.status_code == 200, r.text
+        assert router_view(rr)["scheduler"]["queue_limit"] == 29

@@ -76,6 +76,18 @@ def test_credential_is_the_token() -> None:
     assert credential([]) is None
 
 
+@pytest.mark.parametrize("head", [
+    [(b"authorization", b"Bearer sk-bob"), (b"authorization", b"Bearer nope")],
+    [(b"authorization", b"Bearer nope"), (b"authorization", b"Bearer sk-bob")],
+    [(b"authorization", b"Basic eDp5"), (b"authorization", b"Bearer sk-bob")],
+    [(b"x-api-key", b"sk-bob"), (b"x-api-key", b"nope")],
+])
+def test_two_credential_fields_are_refused_R04(head: list[tuple[bytes, bytes]]) -> None:
+    """Issue 40 item 10 (rule 1): whichever one is valid, two of a field is a 400."""
+    got = identify(head, KEYS, None, NOW)
+    assert isinstance(got, E.ErrorRow) and got.id == "R04" and got.status == 400 and "Authorization" in got.message
+
+
 # -- JWT -------------------------------------------------------------------------------------
 
 RSA = Signer("r1", "RS256")

@@ -155,3 +155,32 @@ def test_the_books_and_metrics_per_tenant_sum_to_the_fleets(tmp_path: Path, mock
         # the TTFT histogram per tenant: configured tenants by name, any other as "other"
         counts = {line.split('tenant="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in m.splitlines() if line.startswith("narwhal_tenant_ttft_seconds_count{")}
         assert counts == {"noisy": 1.0, "quiet": 1.0, "other": 1.0}, counts
+
+
+def test_R02_fair_retention_the_tenant_over_its_share_yields_its_newest_queued_request(tmp_path: Path, mock: Any) -> None:
+    """Issue 40 item 6: with the HTTP retention (R02) binding, a noisy tenant's queued
+    requests held it and the quiet tenant got 33-35% of its answers. Now the tenant
+    furthest over its share yields its newest request not yet granted (R02, Retry-After,
+    in its books) and the quiet tenant's request is held in its place."""
+    cfg: dict[str, Any] = {
+        "admission": {"mode": "open", "prediction": {"profile_on_start": False}, "http_retention_limit": 4, "queue_limit": 64},
+        "monitoring": {"poll_interval_ms": 100, "stale_after_ms": 60000},
+        "tenants": {"noisy": {"weight": 1}, "quiet": {"weight": 1}},
+        "auth": {"keys_file": str(keys_file(tmp_path))},
+    }
+    spec = EngineSpec("e0", mock.url, "unified", "vllm", None, None, max_concurrency=1)
+    with running_router(cfg, [spec]) as rr:
+        out, ts = streams(rr, "noisy", 4, 40)  # one runs, three wait in the queue: the retention is full
+        wait_until(lambda: rr.call(lambda: rr.router.held) == 4 and rr.call(lambda: rr.router.scheduler.queued) == 3, timeout=10, what="the retention full of noisy")
+        r = ask(rr, "quiet")
+        assert r.status_code == 200, r.text
+        for t in ts:
+            t.join(30)
+        statuses = sorted(s.status for s in out)
+        assert statuses == [200, 200, 200, 429], statuses
+        refused = next(s for s in out if s.status == 429)
+        assert "http_retention_full" in str(refused.__dict__)
+        assert ask(rr, "noisy").status_code == 200
+        b = rr.balanced()
+        assert b["terminal"]["rejected"] == 1
+        assert b["by_tenant"]["noisy"]["rejected"] == 1 and b["by_tenant"]["quiet"]["completed"] == 1
