@@ -1,0 +1,318 @@
+"""One ext_proc stream driven against the door: the picker's side of one gateway request.
+
+What arrives (`Heard`) and what is answered (`Said`) are values; the gRPC shell
+(narwhal/gateway/server.py) turns them into Envoy's messages and back. The decisions are
+narwhal/gateway/decide.py's; admission is the data plane's door (narwhal/core/lease.py:
+`Door.arrive` -> `Entry` -> `Lease`), called through its public methods exactly as the
+HTTP path calls them, so a request through the gateway meets the same rows.
+
+The books (spec/tables/accounting.yaml): a completion request is offered once, at its
+request headers (`Door.arrive`), and ends in exactly one terminal class: the row's class
+for a refusal, `completed` or `failed` from the response, and `cancelled` when the
+stream ends first (the client or Envoy went away, Envoy's message timeout, or nothing
+heard for gateway.stream_idle_ms). The `finally` below is the only place an entry is
+closed and a lease freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from narwhal_generated import errors as E
+
+from ..core.lease import Entry, Grant, Lease, Order, Outcome
+from ..core.prefix import rendered, text_keys
+from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request, without_fields
+from ..core.tickets import Refuse
+from ..http.completions import new_request_id
+from ..http.errors import RID_OK
+from ..tenants import Identity
+from ..worker.plane import DataPlane
+from ..worker.replies import cached
+from .decide import (
+    BodyReader,
+    Head,
+    Immediate,
+    Mutation,
+    Piece,
+    ResponseReader,
+    Route,
+    TooLarge,
+    endpoint_of,
+    grant,
+    header,
+    refusal,
+    route_of,
+)
+
+__all__ = ["Heard", "Said", "Exchange", "BODY_PIECE"]
+
+log = logging.getLogger("narwhal")
+
+BODY_PIECE = 60 * 1024  # the forwarded request body is answered in pieces of at most this many bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """One message from Envoy."""
+
+    kind: str  # request_headers | request_body | request_trailers | response_headers | response_body | response_trailers
+    head: Head | None = None
+    body: bytes = b""
+    end: bool = False
+    served: str | None = None  # the endpoint Envoy reports it served (x-gateway-destination-endpoint-served)
+
+
+@dataclass(frozen=True, slots=True)
+class Said:
+    """One answer to Envoy: `kind` names the message it answers (or `immediate`)."""
+
+    kind: str
+    answer: Route | Immediate | Mutation | Piece | None = None
+    metadata: dict[str, dict[str, str]] | None = None  # dynamic metadata, namespace -> key -> value
+
+
+class _Ended(Exception):
+    """Envoy ended the stream (or sent nothing for gateway.stream_idle_ms)."""
+
+
+def _rid(head: Head) -> str:
+    """The client's x-request-id when it is one the HTTP path keeps, else a new one."""
+    raw = header(head, "x-request-id")
+    return raw.decode() if raw is not None and RID_OK.fullmatch(raw) else new_request_id()
+
+
+class Exchange:
+    """One stream's state; `run` returns the request's terminal class."""
+
+    def __init__(self, plane: DataPlane, heard: AsyncIterator[Heard], say: Callable[[Said], Awaitable[None]], *, idle_s: float) -> None:
+        self.r = plane
+        self._heard = heard
+        self._say = say
+        self.idle_s = idle_s
+        self.lease: Lease | None = None
+        self.engine: str | None = None
+        self.reader: ResponseReader | None = None
+        self.first_at: float | None = None
+        self.served: str | None = None
+        self.arrival = 0.0
+        # the terminal class once the answer's last message is handed to gRPC: Envoy ends
+        # the stream as soon as it has it, which may cancel this task inside that write
+        self.decided: str | None = None
+
+    async def next(self) -> Heard:
+        try:
+            async with asyncio.timeout(self.idle_s):
+                return await anext(self._heard)
+        except (StopAsyncIteration, TimeoutError):
+            raise _Ended from None
+
+    async def refuse(self, im: Immediate) -> str:
+        self.decided = im.cls  # handed to Envoy: Envoy may close the stream before the write returns
+        await self._say(Said("immediate", im))
+        return im.cls
+
+    async def run(self) -> str:
+        first = await self.next()
+        if first.kind != "request_headers" or first.head is None:
+            return "none"
+        head = first.head
+        rid = _rid(head)
+        route = route_of(head)
+        method = (header(head, ":method") or b"").decode("latin-1")
+        if route is None:  # H01: not a completion route (neither offered nor in the books)
+            return await self.refuse(refusal(E.H01, rid, method=method, path=(header(head, ":path") or b"").decode("latin-1")))
+        if method != "POST":
+            return await self.refuse(refusal(E.H02, rid, method=method, path=(header(head, ":path") or b"").decode("latin-1")))
+        r = self.r
+        arrival = self.arrival = r.clock.now()
+        who: Identity | None = None
+        denied: Refuse | None = None
+        if r.auth is not None:  # R15, R16: from the head alone (narwhal/tenants)
+            checked = r.auth.check((k.encode(), v) for k, v in head.headers if not k.startswith(":"))
+            if isinstance(checked, Identity):
+                who = checked
+            else:
+                denied = Refuse(checked)
+        got = await r.door.arrive(arrival, denied, who.tenant if who is not None else None)
+        if isinstance(got, Refuse):  # R01, R15/R16, R02: the authority has closed the books
+            r.telemetry.child(r.telemetry.e2e, got.row.counter).observe(r.clock.now() - arrival)
+            return await self.refuse(refusal(got.row, rid, overrun_s=got.overrun_s, **got.fields))
+        cls: str | None = None
+        try:
+            cls = await self._admitted(got, head, route, rid, arrival, who, denied)
+            return cls
+        except _Ended:
+            cls = self.decided or "cancelled"
+            return cls
+        finally:
+            cls = cls or self.decided
+            self._close(cls or "cancelled")
+            got.end(cls or "cancelled")
+            r.telemetry.child(r.telemetry.e2e, cls or "cancelled").observe(r.clock.now() - arrival)
+
+    async def _body(self, head: Head) -> bytes | None:
+        """The request body (R03: None past serving.max_request_bytes; the rest of the
+        chunks are still heard, never kept)."""
+        try:
+            reader = BodyReader(self.r.config.serving.max_request_bytes, head)
+        except TooLarge:
+            return None
+        too_large = False
+        while not reader.done:
+            m = await self.next()
+            if m.kind == "request_trailers":
+                break
+            if m.kind != "request_body":
+                continue
+            if too_large:
+                if m.end:
+                    break
+                continue
+            try:
+                reader.feed(m.body, m.end)
+            except TooLarge:
+                too_large = True
+                if m.end:
+                    break
+        return None if too_large else reader.body
+
+    async def _admitted(self, entry: Entry, head: Head, route: str, rid: str, arrival: float, who: Identity | None, denied: Refuse | None) -> str:
+        """From an offered request to its terminal class: R01/R02 as decided at arrival,
+        R03-R07 on the body, R08-R14 at admission, then the grant and the response."""
+        r = self.r
+        if denied is not None:  # the authority's answer is R01 or `denied`; the body is not needed
+            refused = await entry.arrived() or denied
+            return await self.refuse(refusal(refused.row, rid, overrun_s=refused.overrun_s, **refused.fields))
+        body = await self._body(head)
+        refused = await entry.arrived()
+        if refused is not None:
+            return await self.refuse(refusal(refused.row, rid, overrun_s=refused.overrun_s, **refused.fields))
+        if body is None:  # R03
+            return await self.refuse(refusal(E.R03, rid, limit=r.config.serving.max_request_bytes))
+        parsed, order = await self._parse(head, route, body, arrival, who)
+        if isinstance(parsed, Rejection):  # R04-R07
+            return await self.refuse(refusal(parsed.row, rid, param=parsed.param, **parsed.fields))
+        assert order is not None
+        lease = await entry.admit(order)
+        if isinstance(lease, Refuse):  # R08-R11, R14 (and R17-R20 with tenants)
+            return await self.refuse(refusal(lease.row, rid, overrun_s=lease.overrun_s, **lease.fields))
+        self.lease = lease
+        g = await lease.granted()
+        if isinstance(g, Refuse):  # R12/R13: expired in the queue
+            return await self.refuse(refusal(g.row, rid, overrun_s=g.overrun_s, **g.fields))
+        return await self._granted(g, lease, parsed, rid)
+
+    async def _parse(self, head: Head, route: str, body: bytes, arrival: float, who: Identity | None) -> tuple[ParsedRequest | Rejection, Order | None]:
+        """R04-R07 and the request's sizing, as the HTTP path makes its Order."""
+        r = self.r
+        adm = r.config.admission
+        ttft, dl = header(head, "x-narwhal-ttft-target-ms"), header(head, "x-narwhal-deadline-ms")
+        hv = parse_headers(None if ttft is None else ttft.decode("latin-1"), None if dl is None else dl.decode("latin-1"),
+                           budget_ms=adm.ttft_budget_ms, max_target_ms=adm.max_ttft_target_ms)
+        if isinstance(hv, Rejection):
+            return hv, None
+        parsed = parse_request(route, body, model=r.config.serving.model)
+        if isinstance(parsed, Rejection):
+            return parsed, None
+        exact = parsed.prompt_token_count
+        if exact is None and r.count_tokens is not None and parsed.prompt_text is not None:
+            exact = r.count_tokens(parsed.prompt_text)
+        tenant = None if who is None else who.tenant
+        order = Order(
+            route=route, prompt_bytes=parsed.prompt_bytes, exact_prompt_tokens=exact, max_tokens=parsed.max_tokens,
+            budget_ms=float(hv.ttft_target_ms if hv.ttft_target_ms is not None else r.tenant_budget_ms(tenant)),
+            arrival=arrival, deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
+            prefix=text_keys(rendered(route, parsed.body)) if r.models_prefix else (),
+            token_prefix=await r.token_prefix(route, parsed.body) if r.kv_tokenizer is not None else (),
+            tenant=tenant, key_id=None if who is None else who.key_id,
+        )
+        return parsed, order
+
+    async def _granted(self, g: Grant, lease: Lease, parsed: ParsedRequest, rid: str) -> str:
+        """The grant answered (destination header, envoy.lb metadata, the engine's body),
+        then the response read through to its end."""
+        r = self.r
+        spec = r.engines.get(g.engine)
+        if g.phase == "prefill" or spec is None:
+            # a prefill/decode pair needs two engine requests; Envoy sends one (docs/gateway.md)
+            log.error("request %s: granted %s (%s), which the gateway cannot serve: gateway mode needs unified engines", rid, g.engine, g.phase)
+            return await self.refuse(refusal(E.H06, rid, request_id=rid))
+        self.engine = g.engine
+        endpoint = endpoint_of(spec.url)
+        route = grant(endpoint, without_fields(parsed.body, r.strip_fields), dialect=spec.dialect, model=spec.model, rid=rid)
+        await self._say(Said("request_headers", route, {"envoy.lb": {"x-gateway-destination-endpoint": endpoint}}))
+        body = route.body
+        for i in range(0, max(len(body), 1), BODY_PIECE):
+            await self._say(Said("request_body", Piece(body[i:i + BODY_PIECE], i + BODY_PIECE >= len(body))))
+        self.reader = ResponseReader(
+            route=parsed.route, stream=parsed.stream, client_ids=parsed.return_token_ids, client_usage=parsed.client_usage,
+            dialect=spec.dialect, prompt_tokens=lease.prompt_tokens, exact_prompt=parsed.prompt_token_count is not None,
+            max_event_bytes=r.config.upstream.max_event_bytes, max_answer_bytes=r.config.upstream.max_answer_bytes,
+            hosts=r.engine_hosts, rid=rid)
+        return await self._response(self.reader, lease, parsed.route)
+
+    async def _response(self, reader: ResponseReader, lease: Lease, route: str) -> str:
+        """The response direction until Envoy's last message of it has been answered (a
+        stream's failure ends it for the client first; what the engine sends after is
+        answered empty)."""
+        r = self.r
+        done = False
+        while not done:
+            m = await self.next()
+            if m.served is not None:
+                self.served = m.served
+            if m.kind == "response_headers" and m.head is not None:
+                await self._say(Said("response_headers", reader.headers(m.head)))
+                if m.head.end_of_stream:  # a response without a body
+                    reader.chunk(b"", True, r.clock.now())
+                    self.decided = reader.ended.cls if reader.ended is not None else None
+                    done = True
+            elif m.kind == "response_body":
+                now = r.clock.now()
+                piece, first = reader.chunk(m.body, m.end, now)
+                if first and self.first_at is None:
+                    self.first_at = now
+                    lease.first_token(now)  # learning; the TTFT the client sees
+                    r.telemetry.child(r.telemetry.ttft, route).observe(now - self.arrival)
+                if m.end and reader.ended is not None:
+                    self.decided = reader.ended.cls
+                await self._say(Said("response_body", piece))
+                done = m.end
+            elif m.kind == "response_trailers":
+                if reader.ended is None:
+                    piece, _ = reader.chunk(b"", True, r.clock.now())
+                    await self._say(Said("response_body", Piece(piece.body, False)))
+                self.decided = reader.ended.cls if reader.ended is not None else None
+                await self._say(Said(m.kind))
+                done = True
+            elif m.kind == "request_trailers":
+                await self._say(Said(m.kind))
+        assert reader.ended is not None
+        return reader.ended.cls
+
+    def _close(self, cls: str) -> None:
+        """The lease freed, with what the response taught (exactly once)."""
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        reader = self.reader
+        ended = reader.ended if reader is not None else None
+        kw: dict[str, Any] = {}
+        if reader is not None and ended is not None:
+            relay = reader.relay
+            tpot = relay.arrivals.tpot()
+            usage = relay.usage
+            pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            kw = {"tpot_s": tpot, "tpot_engine": self.engine if tpot is not None else None, "output_tokens": relay.token_count,
+                  "finish_reason": relay.finish_reason, "reported_prompt_tokens": pt if type(pt) is int else None, "cached_tokens": cached(usage)}
+        if cls == "completed":
+            kw["ok_engine"] = self.engine
+        elif ended is not None and ended.row is not None and ended.row in ("E02", "E03", "E04") and self.engine is not None:
+            kw["failed_engine"], kw["failed_row"] = self.engine, ended.row  # the breaker counts the engine's failures
+        lease.close(Outcome(at=self.r.clock.now(), **kw))
+

@@ -1,0 +1,89 @@
+"""The gRPC shell of `gateway.listen` without Envoy: `narwhal serve` as a subprocess, a gRPC
+client in Envoy's place. Health follows readiness (an active router SERVING, a standby
+NOT_SERVING); a grant is the destination header and the same value in `envoy.lb`; a stream
+Envoy abandons after the grant ends in class cancelled with its slot freed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from narwhal.gateway.decide import DESTINATION, SERVICE
+from narwhal.mock import MockConfig, RunningMock, Timing, running_fleet
+from tests.gateway.harness import Picker, picker, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[list[RunningMock]]:
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="u0", timing=Timing(time_scale=0.25))]) as mocks:
+        yield mocks
+
+
+@pytest.fixture(scope="module")
+def narwhal(pool: list[RunningMock]) -> Iterator[Picker]:
+    with picker([{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in pool]) as p:
+        yield p
+
+
+def _health(epp: str, service: str) -> int:
+    with grpc.insecure_channel(epp) as ch:
+        return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+
+def test_health_is_serving_only_while_active(narwhal: Picker) -> None:
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert _health(narwhal.epp, SERVICE) == serving
+    assert _health(narwhal.epp, "") == serving
+    narwhal.set_state("standby")
+    try:
+        wait_for(lambda: _health(narwhal.epp, SERVICE) == not_serving, 10, "NOT_SERVING on a standby")
+        assert _health(narwhal.epp, "") == serving  # liveness: the process runs
+    finally:
+        narwhal.set_state("active")
+    wait_for(lambda: _health(narwhal.epp, SERVICE) == serving, 10, "SERVING again once active")
+
+
+def _headers(**h: str) -> Any:
+    return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in h.items()]))
+
+
+async def _grant_then_abandon(epp: str, body: dict[str, Any]) -> tuple[Any, Any]:
+    """Envoy's first two messages, the picker's grant read, then the stream cancelled."""
+    raw = orjson.dumps(body)
+    async with grpc.aio.insecure_channel(epp) as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST",
+                                                                          "content-length": str(len(raw))})))
+        await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True)))
+        head = await call.read()
+        first = await call.read()
+        call.cancel()  # Envoy (or its client) goes away before the response
+        return head, first
+
+
+def test_a_grant_names_the_engine_twice_and_an_abandoned_stream_is_cancelled(narwhal: Picker, pool: list[RunningMock]) -> None:
+    before = narwhal.at_rest()
+    body = {"model": "narwhal-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    head, first = asyncio.run(_grant_then_abandon(narwhal.epp, body))
+    endpoint = pool[0].url.split("://", 1)[1]
+    set_headers = {h.header.key: h.header.raw_value for h in head.request_headers.response.header_mutation.set_headers}
+    assert set_headers[DESTINATION] == endpoint.encode()
+    assert head.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value == endpoint
+    forwarded = first.request_body.response.body_mutation.streamed_response
+    assert forwarded.end_of_stream
+    sent = orjson.loads(forwarded.body)
+    assert sent["stream"] is True and sent["return_token_ids"] is True and sent["stream_options"] == {"include_usage": True}  # T01
+    after = narwhal.at_rest()
+    assert after["offered"] == before["offered"] + 1
+    assert after["terminal"]["cancelled"] == before["terminal"]["cancelled"] + 1
