@@ -26,7 +26,7 @@ from typing import Any
 
 from .decide import DESTINATION, SERVICE
 
-__all__ = ["bootstrap", "host_port"]
+__all__ = ["bootstrap", "host_port", "OBSERVED_UPSTREAM", "OBSERVED_PICKED"]
 
 _T = "type.googleapis.com/envoy."
 
@@ -63,6 +63,16 @@ def _ext_proc(failure_mode_allow: bool, message_timeout_s: int) -> dict[str, Any
     }
 
 
+# observation headers a test or the conformance suite may ask for (`observe`): where Envoy
+# sent the request, and what the picker named in envoy.lb
+OBSERVED_UPSTREAM = "x-epp-upstream-host"
+OBSERVED_PICKED = "x-epp-picked"
+_OBSERVE = [
+    {"header": {"key": OBSERVED_UPSTREAM, "value": "%UPSTREAM_HOST%"}},
+    {"header": {"key": OBSERVED_PICKED, "value": f"%DYNAMIC_METADATA(envoy.lb:{DESTINATION})%"}},
+]
+
+
 def _routes(failure_mode_allow: bool) -> list[dict[str, Any]]:
     picked = {"match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
               "route": {"cluster": "inference_pool", "timeout": "0s"}}
@@ -73,7 +83,7 @@ def _routes(failure_mode_allow: bool) -> list[dict[str, Any]]:
     return [picked, rest]
 
 
-def _listener(listen: str, failure_mode_allow: bool, message_timeout_s: int) -> dict[str, Any]:
+def _listener(listen: str, failure_mode_allow: bool, message_timeout_s: int, observe: bool = False) -> dict[str, Any]:
     hcm = {
         "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "narwhal_gateway",
@@ -85,7 +95,8 @@ def _listener(listen: str, failure_mode_allow: bool, message_timeout_s: int) -> 
                 "mutations": [{"remove": DESTINATION}],
             },
         }],
-        "route_config": {"name": "inference", "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(failure_mode_allow)}]},
+        "route_config": {"name": "inference", "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(failure_mode_allow),
+                                                                 **({"response_headers_to_add": _OBSERVE} if observe else {})}]},
         "http_filters": [
             _ext_proc(failure_mode_allow, message_timeout_s),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "extensions.filters.http.router.v3.Router"}},
@@ -115,8 +126,10 @@ def _static(name: str, endpoints: list[str], *, http2: bool = False) -> dict[str
 
 
 def bootstrap(*, epp: str, listen: str, failure_mode_allow: bool = False, pool: tuple[str, ...] = (), message_timeout_s: int = 1000,
-              health_interval_ms: int = 1000, admin: str | None = None) -> dict[str, Any]:
-    """The bootstrap as a mapping (YAML or JSON to Envoy)."""
+              health_interval_ms: int = 1000, admin: str | None = None, observe: bool = False) -> dict[str, Any]:
+    """The bootstrap as a mapping (YAML or JSON to Envoy). `observe`: every response names
+    the upstream Envoy used (x-epp-upstream-host) and what the picker named
+    (x-epp-picked), for tests and the conformance suite's `epp` profile."""
     if failure_mode_allow and not pool:
         raise ValueError("--failure-mode-allow needs the --pool endpoints a request goes to when the picker is down")
     picker = _static("narwhal_picker", [epp], http2=True)
@@ -144,7 +157,7 @@ def bootstrap(*, epp: str, listen: str, failure_mode_allow: bool = False, pool: 
     ]
     if failure_mode_allow:
         clusters.append(_static("fail_open_pool", list(pool)))
-    out: dict[str, Any] = {"static_resources": {"listeners": [_listener(listen, failure_mode_allow, message_timeout_s)], "clusters": clusters}}
+    out: dict[str, Any] = {"static_resources": {"listeners": [_listener(listen, failure_mode_allow, message_timeout_s, observe)], "clusters": clusters}}
     if admin is not None:
         out["admin"] = {"address": _address(admin)}
     return out
