@@ -42,14 +42,15 @@ from ..core.relay import StreamRelay
 from ..worker.replies import error_event  # a failure after the stream began: never a silent cut
 
 __all__ = [
-    "DESTINATION", "SUBSET", "SERVED", "LB_NAMESPACE", "SERVICE", "Head", "Immediate", "Route", "Mutation", "Piece",
-    "route_of", "BodyReader", "refusal", "grant", "ResponseReader", "header",
+    "DESTINATION", "SUBSET", "SUBSET_NAMESPACE", "SERVED", "LB_NAMESPACE", "SERVICE", "Head", "Immediate", "Route", "Mutation", "Piece",
+    "route_of", "subset_of", "BodyReader", "refusal", "grant", "ResponseReader", "header",
 ]
 
 # the endpoint-picker protocol's names (Gateway API inference extension, proposal 004)
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SERVED = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the metadata namespace Envoy sends SUBSET in
 LB_NAMESPACE = "envoy.lb"
 # the gRPC service Envoy calls, and the name its health is reported under
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -120,6 +121,15 @@ def header(head: Head, name: str) -> bytes | None:
         if k == name:
             return v
     return None
+
+
+def subset_of(value: str | list[str] | None) -> frozenset[str] | None:
+    """Envoy's subset hint (`envoy.lb.subset_hint`, key SUBSET): the endpoints the picker
+    may name, as a list or one comma-separated string; None when Envoy sent none."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    return frozenset(i.strip() for i in items if i.strip())
 
 
 def route_of(head: Head) -> str | None:

@@ -58,7 +58,8 @@ def _ext_proc(failure_mode_allow: bool, message_timeout_s: int) -> dict[str, Any
             "failure_mode_allow": failure_mode_allow,
             "route_cache_action": "CLEAR",
             # the picker's dynamic metadata (envoy.lb: the endpoint it named) is taken
-            "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+            # and Envoy's subset hint, when a load balancer sets one, is sent to the picker
+            "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}, "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
         },
     }
 

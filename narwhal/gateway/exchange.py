@@ -65,6 +65,7 @@ class Heard:
     body: bytes = b""
     end: bool = False
     served: str | None = None  # the endpoint Envoy reports it served (x-gateway-destination-endpoint-served)
+    subset: frozenset[str] | None = None  # request headers: Envoy's subset hint, the endpoints the picker may name
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +97,12 @@ class Exchange:
         self.idle_s = idle_s
         self.lease: Lease | None = None
         self.engine: str | None = None
+        self.endpoint: str | None = None  # what the grant named (ip:port)
         self.reader: ResponseReader | None = None
         self.first_at: float | None = None
         self.served: str | None = None
         self.arrival = 0.0
+        self.subset: frozenset[str] | None = None
         # the terminal class once the answer's last message is handed to gRPC: Envoy ends
         # the stream as soon as it has it, which may cancel this task inside that write
         self.decided: str | None = None
@@ -121,6 +124,7 @@ class Exchange:
         if first.kind != "request_headers" or first.head is None:
             return "none"
         head = first.head
+        self.subset = first.subset
         rid = _rid(head)
         route = route_of(head)
         method = (header(head, ":method") or b"").decode("latin-1")
@@ -198,6 +202,9 @@ class Exchange:
         if isinstance(parsed, Rejection):  # R04-R07
             return await self.refuse(refusal(parsed.row, rid, param=parsed.param, **parsed.fields))
         assert order is not None
+        if self.subset is not None and not any(endpoint_of(s.url) in self.subset for s in r.engines.values()):
+            # the subset hint names no engine this router places on: R09 before any slot
+            return await self.refuse(refusal(E.R09, rid, phase="unified"))
         lease = await entry.admit(order)
         if isinstance(lease, Refuse):  # R08-R11, R14 (and R17-R20 with tenants)
             return await self.refuse(refusal(lease.row, rid, overrun_s=lease.overrun_s, **lease.fields))
@@ -242,8 +249,13 @@ class Exchange:
             # a prefill/decode pair needs two engine requests; Envoy sends one (docs/gateway.md)
             log.error("request %s: granted %s (%s), which the gateway cannot serve: gateway mode needs unified engines", rid, g.engine, g.phase)
             return await self.refuse(refusal(E.H06, rid, request_id=rid))
-        self.engine = g.engine
         endpoint = endpoint_of(spec.url)
+        if self.subset is not None and endpoint not in self.subset:
+            # the picker names only endpoints of Envoy's subset hint; admission placed this
+            # one elsewhere (it does not yet prefer the subset): R09, the slot freed
+            log.info("request %s: granted %s, outside the gateway's subset hint; answered R09", rid, g.engine)
+            return await self.refuse(refusal(E.R09, rid, phase=g.phase))
+        self.engine, self.endpoint = g.engine, endpoint
         route = grant(endpoint, without_fields(parsed.body, r.strip_fields), dialect=spec.dialect, model=spec.model, rid=rid)
         await self._say(Said("request_headers", route, {"envoy.lb": {"x-gateway-destination-endpoint": endpoint}}))
         body = route.body
@@ -310,6 +322,9 @@ class Exchange:
             pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
             kw = {"tpot_s": tpot, "tpot_engine": self.engine if tpot is not None else None, "output_tokens": relay.token_count,
                   "finish_reason": relay.finish_reason, "reported_prompt_tokens": pt if type(pt) is int else None, "cached_tokens": cached(usage)}
+        if self.served is not None and self.endpoint is not None and self.served != self.endpoint:
+            # the grant names one endpoint (no fallback list): the gateway went elsewhere
+            log.warning("the gateway reports it served %s, not %s (engine %s), the endpoint the picker named", self.served, self.endpoint, self.engine)
         if cls == "completed":
             kw["ok_engine"] = self.engine
         elif ended is not None and ended.row is not None and ended.row in ("E02", "E03", "E04") and self.engine is not None:

@@ -31,7 +31,18 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..worker.plane import DataPlane
-from .decide import SERVED, SERVICE, Head, Immediate, Mutation, Piece, Route
+from .decide import (
+    SERVED,
+    SERVICE,
+    SUBSET,
+    SUBSET_NAMESPACE,
+    Head,
+    Immediate,
+    Mutation,
+    Piece,
+    Route,
+    subset_of,
+)
 from .exchange import Exchange, Heard, Said
 
 __all__ = ["GatewayServer", "SERVICE", "to_heard", "to_response"]
@@ -53,11 +64,25 @@ def _served(req: Any) -> str | None:
     return v.string_value or None
 
 
+def _subset(req: Any) -> frozenset[str] | None:
+    """`envoy.lb.subset_hint` / x-gateway-destination-endpoint-subset, when Envoy sent it."""
+    ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE) if req.HasField("metadata_context") else None
+    if ns is None or SUBSET not in ns.fields:
+        return None
+    v = ns.fields[SUBSET]
+    kind = v.WhichOneof("kind")
+    if kind == "list_value":
+        return subset_of([x.string_value for x in v.list_value.values])
+    return subset_of(v.string_value if kind == "string_value" else "")
+
+
 def to_heard(req: Any) -> Heard:
     """An Envoy ProcessingRequest as a `Heard`."""
     kind = req.WhichOneof("request")
     served = _served(req)
-    if kind in ("request_headers", "response_headers"):
+    if kind == "request_headers":
+        return Heard(kind, head=_head(req.request_headers), served=served, subset=_subset(req))
+    if kind == "response_headers":
         return Heard(kind, head=_head(getattr(req, kind)), served=served)
     if kind in ("request_body", "response_body"):
         b = getattr(req, kind)

@@ -18,6 +18,7 @@ from narwhal.gateway.decide import (
     grant,
     refusal,
     route_of,
+    subset_of,
 )
 from narwhal_generated import errors as E
 
@@ -167,3 +168,14 @@ def test_a_stream_cut_before_done_fails_E02() -> None:
     r.chunk(b"data: " + orjson.dumps(_CHUNKS[1]) + b"\n\n", False, 1.0)
     piece, _ = r.chunk(b"", True, 1.1)
     assert r.ended is not None and r.ended.row == "E02" and piece.end and piece.body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(("value", "subset"), [
+    (None, None),
+    ("10.0.0.7:8000", frozenset({"10.0.0.7:8000"})),
+    ("10.0.0.7:8000, 10.0.0.8:8000", frozenset({"10.0.0.7:8000", "10.0.0.8:8000"})),
+    (["10.0.0.7:8000", " "], frozenset({"10.0.0.7:8000"})),
+    ("", frozenset()),
+])
+def test_subset_of(value: str | list[str] | None, subset: frozenset[str] | None) -> None:
+    assert subset_of(value) == subset

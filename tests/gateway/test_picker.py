@@ -17,8 +17,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from narwhal.gateway.decide import DESTINATION, SERVICE
+from narwhal.gateway.decide import DESTINATION, SERVICE, SUBSET, SUBSET_NAMESPACE
 from narwhal.mock import MockConfig, RunningMock, Timing, running_fleet
+from narwhal_generated import errors as E
 from tests.gateway.harness import Picker, picker, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,16 +59,26 @@ def _headers(**h: str) -> Any:
     return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in h.items()]))
 
 
-async def _grant_then_abandon(epp: str, body: dict[str, Any]) -> tuple[Any, Any]:
-    """Envoy's first two messages, the picker's grant read, then the stream cancelled."""
+def _subset_hint(subset: list[str] | None) -> Any:
+    if subset is None:
+        return None
+    meta = base_pb2.Metadata()
+    meta.filter_metadata[SUBSET_NAMESPACE].update({SUBSET: subset})
+    return meta
+
+
+async def _grant_then_abandon(epp: str, body: dict[str, Any], subset: list[str] | None = None) -> tuple[Any, Any]:
+    """Envoy's first two messages, the picker's first two answers read, then the stream
+    cancelled (an answer that is an ImmediateResponse ends the stream: the second is None)."""
     raw = orjson.dumps(body)
     async with grpc.aio.insecure_channel(epp) as ch:
         call = pb_grpc.ExternalProcessorStub(ch).Process()
         await call.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST",
-                                                                          "content-length": str(len(raw))})))
+                                                                          "content-length": str(len(raw))}),
+                                              metadata_context=_subset_hint(subset)))
         await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True)))
         head = await call.read()
-        first = await call.read()
+        first = None if head.HasField("immediate_response") else await call.read()
         call.cancel()  # Envoy (or its client) goes away before the response
         return head, first
 
@@ -87,3 +98,23 @@ def test_a_grant_names_the_engine_twice_and_an_abandoned_stream_is_cancelled(nar
     after = narwhal.at_rest()
     assert after["offered"] == before["offered"] + 1
     assert after["terminal"]["cancelled"] == before["terminal"]["cancelled"] + 1
+
+
+@pytest.mark.parametrize(("inside", "status"), [(True, None), (False, 503)])
+def test_the_subset_hint_is_honoured_R09_when_it_names_no_engine(narwhal: Picker, pool: list[RunningMock], inside: bool, status: int | None) -> None:
+    before = narwhal.at_rest()
+    endpoint = pool[0].url.split("://", 1)[1]
+    subset = [endpoint, "10.9.9.9:8000"] if inside else ["10.9.9.9:8000"]
+    head, _ = asyncio.run(_grant_then_abandon(narwhal.epp, {"model": "narwhal-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, subset))
+    if status is None:
+        named = {h.header.key: h.header.raw_value for h in head.request_headers.response.header_mutation.set_headers}[DESTINATION]
+        assert named == endpoint.encode()
+    else:
+        im = head.immediate_response
+        assert im.status.code == status == E.R09.status
+        assert orjson.loads(im.body)["error"]["code"] == E.R09.code
+        assert {h.header.key: h.header.raw_value for h in im.headers.set_headers}["content-type"] == b"application/json"
+    after = narwhal.at_rest()
+    assert after["offered"] == before["offered"] + 1
+    cls = "cancelled" if status is None else E.R09.counter
+    assert after["terminal"][cls] == before["terminal"][cls] + 1
