@@ -42,9 +42,9 @@ class Stack:
         return [r for m in self.mocks for r in m.requests()]
 
 
-@pytest.fixture(scope="module", params=["vllm", "sglang"])
+@pytest.fixture(scope="module", params=["vllm", "sglang", "openai"])
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """Two engines of one dialect behind Envoy, Narwhal picking."""
+    """Two engines of one dialect behind Envoy, Narwhal picking (the three dialects)."""
     cfgs = [MockConfig(dialect=request.param, role="unified", name=f"{request.param}{i}", timing=FAST) for i in range(2)]
     with running_fleet(cfgs) as mocks:
         engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": request.param} for m in mocks]
@@ -86,7 +86,7 @@ def test_T01_T08_T10_a_stream_is_relayed_with_ids_only_when_asked(stack: Stack, 
     assert s.status == 200 and s.done and not s.errors
     assert s.headers["content-type"].startswith("text/event-stream")
     assert accumulate(s.chunks)["content"] == expected_content(5)
-    assert all("usage" not in c for c in s.chunks)  # the usage chunk Narwhal asked for itself, stripped
+    assert all(c.get("usage") is None for c in s.chunks)  # the usage chunk Narwhal asked for itself, stripped (openai: usage null on every chunk)
     streamed_ids = [i for c in s.chunks for ch in c["choices"] for i in ch.get("token_ids") or ()]
     vllm = stack.dialect == "vllm"
     assert streamed_ids == (expected_token_ids(5) if ids and vllm else [])
@@ -216,3 +216,42 @@ def test_failure_mode_allow_with_the_picker_down(fail_open: bool) -> None:
             else:  # FailClose: Envoy answers, no engine sees the request
                 assert r.status_code >= 500
                 assert mocks[0].requests() == []
+
+
+def test_a_picker_restart_under_load_fails_closed_between_and_serves_after() -> None:
+    """SIGTERM to the picker while requests flow: it drains (NOT_SERVING, Envoy stops
+    sending it anything), the requests in its hands finish, the ones in the gap are
+    Envoy's 5xx (FailClose), never a cut answer; a new picker on the same port serves,
+    and its books balance."""
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name=f"r{i}", timing=FAST) for i in range(2)]) as mocks:
+        engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in mocks]
+        epp_port = free_port()
+        answers: list[tuple[int, bool]] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                s = sse(gw.url, _chat(stream=True, mock={"tokens": 6}))
+                answers.append((s.status, s.done and accumulate(s.chunks).get("content") == expected_content(6)))
+
+        extra = {"serving": {"shutdown_delay_ms": 300, "shutdown_grace_ms": 5000}}
+        with picker(engines, extra, epp_port=epp_port) as first, envoy(first.epp) as gw:
+            t = threading.Thread(target=load)
+            t.start()
+            try:
+                wait_for(lambda: len(answers) >= 5, 30, "load through the first picker")
+                first.proc.terminate()
+                first.proc.wait(30)
+                n_gap = len(answers)
+                with picker(engines, extra, epp_port=epp_port) as second:
+                    wait_for(gw.picker_healthy, 30, "Envoy to see the new picker")
+                    wait_for(lambda: sum(1 for st, ok in answers[n_gap:] if st == 200 and ok) >= 5, 30, "answers through the new picker")
+                    stop.set()
+                    t.join(60)
+                    books = second.at_rest()
+                    assert books["offered"] >= 5 and books["offered"] == sum(books["terminal"].values())
+            finally:
+                stop.set()
+                t.join(60)
+        assert all(ok for st, ok in answers if st == 200), "a 200 answer was cut"
+        assert all(st == 200 or st >= 500 for st, _ in answers)
