@@ -206,10 +206,11 @@ class ResponseReader:
     bytes the client gets; a failure after the stream began ends it with an error event
     in the engine's shape, and the rest of the engine's bytes are answered empty."""
 
-    __slots__ = ("relay", "stream", "route", "checks_ids", "prompt_tokens", "status", "ended", "failure", "_rid", "_usage_source")
+    __slots__ = ("relay", "stream", "route", "checks_ids", "prompt_tokens", "status", "ended", "failure", "_rid", "_usage_source", "_extra")
 
     def __init__(self, *, route: str, stream: bool, client_ids: bool, client_usage: bool, dialect: str, prompt_tokens: int,
-                 exact_prompt: bool, max_event_bytes: int, max_answer_bytes: int, hosts: tuple[str, ...], rid: str) -> None:
+                 exact_prompt: bool, max_event_bytes: int, max_answer_bytes: int, hosts: tuple[str, ...], rid: str,
+                 extra_headers: tuple[tuple[str, bytes], ...] = ()) -> None:
         d = DIALECTS[dialect]
         self.checks_ids = d.token_accounting == "token_ids"
         assembler = None if stream else Assembler(route, content_null_when_empty=d.content_null_when_empty, include_token_ids=client_ids and self.checks_ids)
@@ -224,17 +225,17 @@ class ResponseReader:
         self.ended: Ended | None = None
         self.failure: tuple[str, str] | None = None
         self._rid = rid
+        self._extra = extra_headers  # the response headers admission's facts add (predictive: the projection)
 
     def headers(self, head: Head) -> Mutation:
         """The engine's response head. A non-streaming client is answered JSON (its body is
         assembled, so its length is only known at the end: Envoy chunks it)."""
         raw = header(head, ":status")
         self.status = int(raw) if raw is not None and raw.isdigit() else 0
-        if self.status != 200:  # the engine's own error answer passes unchanged (docs/gateway.md)
-            return Mutation(set_headers=(("x-request-id", self._rid.encode()),))
-        if self.stream:
-            return Mutation(set_headers=(("x-request-id", self._rid.encode()),))
-        return Mutation(set_headers=(("content-type", b"application/json"), ("x-request-id", self._rid.encode())), remove_headers=("content-length",))
+        own = (("x-request-id", self._rid.encode()), *self._extra)
+        if self.status != 200 or self.stream:  # an engine's own error answer passes unchanged (docs/gateway.md)
+            return Mutation(set_headers=own)
+        return Mutation(set_headers=(("content-type", b"application/json"), *own), remove_headers=("content-length",))
 
     def chunk(self, body: bytes, end: bool, now: float) -> tuple[Piece, bool]:
         """One engine body chunk: (its answer, whether the first token arrived in it)."""

@@ -33,6 +33,7 @@ from ..http.errors import RID_OK
 from ..tenants import Identity
 from ..worker.plane import DataPlane
 from ..worker.replies import cached
+from ..worker.request import EXPECTED_CACHED_HEADER, PROJECTED_TTFT_HEADER
 from .decide import (
     BodyReader,
     Head,
@@ -75,6 +76,14 @@ class Said:
     kind: str
     answer: Route | Immediate | Mutation | Piece | None = None
     metadata: dict[str, dict[str, str]] | None = None  # dynamic metadata, namespace -> key -> value
+
+
+def _projection(lease: Lease) -> tuple[tuple[str, bytes], ...]:
+    """Predictive mode: what admission projected for the request, on its response, as the
+    direct path sends it (worker/request.py)."""
+    if lease.projected_ttft_ms is None:
+        return ()
+    return ((PROJECTED_TTFT_HEADER.decode(), b"%d" % round(lease.projected_ttft_ms)), (EXPECTED_CACHED_HEADER.decode(), b"%d" % round(lease.expected_cached)))
 
 
 class _Ended(Exception):
@@ -265,7 +274,7 @@ class Exchange:
             route=parsed.route, stream=parsed.stream, client_ids=parsed.return_token_ids, client_usage=parsed.client_usage,
             dialect=spec.dialect, prompt_tokens=lease.prompt_tokens, exact_prompt=parsed.prompt_token_count is not None,
             max_event_bytes=r.config.upstream.max_event_bytes, max_answer_bytes=r.config.upstream.max_answer_bytes,
-            hosts=r.engine_hosts, rid=rid)
+            hosts=r.engine_hosts, rid=rid, extra_headers=_projection(lease))
         return await self._response(self.reader, lease, parsed.route)
 
     async def _response(self, reader: ResponseReader, lease: Lease, route: str) -> str:

@@ -255,3 +255,15 @@ def test_a_picker_restart_under_load_fails_closed_between_and_serves_after() -> 
                 t.join(60)
         assert all(ok for st, ok in answers if st == 200), "a 200 answer was cut"
         assert all(st == 200 or st >= 500 for st, _ in answers)
+
+
+def test_predictive_admission_sends_its_projection_on_the_response() -> None:
+    """As the direct path does: x-narwhal-projected-ttft-ms and x-narwhal-expected-cached-tokens."""
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="q0", timing=FAST)]) as mocks:
+        engines = [{"name": "q0", "url": mocks[0].url, "role": "unified", "dialect": "vllm"}]
+        with picker(engines, {"admission": {"mode": "predictive", "ttft_budget_ms": 60000}}) as narwhal, envoy(narwhal.epp) as gw:
+            for stream in (False, True):
+                r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(stream=stream, mock={"tokens": 3}), timeout=30)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-narwhal-projected-ttft-ms"].isdigit()
+                assert r.headers["x-narwhal-expected-cached-tokens"].isdigit()
