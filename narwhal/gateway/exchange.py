@@ -30,6 +30,7 @@ from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_reque
 from ..core.tickets import Refuse
 from ..http.completions import new_request_id
 from ..http.errors import RID_OK
+from ..telemetry.logs import RequestRecord, emit_request_end
 from ..tenants import Identity
 from ..worker.plane import DataPlane
 from ..worker.replies import cached
@@ -112,6 +113,7 @@ class Exchange:
         self.served: str | None = None
         self.arrival = 0.0
         self.subset: frozenset[str] | None = None
+        self.rec: RequestRecord | None = None  # serving.log_format json: the request_end line (no spans yet)
         # the terminal class once the answer's last message is handed to gRPC: Envoy ends
         # the stream as soon as it has it, which may cancel this task inside that write
         self.decided: str | None = None
@@ -124,6 +126,8 @@ class Exchange:
             raise _Ended from None
 
     async def refuse(self, im: Immediate) -> str:
+        if self.rec is not None:
+            self.rec.row, self.rec.status = im.row, im.status
         self.decided = im.cls  # handed to Envoy: Envoy may close the stream before the write returns
         await self._say(Said("immediate", im))
         return im.cls
@@ -143,6 +147,8 @@ class Exchange:
             return await self.refuse(refusal(E.H02, rid, method=method, path=(header(head, ":path") or b"").decode("latin-1")))
         r = self.r
         arrival = self.arrival = r.clock.now()
+        if r.telemetry.json_logs:
+            self.rec = RequestRecord(rid, route, arrival, log=True)
         who: Identity | None = None
         denied: Refuse | None = None
         if r.auth is not None:  # R15, R16: from the head alone (narwhal/tenants)
@@ -154,7 +160,10 @@ class Exchange:
         got = await r.door.arrive(arrival, denied, who.tenant if who is not None else None)
         if isinstance(got, Refuse):  # R01, R15/R16, R02: the authority has closed the books
             r.telemetry.child(r.telemetry.e2e, got.row.counter).observe(r.clock.now() - arrival)
-            return await self.refuse(refusal(got.row, rid, overrun_s=got.overrun_s, **got.fields))
+            try:
+                return await self.refuse(refusal(got.row, rid, overrun_s=got.overrun_s, **got.fields))
+            finally:
+                self._record(got.row.counter)
         cls: str | None = None
         try:
             cls = await self._admitted(got, head, route, rid, arrival, who, denied)
@@ -167,6 +176,7 @@ class Exchange:
             self._close(cls or "cancelled")
             got.end(cls or "cancelled")
             r.telemetry.child(r.telemetry.e2e, cls or "cancelled").observe(r.clock.now() - arrival)
+            self._record(cls or "cancelled")
 
     async def _body(self, head: Head) -> bytes | None:
         """The request body (R03: None past serving.max_request_bytes; the rest of the
@@ -315,6 +325,28 @@ class Exchange:
                 await self._say(Said(m.kind))
         assert reader.ended is not None
         return reader.ended.cls
+
+    def _record(self, cls: str) -> None:
+        """The request_end line (serving.log_format json): what the stream learnt; never raises."""
+        rec = self.rec
+        if rec is None:
+            return
+        try:
+            reader = self.reader
+            if reader is not None:
+                relay = reader.relay
+                rec.stream, rec.status = reader.stream, rec.status or reader.status
+                rec.output_tokens, rec.finish_reason, rec.events = relay.token_count, relay.finish_reason, relay.events
+                rec.tpot_s = relay.arrivals.tpot()
+                rec.prompt_tokens = reader.prompt_tokens
+                rec.row = rec.row or (reader.ended.row if reader.ended is not None else None)
+            if self.engine is not None:
+                rec.engines.append(self.engine)
+            if self.first_at is not None:
+                rec.ttft_s = self.first_at - self.arrival
+            emit_request_end(rec, cls, self.r.clock.now())
+        except Exception:  # noqa: BLE001 - observability never fails a request
+            log.exception("gateway request %s: its end record failed", rec.request_id)
 
     def _close(self, cls: str) -> None:
         """The lease freed, with what the response taught (exactly once)."""

@@ -267,3 +267,25 @@ def test_predictive_admission_sends_its_projection_on_the_response() -> None:
                 assert r.status_code == 200, r.text
                 assert r.headers["x-narwhal-projected-ttft-ms"].isdigit()
                 assert r.headers["x-narwhal-expected-cached-tokens"].isdigit()
+
+
+def test_json_logs_write_one_request_end_line_per_gateway_request() -> None:
+    import orjson
+
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="j0", timing=FAST)]) as mocks:
+        engines = [{"name": "j0", "url": mocks[0].url, "role": "unified", "dialect": "vllm"}]
+        with picker(engines, {"serving": {"log_format": "json"}}) as narwhal, envoy(narwhal.epp) as gw:
+            ok = sse(gw.url, _chat(stream=True, mock={"tokens": 4}))
+            bad = httpx.post(gw.url + "/v1/chat/completions", json=_chat(model="nope"), timeout=30)
+            assert ok.status == 200 and bad.status_code == 404
+            narwhal.at_rest()
+
+            def ends() -> dict[str, dict[str, Any]]:
+                lines = [orjson.loads(x) for x in narwhal.log.read_text().splitlines() if x.startswith("{")]
+                return {x["request_id"]: x for x in lines if x.get("event") == "request_end"}
+
+            got = wait_for(lambda: len(ends()) >= 2 and ends(), 10, "two request_end lines")
+            a, b = got[ok.headers["x-request-id"]], got[bad.headers["x-request-id"]]
+            assert (a["class"], a["status"], a["stream"], a["output_tokens"], a["engines"]) == ("completed", 200, True, 4, ["j0"])
+            assert a["ttft_ms"] is not None
+            assert (b["class"], b["row"], b["status"]) == (E.R05.counter, "R05", 404)
