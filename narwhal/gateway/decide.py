@@ -39,7 +39,10 @@ from narwhal_generated import errors as E
 from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body
 from ..core.relay import StreamRelay
-from ..worker.replies import error_event  # a failure after the stream began: never a silent cut
+
+# E04/E05 in the engine's words as the direct path passes them; a failure after the stream
+# began ends it with an error event (never a silent cut)
+from ..worker.replies import engine_error_detail, error_event
 
 __all__ = [
     "DESTINATION", "SUBSET", "SUBSET_NAMESPACE", "SERVED", "LB_NAMESPACE", "SERVICE", "Head", "Immediate", "Route", "Mutation", "Piece",
@@ -206,11 +209,11 @@ class ResponseReader:
     bytes the client gets; a failure after the stream began ends it with an error event
     in the engine's shape, and the rest of the engine's bytes are answered empty."""
 
-    __slots__ = ("relay", "stream", "route", "checks_ids", "prompt_tokens", "status", "ended", "failure", "_rid", "_usage_source", "_extra")
+    __slots__ = ("relay", "stream", "route", "checks_ids", "prompt_tokens", "status", "ended", "failure", "_rid", "_usage_source", "_extra", "_engine", "_error_body", "_max_error")
 
     def __init__(self, *, route: str, stream: bool, client_ids: bool, client_usage: bool, dialect: str, prompt_tokens: int,
                  exact_prompt: bool, max_event_bytes: int, max_answer_bytes: int, hosts: tuple[str, ...], rid: str,
-                 extra_headers: tuple[tuple[str, bytes], ...] = ()) -> None:
+                 extra_headers: tuple[tuple[str, bytes], ...] = (), engine: str = "") -> None:
         d = DIALECTS[dialect]
         self.checks_ids = d.token_accounting == "token_ids"
         assembler = None if stream else Assembler(route, content_null_when_empty=d.content_null_when_empty, include_token_ids=client_ids and self.checks_ids)
@@ -226,6 +229,9 @@ class ResponseReader:
         self.failure: tuple[str, str] | None = None
         self._rid = rid
         self._extra = extra_headers  # the response headers admission's facts add (predictive: the projection)
+        self._engine = engine  # its name, in E04/E05 words (never its address)
+        self._error_body = bytearray()
+        self._max_error = max_event_bytes
 
     def headers(self, head: Head) -> Mutation:
         """The engine's response head. A non-streaming client is answered JSON (its body is
@@ -233,16 +239,38 @@ class ResponseReader:
         raw = header(head, ":status")
         self.status = int(raw) if raw is not None and raw.isdigit() else 0
         own = (("x-request-id", self._rid.encode()), *self._extra)
-        if self.status != 200 or self.stream:  # an engine's own error answer passes unchanged (docs/gateway.md)
+        if self.status != 200:  # E04/E05: the engine's error answer becomes the row's (its body is read first)
+            row = self._error_row()
+            return Mutation(set_headers=((":status", b"%d" % row.status), ("content-type", b"application/json"), *own), remove_headers=("content-length",))
+        if self.stream:
             return Mutation(set_headers=own)
         return Mutation(set_headers=(("content-type", b"application/json"), *own), remove_headers=("content-length",))
 
+    def _error_row(self) -> E.ErrorRow:
+        return E.E05 if 0 < (self.status or 0) < 500 else E.E04
+
+    def _engine_error(self, body: bytes, end: bool) -> Piece:
+        """E04 (5xx) / E05 (4xx): the engine's error answer, read whole (bounded by
+        upstream.max_event_bytes: past it, the words only), answered as the direct path
+        answers it: the row's envelope, the engine's message as words only (addresses
+        replaced), its param when it looks like a field path."""
+        if len(self._error_body) + len(body) <= self._max_error:
+            self._error_body += body
+        if not end:
+            return Piece(b"", False)
+        row = self._error_row()
+        msg, param = engine_error_detail(self.status or 0, bytes(self._error_body), self.relay.hosts)
+        detail = f"engine {self._engine}: {msg}"
+        self.ended = Ended("failed", row.id, detail)
+        _, _, out = E.render(row, param=param, detail=detail)
+        return Piece(out, True)
+
     def chunk(self, body: bytes, end: bool, now: float) -> tuple[Piece, bool]:
         """One engine body chunk: (its answer, whether the first token arrived in it)."""
-        if self.status != 200 or self.ended is not None:
-            if self.ended is None and end:
-                self.ended = Ended("failed", "E05" if 0 < (self.status or 0) < 500 else "E04", f"engine answered HTTP {self.status}")
-            return Piece(body if self.status != 200 else b"", end), False
+        if self.ended is None and self.status != 200:
+            return self._engine_error(body, end), False
+        if self.ended is not None:
+            return Piece(b"", end), False
         st = self.relay.feed(body, now)
         if st.failure is not None:
             return self._fail(st.out, st.failure, end), st.first_token

@@ -284,7 +284,7 @@ class Exchange:
             route=parsed.route, stream=parsed.stream, client_ids=parsed.return_token_ids, client_usage=parsed.client_usage,
             dialect=spec.dialect, prompt_tokens=lease.prompt_tokens, exact_prompt=parsed.prompt_token_count is not None,
             max_event_bytes=r.config.upstream.max_event_bytes, max_answer_bytes=r.config.upstream.max_answer_bytes,
-            hosts=r.engine_hosts, rid=rid, extra_headers=_projection(lease))
+            hosts=r.engine_hosts, rid=rid, extra_headers=_projection(lease), engine=g.engine)
         return await self._response(self.reader, lease, parsed.route)
 
     async def _response(self, reader: ResponseReader, lease: Lease, route: str) -> str:
@@ -368,7 +368,7 @@ class Exchange:
             log.warning("the gateway reports it served %s, not %s (engine %s), the endpoint the picker named", self.served, self.endpoint, self.engine)
         if cls == "completed":
             kw["ok_engine"] = self.engine
-        elif ended is not None and ended.row is not None and ended.row in ("E02", "E03", "E04") and self.engine is not None:
+        elif ended is not None and ended.row in ("E02", "E03", "E04") and self.engine is not None:
             kw["failed_engine"], kw["failed_row"] = self.engine, ended.row  # the breaker counts the engine's failures
         lease.close(Outcome(at=self.r.clock.now(), **kw))
 

@@ -12,6 +12,7 @@ from narwhal.gateway.decide import (
     DESTINATION,
     BodyReader,
     Head,
+    Piece,
     ResponseReader,
     TooLarge,
     endpoint_of,
@@ -105,7 +106,7 @@ _CHUNKS = (
 
 def _reader(stream: bool, client_ids: bool = False, client_usage: bool = False) -> ResponseReader:
     return ResponseReader(route="chat", stream=stream, client_ids=client_ids, client_usage=client_usage, dialect="vllm", prompt_tokens=3,
-                          exact_prompt=False, max_event_bytes=1 << 20, max_answer_bytes=1 << 20, hosts=(), rid="rid-1")
+                          exact_prompt=False, max_event_bytes=1 << 20, max_answer_bytes=1 << 20, hosts=(), rid="rid-1", engine="u0")
 
 
 @pytest.mark.parametrize(("client_ids", "client_usage"), [(False, False), (True, False), (False, True), (True, True)])
@@ -154,12 +155,19 @@ def test_T03_a_bad_token_id_fails_the_answer_E03_and_the_rest_is_answered_empty(
     assert rest.body == b"" and rest.end
 
 
-def test_an_engine_error_answer_passes_unchanged_and_fails_the_request() -> None:
+@pytest.mark.parametrize(("status", "row"), [(500, E.E04), (503, E.E04), (400, E.E05), (404, E.E05)])
+def test_E04_E05_an_engine_error_answer_is_the_rows_envelope_in_its_words(status: int, row: E.ErrorRow) -> None:
     r = _reader(True)
-    r.headers(Head(((":status", b"503"),)))
-    piece, _ = r.chunk(b'{"error": "busy"}', True, 1.0)
-    assert piece.body == b'{"error": "busy"}' and piece.end
-    assert r.ended is not None and (r.ended.cls, r.ended.row) == ("failed", "E04")
+    m = r.headers(Head(((":status", b"%d" % status), ("content-length", b"60"))))
+    assert dict(m.set_headers)[":status"] == b"%d" % row.status and m.remove_headers == ("content-length",)
+    raw = b'{"error": {"message": "no room at http://10.1.2.3:8000/v1", "param": "max_tokens"}}'
+    a, _ = r.chunk(raw[:20], False, 1.0)
+    b, _ = r.chunk(raw[20:], True, 1.1)
+    assert a == Piece(b"", False) and b.end
+    err = orjson.loads(b.body)["error"]
+    assert err["code"] == row.code and err["param"] == ("max_tokens" if row.param == "from_check" else row.param)  # E05 passes a field path on
+    assert "10.1.2.3" not in err["message"] and "<address>" in err["message"] and "engine u0" in err["message"]
+    assert r.ended is not None and (r.ended.cls, r.ended.row) == ("failed", row.id)
 
 
 def test_a_stream_cut_before_done_fails_E02() -> None:

@@ -106,6 +106,19 @@ def test_R05_is_narwhals_own_404(stack: Stack) -> None:
     assert len(stack.received()) == n  # no engine saw it
 
 
+@pytest.mark.parametrize(("fault", "row"), [("reject", E.E05), ("error_before", E.E04)])
+def test_E04_E05_an_engine_error_answer_is_narwhals_envelope(stack: Stack, fault: str, row: E.ErrorRow) -> None:
+    before = stack.narwhal.at_rest()
+    r = httpx.post(stack.gw.url + "/v1/chat/completions", json=_chat(stream=True, mock={"fault": fault}), timeout=30)
+    assert r.status_code == row.status, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["code"] == row.code and err["message"].startswith(row.message.split("{")[0])
+    assert "127.0.0.1" not in r.text  # the engine's address never reaches the client
+    after = stack.narwhal.at_rest()
+    assert after["terminal"]["failed"] == before["terminal"]["failed"] + 1
+
+
 def test_R04_a_body_that_is_not_json(stack: Stack) -> None:
     r = httpx.post(stack.gw.url + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == E.R04.status and r.json()["error"]["code"] == E.R04.code
