@@ -585,7 +585,7 @@ class Gateway(BaseModel):
     max_streams: Annotated[
         StrictInt,
         Field(
-            description="The most ext_proc streams (one per gateway request) served at once (also each HTTP/2 connection's max_concurrent_streams); more are refused RESOURCE_EXHAUSTED, which Envoy treats as the picker failing (failure_mode_allow decides).",
+            description="The most ext_proc streams (one per gateway request) served at once; more are refused RESOURCE_EXHAUSTED, which Envoy treats as the picker failing (failure_mode_allow decides). It is also each HTTP/2 connection's max_concurrent_streams: a connection's streams past it wait for a slot on that connection.",
             ge=1,
             le=100000,
         ),

@@ -6,6 +6,7 @@ Envoy abandons after the grant ends in class cancelled with its slot freed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,3 +119,51 @@ def test_the_subset_hint_is_honoured_R09_when_it_names_no_engine(narwhal: Picker
     assert after["offered"] == before["offered"] + 1
     cls = "cancelled" if status is None else E.R09.counter
     assert after["terminal"][cls] == before["terminal"][cls] + 1
+
+
+async def _headers_only_then_wait(epp: str, wait_s: float) -> None:
+    async with grpc.aio.insecure_channel(epp) as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST"})))
+        await asyncio.sleep(wait_s)  # the body never comes
+        call.cancel()
+
+
+async def _second_while_first_open(epp: str) -> Any:
+    """A second ext_proc stream, on another connection (on the same one it would wait for
+    the connection's max_concurrent_streams), while the first waits for its body: the
+    second's status."""
+    async with grpc.aio.insecure_channel(epp) as ch, grpc.aio.insecure_channel(epp, options=[("grpc.use_local_subchannel_pool", 1)]) as ch2:
+        first = pb_grpc.ExternalProcessorStub(ch).Process()
+        await first.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST"})))
+        await asyncio.sleep(0.05)
+        second = pb_grpc.ExternalProcessorStub(ch2).Process()
+        with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            await second.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST"})))
+        code = await asyncio.wait_for(second.code(), 5)
+        first.cancel()
+        return code
+
+
+def test_stream_idle_ms_and_max_streams_bound_the_picker(pool: list[RunningMock]) -> None:
+    engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in pool]
+    with picker(engines, {"gateway": {"stream_idle_ms": 300, "max_streams": 1}}) as p:
+        before = p.at_rest()
+        asyncio.run(_headers_only_then_wait(p.epp, 1.5))
+        after = p.at_rest()
+        # gateway.stream_idle_ms: nothing heard for 300 ms ends the stream, class cancelled, nothing held
+        assert after["offered"] == before["offered"] + 1 and after["terminal"]["cancelled"] == before["terminal"]["cancelled"] + 1
+        assert asyncio.run(_second_while_first_open(p.epp)) == grpc.StatusCode.RESOURCE_EXHAUSTED  # gateway.max_streams: 1
+
+
+def test_gateway_needs_one_worker(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tmp_path / "n.yaml"
+    cfg.write_text(yaml.safe_dump({"serving": {"workers": 2, "listen": "127.0.0.1:0"}, "gateway": {"listen": "127.0.0.1:0"},
+                                   "engines": [{"name": "u0", "url": "http://127.0.0.1:9", "role": "unified", "dialect": "vllm"}]}))
+    p = subprocess.run([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "gateway.listen needs serving.workers: 1" in p.stderr
