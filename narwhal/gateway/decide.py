@@ -101,8 +101,8 @@ class Mutation:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """A body chunk's answer: the bytes Envoy passes on (FULL_DUPLEX_STREAMED: Narwhal
-    answers every chunk; `end` once, with the last)."""
+    """A body chunk's answer: the bytes Envoy passes on (FULL_DUPLEX_STREAMED: `end` once,
+    with the last; an empty piece that is not the end need not be sent)."""
 
     body: bytes
     end: bool
