@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from narwhal.gateway.protos import METHOD
+from narwhal.gateway.protos import core as base_pb2
+from narwhal.gateway.protos import ext_proc as pb
+from narwhal.gateway.protos import struct as struct_pb2
 
 __all__ = ["RoundRobin", "serve", "main"]
 
@@ -37,7 +38,7 @@ def _echo(kind: str, body: Any) -> Any:
     return pb.ProcessingResponse(**{kind: pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed)))})
 
 
-class RoundRobin(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class RoundRobin:
     def __init__(self, pool: list[str]) -> None:
         self._next = itertools.cycle(pool)
 
@@ -50,7 +51,12 @@ class RoundRobin(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[opt]))
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
 
-    async def Process(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:  # noqa: N802 - the service's name
+    def handler(self) -> Any:
+        method = grpc.stream_stream_rpc_method_handler(self.process, request_deserializer=pb.ProcessingRequest.FromString,
+                                                       response_serializer=pb.ProcessingResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE, {METHOD.rsplit("/", 1)[1]: method})
+
+    async def process(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         async for req in request_iterator:
             kind = req.WhichOneof("request")
             if kind == "request_headers":
@@ -65,7 +71,7 @@ class RoundRobin(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 async def serve(listen: str, pool: list[str], stop: asyncio.Event) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(RoundRobin(pool), server)
+    server.add_generic_rpc_handlers((RoundRobin(pool).handler(),))
     h = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(h, server)
     if not server.add_insecure_port(listen):

@@ -126,20 +126,21 @@ def arm(name: str, url: str, pids: dict[str, int], args: argparse.Namespace) -> 
 
 async def _decisions(epp: str, n: int, conc: int) -> float:
     import grpc
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from narwhal.gateway.protos import METHOD
+    from narwhal.gateway.protos import core as base_pb2
+    from narwhal.gateway.protos import ext_proc as pb
 
     raw = orjson.dumps({"model": "narwhal-demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
     hdrs = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in
                                                               ((":path", b"/v1/chat/completions"), (":method", b"POST"), ("content-length", b"%d" % len(raw)))]))
     sem = asyncio.Semaphore(conc)
     async with grpc.aio.insecure_channel(epp) as ch:
-        stub = pb_grpc.ExternalProcessorStub(ch)
+        process = ch.stream_stream(METHOD, request_serializer=pb.ProcessingRequest.SerializeToString, response_deserializer=pb.ProcessingResponse.FromString)
 
         async def one() -> None:
             async with sem:
-                call = stub.Process()
+                call = process()
                 await call.write(pb.ProcessingRequest(request_headers=hdrs))
                 await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True)))
                 head = await call.read()

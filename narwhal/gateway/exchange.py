@@ -113,7 +113,7 @@ class Exchange:
         self.served: str | None = None
         self.arrival = 0.0
         self.subset: frozenset[str] | None = None
-        self.rec: RequestRecord | None = None  # serving.log_format json: the request_end line (no spans yet)
+        self.rec: RequestRecord | None = None  # JSON logs or a sampled trace: the request_end line, the root span
         # the terminal class once the answer's last message is handed to gRPC: Envoy ends
         # the stream as soon as it has it, which may cancel this task inside that write
         self.decided: str | None = None
@@ -147,8 +147,11 @@ class Exchange:
             return await self.refuse(refusal(E.H02, rid, method=method, path=(header(head, ":path") or b"").decode("latin-1")))
         r = self.r
         arrival = self.arrival = r.clock.now()
-        if r.telemetry.json_logs:
-            self.rec = RequestRecord(rid, route, arrival, log=True)
+        tel = r.telemetry
+        tp = header(head, "traceparent")
+        trace = tel.tracing.start(rid, tp) if tel.tracing is not None else None  # sampled once, here (the root span only)
+        if trace is not None or tel.json_logs:
+            self.rec = RequestRecord(rid, route, arrival, trace=trace, traceparent=tp, tracestate=header(head, "tracestate"), log=tel.json_logs)
         who: Identity | None = None
         denied: Refuse | None = None
         if r.auth is not None:  # R15, R16: from the head alone (narwhal/tenants)
@@ -328,7 +331,8 @@ class Exchange:
         return reader.ended.cls
 
     def _record(self, cls: str) -> None:
-        """The request_end line (serving.log_format json): what the stream learnt; never raises."""
+        """The request_end line (serving.log_format json) and the root span (when sampled):
+        what the stream learnt; never raises."""
         rec = self.rec
         if rec is None:
             return

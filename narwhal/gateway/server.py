@@ -1,5 +1,5 @@
 """The gRPC shell of the endpoint picker: Envoy's `envoy.service.ext_proc.v3.ExternalProcessor`
-(the `Process` bidirectional stream, the stubs of the `xds-protos` package) and
+(the `Process` bidirectional stream; its messages from narwhal/gateway/protos.py) and
 `grpc.health.v1` on `gateway.listen`, over grpcio's asyncio server.
 
 It only translates: an Envoy message becomes a `Heard`, a `Said` becomes Envoy's message;
@@ -23,11 +23,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..worker.plane import DataPlane
@@ -44,12 +39,16 @@ from .decide import (
     subset_of,
 )
 from .exchange import Exchange, Heard, Said
+from .protos import METHOD
+from .protos import core as base_pb2
+from .protos import ext_proc as pb
+from .protos import http_status as http_status_pb2
+from .protos import struct as struct_pb2
 
 __all__ = ["GatewayServer", "SERVICE", "to_heard", "to_response"]
 
 log = logging.getLogger("narwhal")
 
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _head(h: Any) -> Head:
@@ -94,7 +93,7 @@ def _mutation(set_headers: tuple[tuple[str, bytes], ...] | tuple[tuple[bytes, by
     out = []
     for k, v in set_headers:
         key = k.decode("latin-1") if isinstance(k, bytes) else k
-        out.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=v), append_action=_OVERWRITE))
+        out.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=v), append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
     return pb.HeaderMutation(set_headers=out, remove_headers=list(remove))
 
 
@@ -120,12 +119,18 @@ def to_response(s: Said) -> Any:
     return pb.ProcessingResponse(**{s.kind: pb.TrailersResponse()})
 
 
-class _Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class _Picker:
     def __init__(self, plane: DataPlane, idle_s: float) -> None:
         self.plane = plane
         self.idle_s = idle_s
 
-    async def Process(self, request_iterator: AsyncIterator[Any], context: Any) -> None:  # noqa: N802 - the service's method name
+    def handler(self) -> Any:
+        """ExternalProcessor.Process as grpcio's generic handler (no generated stub)."""
+        method = grpc.stream_stream_rpc_method_handler(self.process, request_deserializer=pb.ProcessingRequest.FromString,
+                                                       response_serializer=pb.ProcessingResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE, {METHOD.rsplit("/", 1)[1]: method})
+
+    async def process(self, request_iterator: AsyncIterator[Any], context: Any) -> None:
         async def heard() -> AsyncIterator[Heard]:
             async for req in request_iterator:
                 yield to_heard(req)
@@ -151,7 +156,7 @@ class GatewayServer:
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
                      ("grpc.max_concurrent_streams", gateway.max_streams), ("grpc.so_reuseport", 0)],
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(_Picker(plane, gateway.stream_idle_ms / 1000.0), self.server)
+        self.server.add_generic_rpc_handlers((_Picker(plane, gateway.stream_idle_ms / 1000.0).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._task: asyncio.Task[None] | None = None
 

@@ -106,7 +106,10 @@ def picker(engines: list[dict[str, Any]], extra: dict[str, Any] | None = None, *
                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN})
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_for(lambda: httpx.get(url + "/ready", timeout=2).status_code == 200 or p.poll() is not None, 60, "the picker to be ready")
+            try:
+                wait_for(lambda: httpx.get(url + "/ready", timeout=2).status_code == 200 or p.poll() is not None, 60, "the picker to be ready")
+            except AssertionError as e:
+                raise AssertionError(f"{e}: " + log.read_text()[-3000:]) from None
             if p.poll() is not None:
                 raise AssertionError("narwhal serve exited: " + log.read_text()[-3000:])
             yield Picker(url, f"127.0.0.1:{epp}", p, log)

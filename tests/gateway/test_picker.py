@@ -13,12 +13,12 @@ from typing import Any
 import grpc
 import orjson
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.gateway.decide import DESTINATION, SERVICE, SUBSET, SUBSET_NAMESPACE
+from narwhal.gateway.protos import METHOD
+from narwhal.gateway.protos import core as base_pb2
+from narwhal.gateway.protos import ext_proc as pb
 from narwhal.mock import MockConfig, RunningMock, Timing, running_fleet
 from narwhal_generated import errors as E
 from tests.gateway.harness import Picker, picker, wait_for
@@ -60,6 +60,11 @@ def _headers(**h: str) -> Any:
     return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in h.items()]))
 
 
+def _process(ch: Any) -> Any:
+    """Envoy's side of one ext_proc stream."""
+    return ch.stream_stream(METHOD, request_serializer=pb.ProcessingRequest.SerializeToString, response_deserializer=pb.ProcessingResponse.FromString)()
+
+
 def _subset_hint(subset: list[str] | None) -> Any:
     if subset is None:
         return None
@@ -73,7 +78,7 @@ async def _grant_then_abandon(epp: str, body: dict[str, Any], subset: list[str] 
     cancelled (an answer that is an ImmediateResponse ends the stream: the second is None)."""
     raw = orjson.dumps(body)
     async with grpc.aio.insecure_channel(epp) as ch:
-        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        call = _process(ch)
         await call.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST",
                                                                           "content-length": str(len(raw))}),
                                               metadata_context=_subset_hint(subset)))
@@ -123,7 +128,7 @@ def test_the_subset_hint_is_honoured_R09_when_it_names_no_engine(narwhal: Picker
 
 async def _headers_only_then_wait(epp: str, wait_s: float) -> None:
     async with grpc.aio.insecure_channel(epp) as ch:
-        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        call = _process(ch)
         await call.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST"})))
         await asyncio.sleep(wait_s)  # the body never comes
         call.cancel()
@@ -134,10 +139,10 @@ async def _second_while_first_open(epp: str) -> Any:
     the connection's max_concurrent_streams), while the first waits for its body: the
     second's status."""
     async with grpc.aio.insecure_channel(epp) as ch, grpc.aio.insecure_channel(epp, options=[("grpc.use_local_subchannel_pool", 1)]) as ch2:
-        first = pb_grpc.ExternalProcessorStub(ch).Process()
+        first = _process(ch)
         await first.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST"})))
         await asyncio.sleep(0.05)
-        second = pb_grpc.ExternalProcessorStub(ch2).Process()
+        second = _process(ch2)
         with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
             await second.write(pb.ProcessingRequest(request_headers=_headers(**{":path": "/v1/chat/completions", ":method": "POST"})))
         code = await asyncio.wait_for(second.code(), 5)

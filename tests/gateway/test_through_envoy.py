@@ -302,3 +302,18 @@ def test_json_logs_write_one_request_end_line_per_gateway_request() -> None:
             assert (a["class"], a["status"], a["stream"], a["output_tokens"], a["engines"]) == ("completed", 200, True, 4, ["j0"])
             assert a["ttft_ms"] is not None
             assert (b["class"], b["row"], b["status"]) == (E.R05.counter, "R05", 404)
+
+
+def test_a_sampled_gateway_request_has_its_root_span() -> None:
+    from tests.telemetry.otlp import receiver
+
+    with receiver() as otlp, running_fleet([MockConfig(dialect="vllm", role="unified", name="o0", timing=FAST)]) as mocks:
+        engines = [{"name": "o0", "url": mocks[0].url, "role": "unified", "dialect": "vllm"}]
+        obs = {"observability": {"otlp_endpoint": otlp.endpoint, "sample_ratio": 1.0, "schedule_delay_ms": 20}}
+        with picker(engines, obs) as narwhal, envoy(narwhal.epp) as gw:
+            s = sse(gw.url, _chat(stream=True, mock={"tokens": 3}))
+            assert s.status == 200 and s.done
+            rid = s.headers["x-request-id"]
+            spans = otlp.wait_spans(lambda got: any(x.attrs.get("narwhal.request_id") == rid for x in got))
+            root = next(x for x in spans if x.attrs.get("narwhal.request_id") == rid)
+            assert root.attrs["narwhal.class"] == "completed" and root.attrs["narwhal.engines"] == ["o0"]
