@@ -55,11 +55,15 @@ __all__ = ["add_arguments", "run", "run_suite"]
 ACTIONS = ("run", "print-config", "fleet", "check")
 _CAPS = sorted(CAPABILITIES)
 _ETCD_DEFAULT = "http://127.0.0.1:2379"  # etcd's own default client URL (print-config only)
+_PROFILE_CHOICES = sorted([*PROFILES, "epp"])  # epp: the endpoint-picker profile (epp.py), its own runner
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="base URL of the router under test, e.g. http://127.0.0.1:18200")
-    p.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile the target is set up with (default reference)")
+    p.add_argument("--profile", action="append", default=[], choices=_PROFILE_CHOICES, help="the profile the target is set up with (default reference; epp: an endpoint picker behind the suite's own Envoy, with --epp)")
+    p.add_argument("--epp", metavar="HOST:PORT", help="--profile epp: the endpoint picker under test (Envoy's ext_proc gRPC service)")
+    p.add_argument("--report-output", metavar="FILE", help="--profile epp: write a Gateway API ConformanceReport-shaped YAML report")
+    p.add_argument("--picker-name", metavar="NAME", help="--profile epp: the picker's project name in the report (default: its address)")
     p.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
     p.add_argument("--case", action="extend", nargs="+", default=[], metavar="ID", help="run only these cases (hierarchical: refusals, refusals/R11, refusals/R11/1)")
     p.add_argument("--http2", action="store_true", help="send the probes over HTTP/2 (h2c prior knowledge)")
@@ -88,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _run_options(r)
     pc = sub.add_parser("print-config", help="print the Narwhal configuration of a profile (translate it for another router)",
                         description="Print the router configuration a profile's cases assume: engine URLs, roles and dialects, and the limits.")
-    pc.add_argument("--profile", action="append", default=[], choices=sorted(PROFILES), help="the profile (default reference)")
+    pc.add_argument("--profile", action="append", default=[], choices=_PROFILE_CHOICES, help="the profile (default reference)")
+    pc.add_argument("--epp", metavar="HOST:PORT", default="127.0.0.1:18290", help="--profile epp: gateway.listen of the printed picker configuration")
     pc.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE, help=f"the mock fleet's port base (default {DEFAULT_PORT_BASE})")
     pc.add_argument("--capability", action="append", default=[], choices=["ha-etcd", "tenants", "migration"], metavar="CAP",
                     help="ha-etcd: add the `ha` section (leader election on etcd) the runner writes into {config} under --capability ha-etcd; "
@@ -107,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     action = args.action or "run"
     if getattr(args, "check_coverage", False) or action == "check":
         return _check()
+    if args.profile == ["epp"] and action in ("run", "print-config"):
+        return _epp(args, action)
     try:
         profiles = [get_profile(n) for n in (args.profile or ["reference"])]
     except KeyError as e:
@@ -140,6 +147,19 @@ def run(args: argparse.Namespace) -> int:
         print("narwhal conformance: give one --profile for a run", file=sys.stderr)
         return 2
     return run_suite(args, profiles[0])
+
+
+def _epp(args: argparse.Namespace, action: str) -> int:
+    """--profile epp: Narwhal's configuration as the picker under test, or a run."""
+    from .epp import picker_config
+
+    if action == "print-config":
+        sys.stdout.write(f"# narwhal conformance {SUITE_VERSION}: profile epp (Narwhal as the endpoint picker of the suite's pool)\n")
+        sys.stdout.write(yaml.safe_dump(picker_config(args.port_base, args.epp), sort_keys=False))
+        return 0
+    from .epp import run_epp
+
+    return run_epp(args)
 
 
 def _check() -> int:

@@ -83,6 +83,7 @@ _SUBCOMMANDS = {
     "conformance": ("narwhal_conformance.cli", "run the router conformance suite against a router URL"),
     "probe-engine": ("narwhal_conformance.probe", "check an engine's compatibility with Narwhal"),
     "bench": ("narwhal_bench.cli", "load generator and experiments"),
+    "gateway": ("narwhal.gateway.cli", "Narwhal as an Envoy gateway's endpoint picker: envoy-config prints the reference bootstrap"),
 }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from .authority import reconfig
 from .authority.control import ControlPlane
 from .authority.service import LocalControls
-from .config import EMBEDDED_FLEET, NarwhalConfig, has_discovery
+from .config import EMBEDDED_FLEET, ConfigError, NarwhalConfig, has_discovery
 from .core.clock import Clock
 from .http.app import create_app
 from .http.server import (
@@ -146,6 +146,8 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, stopping: S
             engines = config_engines(config)
         raise_nofile()
         scheme = "https" if config.serving.tls.certfile else "http"
+        if n > 1 and config.gateway is not None:  # the picker admits through the in-process door (docs/gateway.md)
+            raise ConfigError("gateway.listen needs serving.workers: 1")
         if n > 1:
             log.info("narwhal serving %s://%s with %d workers (engines: %s)", scheme, listen, n, ", ".join(f"{e.name}={e.url}" for e in engines))
             await supervise(config, engines, listen, n, stopping=stopping, ready=ready, config_path=config_path)
@@ -162,5 +164,13 @@ async def serve(config: NarwhalConfig, *, listen: str | None = None, stopping: S
         settle_heap()
         if ready is not None:
             ready(f"{scheme}://{listen}")
+        if config.gateway is not None:  # gateway.listen: the endpoint picker beside the HTTP listener
+            try:
+                from .gateway.server import GatewayServer
+            except ImportError as e:
+                raise ConfigError(f"gateway.listen needs the gateway extra (pip install 'narwhal[gateway]'): {e}") from None
+            picker = GatewayServer(router.plane, router.controls.ready, config.gateway)
+            await picker.start()
+            stack.push_async_callback(picker.stop)
         await serve_until_stopped(app, hc, stopping)
         log.info("narwhal stopped; the books: %s", json.dumps(router.control.books.snapshot()))

@@ -571,6 +571,51 @@ class Migration(BaseModel):
     ] = 2000
 
 
+class Gateway(BaseModel):
+    model_config = ConfigDict(
+        extra='forbid',
+    )
+    listen: Annotated[
+        StrictStr,
+        Field(
+            description='HOST:PORT the ext_proc gRPC service (HTTP/2 cleartext) listens on, with grpc.health.v1 beside it: the service envoy.service.ext_proc.v3.ExternalProcessor is SERVING only while this router is active (a standby of an ha pair, a draining or fenced router: NOT_SERVING).',
+            pattern='^(\\[[0-9A-Fa-f:.]+\\]|[^:\\s]+):[0-9]{1,5}$',
+        ),
+    ]
+    max_streams: Annotated[
+        StrictInt,
+        Field(
+            description="The most ext_proc streams (one per gateway request) served at once; more are refused RESOURCE_EXHAUSTED, which Envoy treats as the picker failing (failure_mode_allow decides). It is also each HTTP/2 connection's max_concurrent_streams: a connection's streams past it wait for a slot on that connection.",
+            ge=1,
+            le=100000,
+        ),
+    ] = 1024
+    max_message_bytes: Annotated[
+        StrictInt,
+        Field(
+            description='The largest gRPC message received or sent (a body chunk, an assembled non-streaming answer): bounds what one message may hold.',
+            ge=65536,
+            le=67108864,
+        ),
+    ] = 4194304
+    stream_idle_ms: Annotated[
+        StrictInt,
+        Field(
+            description="An ext_proc stream on which Envoy sends nothing this long is ended (class cancelled; its slot freed): Envoy's message_timeout should be longer than the engine's longest pause.",
+            ge=100,
+            le=3600000,
+        ),
+    ] = 300000
+    health_interval_ms: Annotated[
+        StrictInt,
+        Field(
+            description="How often the gRPC health status follows the router's readiness (active: SERVING; any not-ready state: NOT_SERVING).",
+            ge=50,
+            le=60000,
+        ),
+    ] = 500
+
+
 class Serving(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
@@ -871,3 +916,9 @@ class NarwhalConfig(BaseModel):
     ] = None
     upstream: Annotated[Upstream, Field(validate_default=True)] = {}
     observability: Annotated[Observability, Field(validate_default=True)] = {}
+    gateway: Annotated[
+        Gateway | None,
+        Field(
+            description="The endpoint picker of an Envoy-based gateway (docs/gateway.md): when set, Narwhal also serves Envoy's external-processing gRPC service (envoy.service.ext_proc.v3.ExternalProcessor, the Gateway API inference extension's endpoint-picker protocol) and admits the gateway's requests through the same door as its own (absent: off). serving.workers must be 1."
+        ),
+    ] = None

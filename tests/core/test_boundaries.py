@@ -33,6 +33,9 @@ LAYERS = {
     "narwhal/worker": {"narwhal.authority", "narwhal.http", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.core.prediction", "narwhal.mock", *ABOVE, *TOOLS},
     # the ASGI shell: over the data plane only
     "narwhal/http": {"narwhal.authority", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.mock", *ABOVE, *TOOLS},
+    # the gateway's endpoint picker (issue 41): a shell over the data plane like narwhal/http,
+    # admission only through the Lease
+    "narwhal/gateway": {"narwhal.authority", "narwhal.core.admission", "narwhal.core.fleet", "narwhal.mock", *ABOVE, *TOOLS},
     # fleet sources: emit what they read; the authority applies it (never the other way)
     "narwhal/fleet": {"narwhal.http", "narwhal.authority", "narwhal.worker", "narwhal.mock", *ABOVE, *TOOLS},
     # who is asking (issue 22): identity over the core and the configuration; no HTTP, no

@@ -1,0 +1,189 @@
+"""The picker's decisions, sans-IO (narwhal/gateway/decide.py): the rows a request through
+the gateway meets are rendered exactly as the HTTP path renders them, the grant's body is
+the direct path's engine body, and the response is read by the direct path's relay step."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from narwhal.core.dialects import decode_body
+from narwhal.gateway.decide import (
+    DESTINATION,
+    BodyReader,
+    Head,
+    Piece,
+    ResponseReader,
+    TooLarge,
+    endpoint_of,
+    grant,
+    refusal,
+    route_of,
+    subset_of,
+)
+from narwhal_generated import errors as E
+
+
+@pytest.mark.parametrize(("path", "route"), [
+    (b"/v1/chat/completions", "chat"),
+    (b"/v1/completions", "completion"),
+    (b"/v1/chat/completions?x=1", "chat"),
+    (b"/v1/models", None),
+    (b"/v1/chat/completions/", None),
+])
+def test_route_of(path: bytes, route: str | None) -> None:
+    assert route_of(Head(((":path", path),))) == route
+
+
+@pytest.mark.parametrize(("row", "fields", "retry_after"), [
+    (E.R01, {"reason": "standby"}, b"1"),
+    (E.R02, {"limit": 4}, b"1"),
+    (E.R03, {"limit": 10}, None),
+    (E.R05, {"model": "nope", "configured": "narwhal-demo"}, None),
+    (E.R11, {"limit": 0}, b"1"),
+])
+def test_a_refusal_is_the_http_paths_answer_plus_the_request_id(row: E.ErrorRow, fields: dict[str, object], retry_after: bytes | None) -> None:
+    im = refusal(row, "rid-1", **fields)
+    status, headers, body = E.render(row, **fields)
+    assert (im.status, im.body) == (status, body)
+    assert im.headers == (*headers, (b"x-request-id", b"rid-1"))
+    assert dict(im.headers).get(b"retry-after") == retry_after
+    assert set(orjson.loads(im.body)["error"]) == {"message", "type", "param", "code"}
+    assert (im.row, im.cls) == (row.id, row.counter)
+
+
+@pytest.mark.parametrize(("chunks", "limit", "content_length", "kept"), [
+    ([(b"ab", False), (b"cd", True)], 10, None, b"abcd"),
+    ([(b"abcd", True)], 4, b"4", b"abcd"),
+    ([(b"abc", False), (b"de", True)], 4, None, None),  # R03 at the first chunk past the limit
+    ([], 4, b"5", None),  # R03 from Content-Length, before any chunk
+])
+def test_body_reader_R03(chunks: list[tuple[bytes, bool]], limit: int, content_length: bytes | None, kept: bytes | None) -> None:
+    head = Head(((":path", b"/v1/completions"),) + ((("content-length", content_length),) if content_length else ()))
+    try:
+        r = BodyReader(limit, head)
+        for c, end in chunks:
+            r.feed(c, end)
+    except TooLarge:
+        assert kept is None
+        return
+    assert kept is not None and r.done and r.body == kept
+
+
+@pytest.mark.parametrize(("url", "endpoint"), [
+    ("http://10.0.0.7:8000", "10.0.0.7:8000"),
+    ("http://10.0.0.7:8000/", "10.0.0.7:8000"),
+    ("http://10.0.0.7", "10.0.0.7:80"),
+    ("https://10.0.0.7", "10.0.0.7:443"),
+    ("http://[fd00::1]:9000", "[fd00::1]:9000"),
+])
+def test_endpoint_of(url: str, endpoint: str) -> None:
+    assert endpoint_of(url) == endpoint
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang", "openai"])
+def test_T01_T08_the_grant_forwards_the_direct_paths_engine_body(dialect: str) -> None:
+    client = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "return_token_ids": True}
+    r = grant("10.0.0.7:8000", client, dialect=dialect, model="served", rid="rid-1")
+    assert orjson.loads(r.body) == decode_body(client, dialect=dialect, model="served")
+    h = dict(r.set_headers)
+    assert h[DESTINATION] == b"10.0.0.7:8000"
+    assert h["content-length"] == b"%d" % len(r.body)
+    assert r.endpoint == "10.0.0.7:8000"
+
+
+def _events(*objs: dict[str, object]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(o) + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
+
+
+_CHUNKS = (
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [7]}]},
+    {"choices": [{"index": 0, "delta": {"content": " there"}, "token_ids": [8], "finish_reason": "stop"}]},
+    {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}},
+)
+
+
+def _reader(stream: bool, client_ids: bool = False, client_usage: bool = False) -> ResponseReader:
+    return ResponseReader(route="chat", stream=stream, client_ids=client_ids, client_usage=client_usage, dialect="vllm", prompt_tokens=3,
+                          exact_prompt=False, max_event_bytes=1 << 20, max_answer_bytes=1 << 20, hosts=(), rid="rid-1", engine="u0")
+
+
+@pytest.mark.parametrize(("client_ids", "client_usage"), [(False, False), (True, False), (False, True), (True, True)])
+def test_T10_streamed_ids_and_usage_reach_the_client_only_when_asked(client_ids: bool, client_usage: bool) -> None:
+    r = _reader(True, client_ids, client_usage)
+    assert r.headers(Head(((":status", b"200"),))).remove_headers == ()
+    piece, first = r.chunk(_events(*_CHUNKS), False, 1.0)
+    assert first and not piece.end
+    last, _ = r.chunk(b"", True, 1.1)
+    assert last.end and last.body == b""
+    out = piece.body
+    assert (b"token_ids" in out) == client_ids
+    assert (b'"usage"' in out) == client_usage
+    assert out.endswith(b"data: [DONE]\n\n")
+    assert r.ended is not None and r.ended.cls == "completed"
+    assert r.relay.token_count == 2 and r.relay.finish_reason == "stop"
+
+
+def test_a_non_streaming_client_gets_the_assembled_answer_at_the_end() -> None:
+    r = _reader(False)
+    m = r.headers(Head(((":status", b"200"), ("content-length", b"99"))))
+    assert dict(m.set_headers)["content-type"] == b"application/json" and m.remove_headers == ("content-length",)
+    raw = _events(*_CHUNKS)
+    a, _ = r.chunk(raw[:40], False, 1.0)
+    b, _ = r.chunk(raw[40:], False, 1.1)
+    c, _ = r.chunk(b"", True, 1.2)
+    assert a.body == b"" and not b.end and c.end
+    answer = orjson.loads(b.body + c.body)
+    assert answer["choices"][0]["message"]["content"] == "Hi there"
+    assert "token_ids" not in answer["choices"][0]
+    assert answer["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_T03_a_bad_token_id_fails_the_answer_E03_and_the_rest_is_answered_empty(stream: bool) -> None:
+    r = _reader(stream)
+    r.headers(Head(((":status", b"200"),)))
+    bad = {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [True]}]}
+    piece, _ = r.chunk(_events(_CHUNKS[0], bad), False, 1.0)
+    assert r.ended is not None and (r.ended.cls, r.ended.row) == ("failed", "E03")
+    if stream:
+        assert piece.body.endswith(b"data: [DONE]\n\n") and b'"code":"' + E.E03.code.encode() + b'"' in piece.body
+    else:
+        assert orjson.loads(piece.body)["error"]["code"] == E.E03.code
+    rest, _ = r.chunk(b"data: {}\n\n", True, 1.1)
+    assert rest.body == b"" and rest.end
+
+
+@pytest.mark.parametrize(("status", "row"), [(500, E.E04), (503, E.E04), (400, E.E05), (404, E.E05)])
+def test_E04_E05_an_engine_error_answer_is_the_rows_envelope_in_its_words(status: int, row: E.ErrorRow) -> None:
+    r = _reader(True)
+    m = r.headers(Head(((":status", b"%d" % status), ("content-length", b"60"))))
+    assert dict(m.set_headers)[":status"] == b"%d" % row.status and m.remove_headers == ("content-length",)
+    raw = b'{"error": {"message": "no room at http://10.1.2.3:8000/v1", "param": "max_tokens"}}'
+    a, _ = r.chunk(raw[:20], False, 1.0)
+    b, _ = r.chunk(raw[20:], True, 1.1)
+    assert a == Piece(b"", False) and b.end
+    err = orjson.loads(b.body)["error"]
+    assert err["code"] == row.code and err["param"] == ("max_tokens" if row.param == "from_check" else row.param)  # E05 passes a field path on
+    assert "10.1.2.3" not in err["message"] and "<address>" in err["message"] and "engine u0" in err["message"]
+    assert r.ended is not None and (r.ended.cls, r.ended.row) == ("failed", row.id)
+
+
+def test_a_stream_cut_before_done_fails_E02() -> None:
+    r = _reader(True)
+    r.headers(Head(((":status", b"200"),)))
+    r.chunk(b"data: " + orjson.dumps(_CHUNKS[1]) + b"\n\n", False, 1.0)
+    piece, _ = r.chunk(b"", True, 1.1)
+    assert r.ended is not None and r.ended.row == "E02" and piece.end and piece.body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(("value", "subset"), [
+    (None, None),
+    ("10.0.0.7:8000", frozenset({"10.0.0.7:8000"})),
+    ("10.0.0.7:8000, 10.0.0.8:8000", frozenset({"10.0.0.7:8000", "10.0.0.8:8000"})),
+    (["10.0.0.7:8000", " "], frozenset({"10.0.0.7:8000"})),
+    ("", frozenset()),
+])
+def test_subset_of(value: str | list[str] | None, subset: frozenset[str] | None) -> None:
+    assert subset_of(value) == subset
