@@ -256,12 +256,12 @@ class Authority:
 
     # -- engine feedback from requests -------------------------------------------------
 
-    def engine_failed(self, name: str, row: str) -> None:
+    def engine_failed(self, name: str, row: E.ErrorRow) -> None:
         """A request-level failure that says something about the engine (E04, E06, E07)."""
         e = self.engines[name]
         e.failed += 1
-        if row in ("E04", "E06", "E07") and e.breaker.failure(self.clock.now()):
-            log.warning("engine %s: circuit breaker opened after %s", e.name, row, extra=log_event("breaker_open", engine=e.name, row=row))
+        if row in (E.E04, E.E06, E.E07) and e.breaker.failure(self.clock.now()):
+            log.warning("engine %s: circuit breaker opened after %s", e.name, row.id, extra=log_event("breaker_open", engine=e.name, row=row.id))
             self.reconcile()
 
     def engine_ok(self, name: str) -> None:

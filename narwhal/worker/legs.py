@@ -134,7 +134,7 @@ class Run(Migrating):
             at=self.r.clock.now(),
             ok_engine=self.ok_engine,
             failed_engine=fe,
-            failed_row=failed.row if fe is not None and failed is not None else None,
+            failed_row=E.ROWS[failed.row] if fe is not None and failed is not None else None,
             tpot_s=self.tpot[1] if self.tpot else None,
             tpot_engine=self.tpot[0] if self.tpot else None,
             output_tokens=self.output_tokens,
@@ -530,7 +530,7 @@ class Run(Migrating):
                     self.rec.retries += 1
                 log.info("request %s: retrying after %s on %s", self.rid, f.row, e.name)
                 f.reported = True  # Lease.retry tells the engine's breaker
-                nxt = await self.lease.retry(f.engine.name, f.row, g.phase, r.clock.now())
+                nxt = await self.lease.retry(f.engine.name, E.ROWS[f.row], g.phase, r.clock.now())
                 if nxt is None:
                     raise
                 if isinstance(nxt, Refuse):

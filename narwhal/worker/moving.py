@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from narwhal_generated import errors as E
+
 from ..core.dialects import DIALECTS
 from ..core.lease import Grant, Lease, Order
 from ..core.migration import Recorder, obstacle
@@ -60,7 +62,7 @@ class Migrating:
         if why is None:
             assert rec is not None
             f.reported = True  # Lease.retry tells the engine's breaker
-            nxt = await self.lease.retry(f.engine.name, f.row, phase, now)  # placed like a retry: another eligible engine
+            nxt = await self.lease.retry(f.engine.name, E.ROWS[f.row], phase, now)  # placed like a retry: another eligible engine
             why = "placement_refused"  # G10, unless all of the below holds
             if isinstance(nxt, Grant) and DIALECTS[r.engines[nxt.engine].dialect].token_accounting == "token_ids":
                 e2 = r.engines[nxt.engine]
