@@ -4,15 +4,14 @@ the channel reassembles frames split across reads and coalesces a turn's writes.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import fields
 from typing import Any
 
 import orjson
 import pytest
 
 from narwhal import ipc
-from narwhal_generated import errors as E
 from narwhal.core.tickets import Refuse
+from narwhal_generated import errors as E
 
 # one example of every message, with every field set (None where the field allows it)
 EXAMPLES: list[Any] = [

@@ -20,8 +20,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from narwhal_generated import errors as E
-
 from .. import ipc
 from ..core.lease import Grant, Order, Outcome
 from ..core.tickets import Refuse

@@ -178,7 +178,8 @@ class Placement:
         t.depth = engine.depth()
         t.expected_cached = self.cached
         t.pred_prefill_ms = engine.prefill.predict_ms(work.prompt_tokens - self.cached)
-        return s._dispatch1(t, engine, self.now) if free else s._enqueue(t, engine, self.now)
+        got: Dispatch | Enqueued = s._dispatch1(t, engine, self.now) if free else s._enqueue(t, engine, self.now)
+        return got
 
 
 def project_tpot(s: Scheduler, engine: EngineState) -> tuple[float, float, EngineState] | None:

@@ -88,9 +88,9 @@ class Table:
         """The first holding row of one stage only, in order (the earlier stages' rows
         were passed when that stage was walked): the wait's R12/R13."""
         key = (type(facts), stage)
-        fs = self._facts.get(key)  # type: ignore[call-overload]
+        fs = self._facts.get(key)
         if fs is None:  # a stage's facts alone: a facts class may know no other stage
-            fs = self._facts[key] = tuple(  # type: ignore[index]
+            fs = self._facts[key] = tuple(
                 (getattr(type(facts), r.when), r) for i, r in enumerate(self.rows) if self.stages[i] == stage)
         for fn, r in fs:
             got = fn(facts, r)

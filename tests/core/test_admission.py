@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from narwhal.core import refusals as answers
 from narwhal.core.admission import Scheduler
 from narwhal.core.clock import ManualClock
 from narwhal.core.fleet import EngineState
 from narwhal.core.prediction import Margin
 from narwhal.core.refusals import PREDICATES, REFUSALS, first_match
-from narwhal.core import refusals as answers
 from narwhal.core.tickets import Dispatch, Enqueued, Refuse, Work
 from narwhal_generated import errors as E
 
