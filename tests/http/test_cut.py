@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.http import sink as C
 from narwhal.http import hyper
+from narwhal.http import sink as C
 
 
 class _Sink:
