@@ -100,13 +100,14 @@ def swapped_text(x: E.ErrorRow, y: E.ErrorRow) -> str:
     """The table's YAML with rows x and y trading places and `order` values."""
     head, rest = _TEXT.split("\nrows:\n", 1)
     body, tail = rest.split("\nnotes:\n", 1)
+    body += "\n"  # every row's block ends its last line
     blocks = re.split(r"(?m)^(?=  - id: )", body)
     lead, rows = blocks[0], blocks[1:]
     ids = [re.match(r"  - id: (\w+)", b).group(1) for b in rows]  # type: ignore[union-attr]
     i, j = ids.index(x.id), ids.index(y.id)
     rows[i], rows[j] = rows[j], rows[i]
     rows = [re.sub(r"(?m)^    order: \d+$", f"    order: {n}", b) for n, b in enumerate(rows, 1)]
-    return head + "\nrows:\n" + lead + "".join(rows) + "\nnotes:\n" + tail
+    return head + "\nrows:\n" + lead + "".join(rows) + "notes:\n" + tail
 
 
 def regenerated(text: str) -> tuple[E.ErrorRow, ...]:
