@@ -18,7 +18,7 @@ from narwhal_generated import errors as E
 from ..core import refusals as answers
 from ..core.accounting import Entry as BooksEntry
 from ..core.lease import Grant, Order, Outcome
-from ..core.placement import Placement
+from ..core.placement import Placement, place
 from ..core.prefix import APPROX_BLOCK_BYTES
 from ..core.quota import DEFAULT
 from ..core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
@@ -180,7 +180,7 @@ class LocalEntry:
         """The rows from `pos` that are known at `stage`: the first that holds refuses
         (nothing taken in this step); else what the rows passed take is taken."""
         table = answers.TABLE
-        got, pos = table.walk(self, stage, self.pos)
+        got, pos = table.walk(self, stage, self.pos, 0 if self.body else answers.QUIET_BODY)
         if got is not None:
             return got
         table.take(self, self.pos, pos)
@@ -250,8 +250,10 @@ class LocalEntry:
     # -- facts, stage admission ------------------------------------------------------------
 
     def tenant_token_rate_exceeded(self, row: E.ErrorRow) -> Refuse | None:
-        w = self.sized()
-        if w is None or self.tenant is None:
+        if self.tenant is None:
+            return None
+        w = self.work or self.sized()
+        if w is None:
             return None
         b = self.a.quotas.book(self.tenant, self.now)  # type: ignore[union-attr]
         wait = 0.0 if b.tokens is None else b.tokens.wait_s(w.prompt_tokens, self.now)
@@ -273,27 +275,27 @@ class LocalEntry:
         if self.pl is None:
             w = self.sized()
             if w is not None:
-                self.pl = self.a.scheduler.place(w, self.now)
+                self.pl = place(self.a.scheduler, w, self.now)
         return self.pl
 
     def prompt_alone_exceeds_budget(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.placed()
+        pl = self.pl or self.placed()
         return None if pl is None else pl.prompt_alone_exceeds_budget(row)
 
     def no_eligible_engine(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.placed()
+        pl = self.pl or self.placed()
         return None if pl is None else pl.no_eligible_engine(row)
 
     def projected_ttft_over_budget(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.placed()
+        pl = self.pl or self.placed()
         return None if pl is None else pl.projected_ttft_over_budget(row)
 
     def tenant_queue_full(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.placed()
+        pl = self.pl or self.placed()
         return None if pl is None else pl.tenant_queue_full(row)
 
     def admission_queue_full(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.placed()
+        pl = self.pl or self.placed()
         return None if pl is None else pl.admission_queue_full(row)
 
     def take_admission_queue_full(self) -> None:
@@ -301,7 +303,7 @@ class LocalEntry:
             self.pl.take_admission_queue_full()
 
     def projected_tpot_over_budget(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.placed()
+        pl = self.pl or self.placed()
         return None if pl is None else pl.projected_tpot_over_budget(row)
 
     def admission_wait_expired(self, row: E.ErrorRow) -> Refuse | None:

@@ -55,7 +55,7 @@ class Placement:
     """The best phase-1 engine for one request (None: no eligible engine) and the facts
     of the admission rows over it."""
 
-    __slots__ = ("s", "work", "now", "engine", "proj", "m", "min_solo", "cached", "weight", "predictive", "_victim")
+    __slots__ = ("s", "work", "now", "engine", "proj", "m", "min_solo", "cached", "weight", "predictive", "_victim", "_free")
 
     def __init__(self, s: Scheduler, work: Work, now: float, engine: EngineState | None, proj: float, m: float,
                  min_solo: float, cached: float, weight: float) -> None:
@@ -63,11 +63,17 @@ class Placement:
         self.engine, self.proj, self.m, self.min_solo, self.cached, self.weight = engine, proj, m, min_solo, cached, weight
         self.predictive = s.mode == "predictive"
         self._victim: Any = False  # not looked for yet
+        self._free: bool | None = None
 
     @property
     def free(self) -> bool:
-        e = self.engine
-        return e is not None and self.s._phase1_free(e) and not e.queue
+        """Its engine has a free phase-1 slot and no queue (looked at once: nothing
+        changes the engine until `commit`)."""
+        f = self._free
+        if f is None:
+            e = self.engine
+            f = self._free = e is not None and self.s._phase1_free(e) and not e.queue
+        return f
 
     # -- facts (spec/tables/refusals.yaml, stage admission) ------------------------------
 

@@ -39,12 +39,15 @@ from narwhal_generated import errors as E
 from .tickets import Refuse
 
 __all__ = ["Table", "TABLE", "using", "HEAD", "BODY", "ADMISSION", "WAIT", "STAGE",
-           "PREDICATES", "REFUSALS", "first_match", "retry_after_seconds", "envelope", "render", "decode_row"]
+           "PREDICATES", "REFUSALS", "QUIET_BODY", "first_match", "retry_after_seconds", "envelope", "render", "decode_row"]
 
 REFUSALS: tuple[E.ErrorRow, ...] = E.REFUSALS
 PREDICATES: tuple[str, ...] = tuple(r.when for r in REFUSALS)
 STAGE: dict[str, int] = {s: i for i, s in enumerate(E.STAGES)}
 HEAD, BODY, ADMISSION, WAIT = (STAGE[s] for s in ("head", "body", "admission", "wait"))
+
+_WAIT_BIT = 1 << WAIT
+QUIET_BODY = 1 << BODY  # `walk(quiet=...)`: no body row holds
 
 Fact = Callable[[Any, E.ErrorRow], "Refuse | None"]
 
@@ -52,37 +55,46 @@ Fact = Callable[[Any, E.ErrorRow], "Refuse | None"]
 class Table:
     """Refusal rows in precedence order, compiled for walks."""
 
-    __slots__ = ("rows", "stages", "_known", "_facts", "_takes")
+    __slots__ = ("rows", "stages", "_known", "_stops", "_facts", "_takes")
 
     def __init__(self, rows: Iterable[E.ErrorRow]) -> None:
         self.rows = tuple(rows)
         self.stages = tuple(STAGE[r.stage or "head"] for r in self.rows)
         # the stage a row's fact is known at: its own, but a wait row's at admission
         self._known = tuple(min(s, ADMISSION) for s in self.stages)
+        # per stage, from each row: the first row at or after it whose fact is not known yet
+        n = len(self.rows)
+        self._stops = tuple(tuple(next((j for j in range(i, n) if self._known[j] > st), n) for i in range(n + 1))
+                            for st in range(len(STAGE)))
         self._facts: dict[Any, Any] = {}
         self._takes: dict[type, tuple[tuple[int, Callable[[Any], None]], ...]] = {}
 
-    def facts_of(self, cls: type) -> tuple[Fact, ...]:
-        """The fact of every row, in row order, from a facts class (one method per
+    def facts_of(self, cls: type) -> tuple[tuple[Fact, E.ErrorRow], ...]:
+        """(fact, row) of every row, in row order, from a facts class (one method per
         predicate: a predicate with no method is a bug, caught here)."""
         fs = self._facts.get(cls)
         if fs is None:
-            fs = self._facts[cls] = tuple(getattr(cls, r.when) for r in self.rows)
-        return fs
+            fs = self._facts[cls] = tuple((getattr(cls, r.when), r) for r in self.rows)
+        return fs  # type: ignore[no-any-return]
 
-    def walk(self, facts: object, stage: int, start: int = 0) -> tuple[Refuse | None, int]:
+    def walk(self, facts: object, stage: int, start: int = 0, quiet: int = 0) -> tuple[Refuse | None, int]:
         """From row `start`: (the first holding row's Refuse, its index), or (None, the
-        index of the first row not known at `stage`; len(rows) when every row passed)."""
-        fns = self.facts_of(type(facts))
-        known = self._known
-        rows = self.rows
-        for i in range(start, len(rows)):
-            if known[i] > stage:
-                return None, i
-            got = fns[i](facts, rows[i])
+        index of the first row not known at `stage`; len(rows) when every row passed).
+        `quiet`: a mask of stages (1 << stage) whose facts the caller knows hold none for
+        this request (no body row held): their rows are passed without a call. The wait
+        stage's rows are passed so at admission (nothing has waited yet)."""
+        fns = self._facts.get(type(facts)) or self.facts_of(type(facts))
+        stop = self._stops[stage][start]
+        stages = self.stages
+        quiet |= _WAIT_BIT
+        for i in range(start, stop):
+            if quiet >> stages[i] & 1:
+                continue
+            fn, row = fns[i]
+            got = fn(facts, row)
             if got is not None:
                 return got, i
-        return None, len(rows)
+        return None, stop
 
     def first_at(self, stage: int, facts: object) -> Refuse | None:
         """The first holding row of one stage only, in order (the earlier stages' rows
