@@ -75,7 +75,7 @@ class Table:
         fs = self._facts.get(cls)
         if fs is None:
             fs = self._facts[cls] = tuple((getattr(cls, r.when), r) for r in self.rows)
-        return fs  # type: ignore[no-any-return]
+        return fs
 
     def walk(self, facts: object, stage: int, start: int = 0, quiet: int = 0) -> tuple[Refuse | None, int]:
         """From row `start`: (the first holding row's Refuse, its index), or (None, the
