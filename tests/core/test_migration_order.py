@@ -7,21 +7,14 @@ continuation is placed or it is not)."""
 from __future__ import annotations
 
 import itertools
-import re
-import sys
-import types
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from narwhal import specgen
 from narwhal.core.migration import MIGRATE, Progress, obstacle, placed
 from narwhal_generated import migration as G
 
-ROOT = Path(__file__).resolve().parents[2]
-_SPEC = specgen.load_spec(ROOT)
-_TEXT = (ROOT / "spec" / "tables" / "migration.yaml").read_text()
+from . import tablecopy
 
 EXCLUSIVE = {frozenset((G.G10, G.G11))}  # placed, or not
 ALSO = {G.G01: {G.G03}}  # no attempts allowed: every attempt is spent too
@@ -64,27 +57,12 @@ def decide(rows: tuple[G.MigrationRow, ...], setups: list[G.MigrationRow]) -> G.
 
 
 def swapped_text(x: G.MigrationRow, y: G.MigrationRow) -> str:
-    head, rest = _TEXT.split("\nrows:\n", 1)
-    body, tail = rest.split("\nnotes:\n", 1)
-    body += "\n"  # every row's block ends its last line
-    rows = re.split(r"(?m)^(?=  - id: )", body)
-    lead, rows = rows[0], rows[1:]
-    ids = [re.match(r"  - id: (\w+)", b).group(1) for b in rows]  # type: ignore[union-attr]
-    i, j = ids.index(x.id), ids.index(y.id)
-    rows[i], rows[j] = rows[j], rows[i]
-    return head + "\nrows:\n" + lead + "".join(rows) + "notes:\n" + tail
+    return tablecopy.swapped("migration", x.id, y.id, renumber=False)
 
 
 def regenerated(text: str) -> tuple[G.MigrationRow, ...]:
     """generated/migration.py rendered with `text` as migration.yaml; its ROWS as ours."""
-    src = specgen.render_modules(specgen.with_table(_SPEC, text))["migration.py"]
-    mod = types.ModuleType("migration_swapped")
-    sys.modules[mod.__name__] = mod
-    try:
-        exec(compile(src, "migration_swapped.py", "exec"), mod.__dict__)  # noqa: S102 - the generator's own output
-    finally:
-        del sys.modules[mod.__name__]
-    return tuple(G.BY_ID[r.id] for r in mod.ROWS)
+    return tuple(G.BY_ID[r.id] for r in tablecopy.regenerated(text, "migration").ROWS)
 
 
 def _first(rows: tuple[G.MigrationRow, ...], holding: set[G.MigrationRow]) -> G.MigrationRow:

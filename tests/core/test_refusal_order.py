@@ -17,16 +17,11 @@ balance after every request.
 from __future__ import annotations
 
 import itertools
-import re
-import sys
-import types
-from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from narwhal import specgen
 from narwhal.authority.authority import Authority
 from narwhal.authority.door import LocalDoor, LocalEntry
 from narwhal.config import parse_config
@@ -39,8 +34,8 @@ from narwhal.core.tickets import Enqueued, Refuse, Work
 from narwhal.upstream.engines import EngineSpec
 from narwhal_generated import errors as E
 
-ROOT = Path(__file__).resolve().parents[2]
-TABLE = ROOT / "spec" / "tables" / "refusals.yaml"
+from . import tablecopy
+
 WAIT_ROWS = {E.R12, E.R13}
 
 # What each row's fact needs of one request: `key` (missing, invalid, valid: a tenant is
@@ -92,34 +87,15 @@ def test_every_row_has_its_requirements_and_the_pairs_are_many() -> None:
 
 # -- a reordered copy of the table, regenerated ------------------------------------------------
 
-_SPEC = specgen.load_spec(ROOT)
-_TEXT = TABLE.read_text()
-
 
 def swapped_text(x: E.ErrorRow, y: E.ErrorRow) -> str:
-    """The table's YAML with rows x and y trading places and `order` values."""
-    head, rest = _TEXT.split("\nrows:\n", 1)
-    body, tail = rest.split("\nnotes:\n", 1)
-    body += "\n"  # every row's block ends its last line
-    blocks = re.split(r"(?m)^(?=  - id: )", body)
-    lead, rows = blocks[0], blocks[1:]
-    ids = [re.match(r"  - id: (\w+)", b).group(1) for b in rows]  # type: ignore[union-attr]
-    i, j = ids.index(x.id), ids.index(y.id)
-    rows[i], rows[j] = rows[j], rows[i]
-    rows = [re.sub(r"(?m)^    order: \d+$", f"    order: {n}", b) for n, b in enumerate(rows, 1)]
-    return head + "\nrows:\n" + lead + "".join(rows) + "notes:\n" + tail
+    return tablecopy.swapped("refusals", x.id, y.id, renumber=True)
 
 
 def regenerated(text: str) -> tuple[E.ErrorRow, ...]:
-    """generated/errors.py rendered from the spec with `text` as refusals.yaml, imported;
-    its REFUSALS in their new order, as the router's own row constants."""
-    src = specgen.render_modules(specgen.with_table(_SPEC, text))["errors.py"]
-    mod = types.ModuleType("errors_swapped")
-    sys.modules[mod.__name__] = mod  # dataclasses look their module up while the class is made
-    try:
-        exec(compile(src, "errors_swapped.py", "exec"), mod.__dict__)  # noqa: S102 - the generator's own output
-    finally:
-        del sys.modules[mod.__name__]
+    """generated/errors.py rendered with `text` as refusals.yaml; its REFUSALS in their new
+    order, as the router's own row constants."""
+    mod = tablecopy.regenerated(text, "errors")
     out = tuple(E.ROWS[r.id] for r in mod.REFUSALS)
     for new, ours in zip(mod.REFUSALS, out, strict=True):  # the same rows: only the order moved
         assert (new.stage, new.when, new.status, new.code, new.counter) == (ours.stage, ours.when, ours.status, ours.code, ours.counter)
@@ -127,7 +103,7 @@ def regenerated(text: str) -> tuple[E.ErrorRow, ...]:
 
 
 def test_the_unchanged_table_regenerates_to_the_generated_order() -> None:
-    assert regenerated(_TEXT) == E.REFUSALS
+    assert regenerated((tablecopy.ROOT / "spec" / "tables" / "refusals.yaml").read_text()) == E.REFUSALS
 
 
 # -- one request, in process -----------------------------------------------------------------
