@@ -28,6 +28,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from narwhal_generated import errors as E
+
 __all__ = ["Limits", "Bucket", "TenantBook", "Quotas", "MAX_TENANTS", "DEFAULT"]
 
 MAX_TENANTS = 4096  # tenant books kept at once (least recently seen first out)
@@ -129,17 +131,17 @@ class Quotas:
 
     # -- the rows ------------------------------------------------------------------------
 
-    def arrive(self, tenant: str, now: float) -> tuple[str, float] | None:
-        """At arrival: ("R17", 0) over max_in_flight, ("R18", wait) over requests_per_s,
+    def arrive(self, tenant: str, now: float) -> tuple[E.ErrorRow, float] | None:
+        """At arrival: (R17, 0) over max_in_flight, (R18, wait) over requests_per_s,
         else None and the request is counted in flight (end it with `end`)."""
         b = self.book(tenant, now)
         lim = b.limits
         if lim.max_in_flight is not None and b.in_flight >= lim.max_in_flight:
-            return ("R17", 0.0)
+            return (E.R17, 0.0)
         if b.requests is not None:
             w = b.requests.wait_s(1.0, now)
             if w > 0:
-                return ("R18", w)
+                return (E.R18, w)
             b.requests.take(1.0, now)
         b.in_flight += 1
         return None
