@@ -36,6 +36,8 @@ walks the rest once admission has answered. The facts:
   * `stop_straddles`: the text sent so far ends with a proper prefix of one of the
     request's `stop` strings: the new engine, which checks stop strings on its own text
     only, would miss a stop string that began before the cut.
+  * `several_prompts`: a completions request with a batch of prompts: its choices'
+    token IDs interleave on the one stream, so no one sequence continues it.
   * `placement_refused`: admission refused the continuation, or the engine it placed it
     on cannot take it (no token IDs, no prompt IDs, nothing left to generate).
   * `carry_on`: placed: carry it on (outcome `migrate`).
@@ -220,6 +222,10 @@ class _Break:
 
     def stop_straddles(self) -> bool:
         return straddles(self.p.text, _stops(self.body))
+
+    def several_prompts(self) -> bool:
+        p = self.body.get("prompt")
+        return self.route == "completion" and isinstance(p, list) and len(p) > 1 and not isinstance(p[0], int)
 
     def placement_refused(self) -> bool | None:
         return None if self.ok is None else not self.ok

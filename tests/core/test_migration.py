@@ -46,6 +46,10 @@ CASES = [
     ("stop begun before the cut", "chat", {"stop": ["world!"]}, {}, 1, True, 50.0, "stop_straddles"),
     ("stop not begun", "chat", {"stop": ["END"]}, {}, 1, True, 50.0, None),
     ("stop as a string", "chat", {"stop": "or"}, {"text": "Hello wo"}, 1, True, 50.0, "stop_straddles"),
+    ("a batch of prompts", "completion", {"prompt": ["one", "two"]}, {}, 1, True, 50.0, "several_prompts"),
+    ("a batch of token-ID prompts", "completion", {"prompt": [[1, 2], [3]]}, {}, 1, True, 50.0, "several_prompts"),
+    ("one token-ID prompt", "completion", {"prompt": [1, 2, 3]}, {}, 1, True, 50.0, None),
+    ("a batch of one", "completion", {"prompt": ["one"]}, {}, 1, True, 50.0, None),
 ]
 
 
@@ -62,7 +66,7 @@ def test_every_reason_obstacle_decides_has_a_case() -> None:
 def test_obstacle_checks_the_rows_in_the_tables_order() -> None:
     """Everything wrong at once: take away the reason obstacle names, one at a time; the
     reasons come out in the order of spec/tables/migration.yaml."""
-    body: dict[str, Any] = {**CHAT, "echo": True, "logprobs": True, "tools": [{}], "stop": ["wor" + "ld"]}
+    body: dict[str, Any] = {**CHAT, "echo": True, "logprobs": True, "tools": [{}], "stop": ["wor" + "ld"], "prompt": ["a", "b"]}
     p = progress(attempts=1, deadline_left_ms=1.0, plain=False)
     kw: dict[str, Any] = {"max_attempts": 0, "token_ids": False, "projected_ttft_ms": 50.0}
     fixes = {
@@ -75,6 +79,7 @@ def test_obstacle_checks_the_rows_in_the_tables_order() -> None:
         "structured": lambda: body.pop("tools"),
         "not_plain": lambda: None,
         "stop_straddles": lambda: body.pop("stop"),
+        "several_prompts": lambda: body.update(prompt="hi"),
     }
     seen: list[str] = []
     while (row := obstacle("completion", body, p, **kw)) is not None:

@@ -1,7 +1,7 @@
 """The migration table decides (spec/tables/migration.yaml: first match): swap two G rows
 that can hold together in a copy of the table, regenerate in process, and the decision
 (and its outcome) follows. Every pair of rows is tried whose facts one broken stream can
-hold together: G01-G09 all can (and G10 or G11 with them), G10 and G11 never (the
+hold together: G01-G09 and G12 all can (and G10 or G11 with them), G10 and G11 never (the
 continuation is placed or it is not)."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ SETUP: dict[G.MigrationRow, Any] = {
     G.G07: lambda b: b.body.update(guided_json={}),
     G.G08: lambda b: b.p.update(plain=False),
     G.G09: lambda b: b.body.update(stop=["world"]),
+    G.G12: lambda b: b.body.update(prompt=["hi", "there"]),
     G.G10: lambda b: setattr(b, "ok", False),
     G.G11: lambda b: None,  # placed: carry on holds
 }
