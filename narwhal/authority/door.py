@@ -134,7 +134,7 @@ class LocalLease:
         if o.tpot_s is not None and o.tpot_engine is not None:
             e = a.engines[o.tpot_engine]
             # scored at the mean batch over the span the TPOT was measured (from the first
-            # token), not the batch left at the close (the mean batch B_k over the measured span)
+            # token), not the batch left at the close (B_k of the decode model)
             e.decode.observe(e.mean_decode_batch(self.t.decode_mark, o.at), o.tpot_s * 1000.0)
         if o.output_tokens is not None:
             w = self.t.work
