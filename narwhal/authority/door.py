@@ -346,9 +346,10 @@ class LocalEntry:
         parsed), then the admission rows over the sized request, then its place."""
         a = self.a
         self.now = now = a.clock.now()
-        if a.state.election.fenced(now) or a.state.election.standby(now):
+        if (a.state.election.fenced(now) or a.state.election.standby(now)) and self.pos > answers.TABLE.index(E.R01):
             # R01's fact, read again: the router lost (or handed on) its authority while
-            # the body arrived
+            # the body arrived. The arrival's walk passed R01, so it stands above every
+            # row still undecided: in the table's order it decides first.
             return Refuse(E.R01, fields={"reason": a.state.reason(now) or "fenced"})
         self.order, self.body = order, body
         got = self.step(answers.ADMISSION)

@@ -55,7 +55,7 @@ Fact = Callable[[Any, E.ErrorRow], "Refuse | None"]
 class Table:
     """Refusal rows in precedence order, compiled for walks."""
 
-    __slots__ = ("rows", "stages", "_known", "_stops", "_facts", "_takes")
+    __slots__ = ("rows", "stages", "_known", "_stops", "_facts", "_at", "_takes")
 
     def __init__(self, rows: Iterable[E.ErrorRow]) -> None:
         self.rows = tuple(rows)
@@ -67,6 +67,7 @@ class Table:
         self._stops = tuple(tuple(next((j for j in range(i, n) if self._known[j] > st), n) for i in range(n + 1))
                             for st in range(len(STAGE)))
         self._facts: dict[Any, Any] = {}
+        self._at = {r.id: i for i, r in enumerate(self.rows)}
         self._takes: dict[type, tuple[tuple[int, Callable[[Any], None]], ...]] = {}
 
     def facts_of(self, cls: type) -> tuple[tuple[Fact, E.ErrorRow], ...]:
@@ -122,7 +123,7 @@ class Table:
                 fn(facts)
 
     def index(self, row: E.ErrorRow) -> int:
-        return self.rows.index(row)
+        return self._at[row.id]
 
 
 TABLE = Table(E.REFUSALS)

@@ -293,3 +293,28 @@ def test_a_refused_request_takes_nothing_a_row_below_its_own_would_have() -> Non
     rows = regenerated(swapped_text(E.R02, E.R05))
     assert answer(rows, [E.R05]) is E.R05  # answer() asserts held == 0 after the end
     assert answer(rows, [E.R02, E.R05]) is E.R05
+
+
+@pytest.mark.parametrize("order", ["generated", "swapped"])
+def test_authority_lost_while_the_body_arrived_is_placed_by_the_table(order: str) -> None:
+    """The router hands on its authority (standby) after the arrival's walk and before
+    admission, and the body names an unknown model: R01 above R05 (generated) answers
+    R01, its fact read again; R05 above R01 answers R05."""
+    from types import SimpleNamespace
+
+    rows = E.REFUSALS if order == "generated" else regenerated(swapped_text(E.R01, E.R05))
+    q = Request()
+    SETUP[E.R05](q)
+    a, _ = _authority(q)
+    with refusals.using(rows):
+        entry = LocalDoor(a).arrive_now(0.0, None, "acme")
+        assert isinstance(entry, LocalEntry)
+        a.state.election = SimpleNamespace(fenced=lambda now: False, standby=lambda now: True)
+        facts, parsed, _ = body_facts("chat", orjson.dumps(q.body), None, None, too_large=None, model="m",
+                                      budget_ms=2000, max_target_ms=60000)
+        got = entry.admit_now(Order("chat", 300, None, 16, 2000.0, 0.0, None, tenant="acme"), facts)
+        assert isinstance(got, Refuse)
+        entry.end(got.row.counter)
+    assert got.row is (E.R01 if order == "generated" else E.R05)
+    snap = a.books.snapshot()
+    assert snap["offered"] == 1 and sum(snap["terminal"].values()) == 1 and a.held == 0
