@@ -21,6 +21,8 @@ walks the rest once admission has answered. The facts:
   * `not_enabled`: upstream.migration.max_attempts is 0 (the default): every existing row
     unchanged.
   * `no_token_ids`: the engine does not account by token IDs: nothing validated to carry.
+  * `nothing_left`: the output relayed holds max_tokens tokens already: the stream ends
+    as a complete answer (outcome `finish`), nothing is placed.
   * `attempts_spent`: the request has been carried on max_attempts times already.
   * `deadline`: less time is left before the request's deadline (R13) than the new
     engine's projected time to first token: the continuation could not deliver a token.
@@ -57,7 +59,7 @@ from narwhal_generated import migration as G
 
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 
-__all__ = ["REASONS", "MIGRATE", "Progress", "Recorder", "stop_tail", "obstacle", "placed", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS", "MAX_RECORDED_IDS"]
+__all__ = ["REASONS", "MIGRATE", "FINISH", "Progress", "Recorder", "stop_tail", "obstacle", "placed", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS", "MAX_RECORDED_IDS"]
 
 REASONS = G.REASONS  # the rows' reasons, in their order
 
@@ -164,6 +166,7 @@ class Progress:
     plain: bool  # only plain content deltas so far (no reasoning, tool calls, refusal)
     attempts: int  # continuations already made for this request
     deadline_left_ms: float | None  # None: no deadline
+    max_tokens: int | None = None  # the request's (None: no limit)
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -200,6 +203,9 @@ class _Break:
 
     def no_token_ids(self) -> bool:
         return not self.token_ids
+
+    def nothing_left(self) -> bool:
+        return self.p.max_tokens is not None and len(self.p.output_ids) >= self.p.max_tokens
 
     def attempts_spent(self) -> bool:
         return self.p.attempts >= self.max_attempts
@@ -263,6 +269,7 @@ def placed(route: str, body: dict[str, Any], p: Progress, *, ok: bool, max_attem
 
 
 MIGRATE = "migrate"  # the outcome of a row that carries the stream on (spec/tables/migration.yaml)
+FINISH = "finish"  # the outcome of a row that ends the stream as a complete answer
 
 
 def continuation(body: dict[str, Any], *, max_tokens: int | None, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> dict[str, Any]:

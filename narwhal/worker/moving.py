@@ -16,7 +16,7 @@ from narwhal_generated.migration import MigrationRow
 
 from ..core.dialects import DIALECTS
 from ..core.lease import Grant, Lease, Order
-from ..core.migration import MIGRATE, Recorder, obstacle, placed
+from ..core.migration import FINISH, MIGRATE, Recorder, obstacle, placed
 from ..core.relay import StreamRelay
 from ..core.requests import ParsedRequest
 from ..telemetry.logs import RequestRecord
@@ -59,6 +59,15 @@ class Migrating:
         rec = self.relay.recorder if self.relay is not None else None
         now = r.clock.now()
         why = self._obstacle(rec, now)  # a G row that holds before placement, or None: place it
+        if why is not None and why.outcome == FINISH:  # G13: nothing left to generate
+            assert rec is not None
+            r.telemetry.migrations.labels(f.row, why.reason).inc()
+            prompt = rec.valid_prompt()
+            await self.sink.write(migrate.finish(req, rec, r.config.serving.model, prompt_tokens=len(prompt) if prompt is not None else self.lease.prompt_tokens,
+                                                 finish_sent=self.relay is not None and self.relay.finish_reason is not None))
+            await self.sink.end_stream()
+            log.info("request %s: %s on %s after all %d tokens: finished (%s)", self.rid, f.row, f.engine.name, len(rec.output_ids), why.reason)
+            raise Ended("completed", f)
         cont = nxt = None
         if why is None:
             assert rec is not None
@@ -100,7 +109,7 @@ class Migrating:
         G row that holds before the continuation is placed, or None; with `ok` (placed
         and takeable), the row the whole walk ends in."""
         left = None if self.order.deadline_s is None else (self.order.deadline_s - (now - self.order.arrival)) * 1000.0
-        p = migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left)
+        p = migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left, max_tokens=self.req.max_tokens)
         token_ids = rec is not None and not rec.overflow
         ttft = self.lease.projected_ttft_ms or 0.0
         if ok is None:

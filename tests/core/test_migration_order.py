@@ -1,7 +1,7 @@
 """The migration table decides (spec/tables/migration.yaml: first match): swap two G rows
 that can hold together in a copy of the table, regenerate in process, and the decision
 (and its outcome) follows. Every pair of rows is tried whose facts one broken stream can
-hold together: G01-G09 and G12 all can (and G10 or G11 with them), G10 and G11 never (the
+hold together: G01-G09, G12 and G13 all can (and G10 or G11 with them), G10 and G11 never (the
 continuation is placed or it is not)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Break:
     def __init__(self) -> None:
         self.route = "completion"
         self.body: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "temperature": 0}
-        self.p: dict[str, Any] = {"output_ids": (1000, 1001), "text": "Hello wor", "plain": True, "attempts": 0, "deadline_left_ms": None}
+        self.p: dict[str, Any] = {"output_ids": (1000, 1001), "text": "Hello wor", "plain": True, "attempts": 0, "deadline_left_ms": None, "max_tokens": None}
         self.kw: dict[str, Any] = {"max_attempts": 1, "token_ids": True, "projected_ttft_ms": 50.0}
         self.ok = True
 
@@ -34,6 +34,7 @@ SETUP: dict[G.MigrationRow, Any] = {
     G.G01: lambda b: b.kw.update(max_attempts=0),
     G.G02: lambda b: b.kw.update(token_ids=False),
     G.G03: lambda b: b.p.update(attempts=1),
+    G.G13: lambda b: b.p.update(max_tokens=2),  # both output tokens out already
     G.G04: lambda b: b.p.update(deadline_left_ms=10.0),
     G.G05: lambda b: b.body.update(echo=True),
     G.G06: lambda b: b.body.update(logprobs=2),
