@@ -11,7 +11,7 @@ and frees what it held.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from narwhal_generated import errors as E
 
@@ -151,6 +151,17 @@ class LocalLease:
             a.released()
 
 
+def _on_placement(fact: Callable[[Placement, E.ErrorRow], Refuse | None]) -> Callable[[LocalEntry, E.ErrorRow], Refuse | None]:
+    """An admission row's fact, the scheduler's, over the entry's placement (made once,
+    when the first of them is asked; none without a parsed body)."""
+
+    def on(self: LocalEntry, row: E.ErrorRow) -> Refuse | None:
+        pl = self.pl or self.placed()
+        return None if pl is None else fact(pl, row)
+
+    return on
+
+
 class LocalEntry:
     """One offered request at the authority: its books entry, what it took, and the facts
     of the refusal rows the authority knows (core/refusals.py walks them in the table's
@@ -278,33 +289,17 @@ class LocalEntry:
                 self.pl = place(self.a.scheduler, w, self.now)
         return self.pl
 
-    def prompt_alone_exceeds_budget(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.pl or self.placed()
-        return None if pl is None else pl.prompt_alone_exceeds_budget(row)
-
-    def no_eligible_engine(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.pl or self.placed()
-        return None if pl is None else pl.no_eligible_engine(row)
-
-    def projected_ttft_over_budget(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.pl or self.placed()
-        return None if pl is None else pl.projected_ttft_over_budget(row)
-
-    def tenant_queue_full(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.pl or self.placed()
-        return None if pl is None else pl.tenant_queue_full(row)
-
-    def admission_queue_full(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.pl or self.placed()
-        return None if pl is None else pl.admission_queue_full(row)
+    # the scheduler's facts (core/placement.py), over this request's placement
+    prompt_alone_exceeds_budget = _on_placement(Placement.prompt_alone_exceeds_budget)
+    no_eligible_engine = _on_placement(Placement.no_eligible_engine)
+    projected_ttft_over_budget = _on_placement(Placement.projected_ttft_over_budget)
+    tenant_queue_full = _on_placement(Placement.tenant_queue_full)
+    admission_queue_full = _on_placement(Placement.admission_queue_full)
+    projected_tpot_over_budget = _on_placement(Placement.projected_tpot_over_budget)
 
     def take_admission_queue_full(self) -> None:
         if self.pl is not None:
             self.pl.take_admission_queue_full()
-
-    def projected_tpot_over_budget(self, row: E.ErrorRow) -> Refuse | None:
-        pl = self.pl or self.placed()
-        return None if pl is None else pl.projected_tpot_over_budget(row)
 
     def admission_wait_expired(self, row: E.ErrorRow) -> Refuse | None:
         return None  # nothing has waited at admission: R12/R13 are decided in the wait (LocalLease)
