@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any
 
 import pytest
@@ -52,7 +52,7 @@ def _controls(mode: str, engines: int = 4) -> LocalControls:
 def _msg(cls: type[Any], **kw: Any) -> Any:
     """A message with the given fields; any other field of this version of ipc.py (a
     field added since) empty: [] for the prefix lists, else None."""
-    return cls(**{f.name: kw.get(f.name, [] if "prefix" in f.name else None) for f in fields(cls)})
+    return cls(**{f.name: kw.get(f.name, [] if "prefix" in f.name else (None if f.default is MISSING else f.default)) for f in fields(cls)})
 
 
 def _frames(rid: int, at: float) -> tuple[bytes, bytes, bytes]:
@@ -104,7 +104,7 @@ def test_authority_side_one_request_cycle(benchmark: Any, loop: Any, mode: str) 
 def test_worker_side_frames_one_request_cycle(benchmark: Any) -> None:
     """The worker's share of the channel's work: encode its five messages, decode the
     authority's two answers (without the futures and tasks of worker/remote.py)."""
-    arrived = ipc.encode(ipc.Arrived(1, None, {}))[4:]
+    arrived = ipc.encode(ipc.Arrived(1, None))[4:]
     admitted = ipc.encode(_msg(ipc.Admitted, rid=1, prompt_tokens=64, projected_ttft_ms=23.2, engine="u0", phase="unified"))[4:]
 
     def cycle() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ['MigrationRow', 'ROWS', 'BY_ID', 'G01', 'G02', 'G03', 'G04', 'G05', 'G06', 'G07', 'G08', 'G09', 'G10', 'G11', 'BY_REASON', 'REASONS', 'FAILURES']
+__all__ = ['MigrationRow', 'ROWS', 'BY_ID', 'G01', 'G02', 'G13', 'G03', 'G04', 'G05', 'G06', 'G07', 'G08', 'G09', 'G12', 'G10', 'G11', 'BY_REASON', 'REASONS', 'FAILURES']
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,14 @@ G02 = MigrationRow(
     reason='no_token_ids',
     outcome='error_event',
     quote='engines without token IDs (never migrated)',
+)
+
+# G13: nothing_left: the output relayed already holds max_tokens tokens (counted by their IDs): nothing is left to generate, so the stream ends as the engine would have ended it, with finish_reason length (and the usage chunk when the client asked for it), not with an error event; no continuation is placed. Class completed; the engine's break still counts for its breaker.
+G13 = MigrationRow(
+    id='G13',
+    reason='nothing_left',
+    outcome='finish',
+    quote='say when a failure is migrated and when it is still an error event: the attempts left',
 )
 
 G03 = MigrationRow(
@@ -86,6 +94,14 @@ G09 = MigrationRow(
     quote='whether the client asked for something a continuation cannot promise',
 )
 
+# G12: several_prompts: a completions request whose prompt is a batch (a list of strings, or of token-ID lists, more than one): its stream interleaves the choices' tokens, so no one token-ID sequence continues it. Not carried on.
+G12 = MigrationRow(
+    id='G12',
+    reason='several_prompts',
+    outcome='error_event',
+    quote='whether the client asked for something a continuation cannot promise',
+)
+
 # G10: placement_refused: admission refused the continuation (no eligible engine, R09; a projection over budget, R10; a full queue): the stream ends with the original failure's error event.
 G10 = MigrationRow(
     id='G10',
@@ -101,7 +117,7 @@ G11 = MigrationRow(
     quote='a decode leg that fails after response headers on an engine with `token_accounting: token_ids` is continued on another eligible decode (or unified) engine',
 )
 
-ROWS: tuple[MigrationRow, ...] = (G01, G02, G03, G04, G05, G06, G07, G08, G09, G10, G11,)
+ROWS: tuple[MigrationRow, ...] = (G01, G02, G13, G03, G04, G05, G06, G07, G08, G09, G12, G10, G11,)
 BY_ID: dict[str, MigrationRow] = {r.id: r for r in ROWS}
 BY_REASON: dict[str, MigrationRow] = {r.reason: r for r in ROWS}
 REASONS: tuple[str, ...] = tuple(r.reason for r in ROWS)

@@ -26,11 +26,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import orjson
 
-__all__ = ["MESSAGES", "MAX_FRAME_BYTES", "ProtocolError", "encode", "decode", "Channel",
+from narwhal_generated import errors as E
+
+from .core.tickets import Refuse
+
+__all__ = ["Message", "message", "MESSAGES", "MAX_FRAME_BYTES", "ProtocolError", "encode", "decode", "Channel",
            "Hello", "Up", "Arrive", "Arrived", "Admit", "Admitted", "Granted", "Refused", "NoRetry",
            "WantDecode", "Retry", "PrefillDone", "FirstToken", "Close", "End", "Call", "Answer", "Scrape", "Families", "Facts", "Penalise", "Reconfigure"]
 
@@ -41,30 +45,83 @@ class ProtocolError(Exception):
     pass
 
 
+class Message:
+    """A message of the channel: a frozen dataclass made by `message(tag)`."""
+
+    __slots__ = ()
+    TAG: ClassVar[int] = 0
+
+
+MESSAGES: dict[int, type[Any]] = {}  # tag -> message class
+_M = TypeVar("_M", bound=type[Message])
+
+# Fields that carry the refusal table's rows travel by ID and come back as the generated
+# constants (narwhal_generated.errors): a row is never a bare string on either side.
+_Codec = tuple[Callable[[Any], Any], Callable[[Any], Any]]
+
+
+def _refusal_out(r: Refuse | None) -> list[Any] | None:
+    return None if r is None else [r.row.id, r.overrun_s, r.fields, r.param]
+
+
+def _refusal_in(v: list[Any] | None) -> Refuse | None:
+    return None if v is None else Refuse(E.ROWS[v[0]], v[1], v[2], v[3])
+
+
+def _row_out(r: E.ErrorRow | None) -> str | None:
+    return None if r is None else r.id
+
+
+def _row_in(v: str | None) -> E.ErrorRow | None:
+    return None if v is None else E.ROWS[v]
+
+
+_CODECS: dict[str, _Codec] = {
+    "E.ErrorRow": (_row_out, _row_in),
+    "E.ErrorRow | None": (_row_out, _row_in),
+    "Refuse": (_refusal_out, _refusal_in),
+    "Refuse | None": (_refusal_out, _refusal_in),
+    "tuple[Refuse, ...]": (lambda rs: [_refusal_out(r) for r in rs], lambda vs: tuple(_refusal_in(v) for v in vs)),
+}
+_TYPED: dict[type[Any], tuple[tuple[int, _Codec], ...]] = {}  # class -> (field index, codec) of its typed fields
+
+
+def message(tag: int) -> Callable[[_M], _M]:
+    """Make a class a message numbered `tag` (unique): frozen, slotted, registered for
+    `decode`, its fields in declaration order on the wire, typed fields by their codec."""
+
+    def make(cls: _M) -> _M:
+        if tag in MESSAGES:
+            raise ValueError(f"message tag {tag} is taken by {MESSAGES[tag].__name__}")
+        made = dataclass(frozen=True, slots=True)(cls)
+        made.TAG = tag
+        MESSAGES[tag] = made
+        _TYPED[made] = tuple((i, _CODECS[f.type]) for i, f in enumerate(fields(made)) if f.type in _CODECS)  # type: ignore[index]
+        return made
+
+    return make
+
+
 # -- authority -> worker ------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Hello:
+@message(1)
+class Hello(Message):
     """The first message to a new worker: who it is and what it serves."""
 
-    TAG: ClassVar[int] = 1
     worker: int
     config: dict[str, Any]  # the validated configuration, as JSON
     engines: list[dict[str, Any]]  # EngineSpec.as_dict()
 
 
-@dataclass(frozen=True, slots=True)
-class Arrived:
-    TAG: ClassVar[int] = 2
+@message(2)
+class Arrived(Message):
     rid: int
-    row: str | None  # None: offered and held; "R01" | "R02": refused (the books are closed)
-    fields: dict[str, Any]
+    refused: Refuse | None  # None: offered and held; else the arrival's row (the books are closed)
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    TAG: ClassVar[int] = 3
+@message(3)
+class Admitted(Message):
     rid: int
     prompt_tokens: int
     projected_ttft_ms: float | None
@@ -73,89 +130,77 @@ class Admitted:
     phase: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Granted:
-    TAG: ClassVar[int] = 4
+@message(4)
+class Granted(Message):
     rid: int
     engine: str
     phase: str
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    TAG: ClassVar[int] = 5
+@message(5)
+class Refused(Message):
     rid: int
-    row: str
-    overrun_s: float | None
-    fields: dict[str, Any]
+    refused: Refuse
 
 
-@dataclass(frozen=True, slots=True)
-class NoRetry:
+@message(6)
+class NoRetry(Message):
     """Retry: no other engine to try (T05)."""
 
-    TAG: ClassVar[int] = 6
     rid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
-    TAG: ClassVar[int] = 7
+@message(7)
+class Answer(Message):
     qid: int
     value: Any
     error: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Scrape:
+@message(8)
+class Scrape(Message):
     """The worker's metric families, for a /metrics answer (Families)."""
 
-    TAG: ClassVar[int] = 8
     qid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Facts:
+@message(9)
+class Facts(Message):
     """How an engine's prompts are counted (upstream/usage.py PromptCounter.facts)."""
 
-    TAG: ClassVar[int] = 9
     engine: str
     facts: list[Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Reconfigure:
+@message(10)
+class Reconfigure(Message):
     """A configuration reload changed the running configuration (authority/reconfig.py):
     the worker's data plane takes it whole."""
 
-    TAG: ClassVar[int] = 10
     config: dict[str, Any]  # the validated configuration, as JSON
 
 
 # -- worker -> authority ------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Up:
+@message(20)
+class Up(Message):
     """The worker serves (its app is built; the shared socket is its to accept on)."""
 
-    TAG: ClassVar[int] = 20
     worker: int
     pid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Arrive:
-    TAG: ClassVar[int] = 21
+@message(21)
+class Arrive(Message):
     rid: int
     at: float
-    denied: str | None = None  # the data plane's R15/R16 on the request head (core/lease.py Door.arrive)
+    denied: Refuse | None = None  # the data plane's R15/R16 on the request head (core/lease.py Door.arrive)
     tenant: str | None = None  # who the request acts for (auth), for R17/R18
 
 
-@dataclass(frozen=True, slots=True)
-class Admit:
-    TAG: ClassVar[int] = 22
+@message(22)
+class Admit(Message):
     rid: int
     route: str
     prompt_bytes: int
@@ -168,49 +213,46 @@ class Admit:
     token_prefix: list[int]
     tenant: str | None = None  # auth: core/lease.py Order.tenant
     key_id: str | None = None
+    body: tuple[Refuse, ...] = ()  # the body rows that hold (core/lease.py Entry.admit); then no Order: its fields are unset
+    ordered: bool = True  # False: the body could not be parsed (no Order)
 
 
-@dataclass(frozen=True, slots=True)
-class WantDecode:
-    TAG: ClassVar[int] = 23
+@message(23)
+class WantDecode(Message):
     rid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Retry:
-    TAG: ClassVar[int] = 24
+@message(24)
+class Retry(Message):
     rid: int
     engine: str
-    row: str
+    row: E.ErrorRow
     phase: str
     at: float
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillDone:
-    TAG: ClassVar[int] = 25
+@message(25)
+class PrefillDone(Message):
     rid: int
     at: float
     ok: bool
 
 
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    TAG: ClassVar[int] = 26
+@message(26)
+class FirstToken(Message):
     rid: int
     at: float
 
 
-@dataclass(frozen=True, slots=True)
-class Close:
+@message(27)
+class Close(Message):
     """The lease's Outcome (narwhal/core/lease.py), field for field."""
 
-    TAG: ClassVar[int] = 27
     rid: int
     at: float
     ok_engine: str | None
     failed_engine: str | None
-    failed_row: str | None
+    failed_row: E.ErrorRow | None
     tpot_s: float | None
     tpot_engine: str | None
     output_tokens: int | None
@@ -219,44 +261,36 @@ class Close:
     cached_tokens: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class End:
-    TAG: ClassVar[int] = 28
+@message(28)
+class End(Message):
     rid: int
     cls: str
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
+@message(29)
+class Call(Message):
     """One of the authority's operations or read models (core/lease.py Controls)."""
 
-    TAG: ClassVar[int] = 29
     qid: int
     op: str
     args: list[Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Families:
-    TAG: ClassVar[int] = 30
+@message(30)
+class Families(Message):
     qid: int
     families: list[Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Penalise:
+@message(31)
+class Penalise(Message):
     """A client address calmed by one worker (hyper.py defect 8): the authority passes it
     to every other worker, so its reconnects are refused whichever worker accepts them."""
 
-    TAG: ClassVar[int] = 31
     addr: str
     seconds: float
 
 
-MESSAGES: dict[int, type[Any]] = {c.TAG: c for c in (
-    Hello, Arrived, Admitted, Granted, Refused, NoRetry, Answer, Scrape, Facts, Reconfigure,
-    Up, Arrive, Admit, WantDecode, Retry, PrefillDone, FirstToken, Close, End, Call, Families, Penalise,
-)}
 _NAMES: dict[type[Any], tuple[str, ...]] = {c: tuple(f.name for f in fields(c)) for c in MESSAGES.values()}
 _ARITY: dict[int, int] = {t: len(_NAMES[c]) for t, c in MESSAGES.items()}
 _LEN = 4
@@ -264,7 +298,10 @@ _LEN = 4
 
 def encode(msg: Any) -> bytes:
     """One frame: length, then [tag, fields...]."""
-    body = orjson.dumps([msg.TAG, *[getattr(msg, n) for n in _NAMES[type(msg)]]])
+    vals = [msg.TAG, *[getattr(msg, n) for n in _NAMES[type(msg)]]]
+    for i, (out, _) in _TYPED[type(msg)]:
+        vals[i + 1] = out(vals[i + 1])
+    body = orjson.dumps(vals)
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"a {type(msg).__name__} message of {len(body)} bytes is over {MAX_FRAME_BYTES}")
     return len(body).to_bytes(_LEN, "big") + body
@@ -284,7 +321,13 @@ def decode(body: bytes | bytearray) -> Any:
         raise ProtocolError(f"unknown message tag {tag}")
     if len(arr) - 1 != _ARITY[tag]:
         raise ProtocolError(f"{cls.__name__} with {len(arr) - 1} fields, not {_ARITY[tag]}")
-    return cls(*arr[1:])
+    vals = arr[1:]
+    try:
+        for i, (_, back) in _TYPED[cls]:
+            vals[i] = back(vals[i])
+    except (KeyError, IndexError, TypeError) as x:
+        raise ProtocolError(f"{cls.__name__} with a field that is not what it carries: {x!r}") from None
+    return cls(*vals)
 
 
 class Channel(asyncio.Protocol):

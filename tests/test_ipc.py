@@ -4,24 +4,25 @@ the channel reassembles frames split across reads and coalesces a turn's writes.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import fields
 from typing import Any
 
 import orjson
 import pytest
 
 from narwhal import ipc
+from narwhal.core.tickets import Refuse
+from narwhal_generated import errors as E
 
 # one example of every message, with every field set (None where the field allows it)
 EXAMPLES: list[Any] = [
     ipc.Hello(0, {"serving": {"model": "m"}}, [{"name": "u0", "url": "http://h:1", "role": "unified", "dialect": "vllm", "wave": None, "model": None, "max_concurrency": None}]),
-    ipc.Arrived(7, None, {}),
-    ipc.Arrived(8, "R02", {"limit": 4}),
+    ipc.Arrived(7, None),
+    ipc.Arrived(8, Refuse(E.R02, fields={"limit": 4})),
     ipc.Admitted(7, 120, 35.5, 64.0, "u0", "unified"),
     ipc.Admitted(9, 120, None, 0.0, None, None),
     ipc.Granted(9, "d0", "decode"),
-    ipc.Refused(9, "R12", None, {"waited_ms": 5000, "limit": 5000}),
-    ipc.Refused(10, "R10", 1.25, {"projected_ms": 2400, "budget_ms": 1000, "retry_after": 2}),
+    ipc.Refused(9, Refuse(E.R12, None, {"waited_ms": 5000, "limit": 5000})),
+    ipc.Refused(10, Refuse(E.R10, 1.25, {"projected_ms": 2400, "budget_ms": 1000, "retry_after": 2})),
     ipc.NoRetry(11),
     ipc.Answer(1, [200, {"ready": True}], None),
     ipc.Answer(2, None, "RuntimeError: x"),
@@ -33,17 +34,20 @@ EXAMPLES: list[Any] = [
     ipc.Reconfigure({"admission": {"queue_limit": 20}}),
     ipc.Up(1, 4242),
     ipc.Arrive(7, 1234.5),
-    ipc.Arrive(9, 1234.5, "R16"),
+    ipc.Arrive(9, 1234.5, Refuse(E.R16)),
     ipc.Arrive(10, 1234.5, None, "acme"),
     ipc.Admit(7, "chat", 2048, None, 64, 1000.0, 1234.5, None, [-3, 99, 1 << 62], [5, -6]),
     ipc.Admit(8, "completion", 10, 3, None, 250.0, 1234.5, 2.5, [], []),
     ipc.Admit(9, "chat", 10, None, None, 250.0, 1234.5, None, [], [], "acme", "k-1"),
+    ipc.Admit(10, "chat", 10, None, None, 250.0, 1234.5, None, [], [], None, None,
+              (Refuse(E.R05, fields={"model": "x", "configured": "m"}, param="model"), Refuse(E.R06, param="n"))),
+    ipc.Admit(11, "", 0, None, None, 0.0, 0.0, None, [], [], None, None, (Refuse(E.R03, fields={"limit": 9}),), False),
     ipc.WantDecode(7),
-    ipc.Retry(7, "d0", "E03", "decode", 1235.0),
+    ipc.Retry(7, "d0", E.E03, "decode", 1235.0),
     ipc.PrefillDone(7, 1234.6, True),
     ipc.FirstToken(7, 1234.7),
     ipc.Close(7, 1236.0, "d1", None, None, 0.012, "d1", 64, "length", 512, 256),
-    ipc.Close(8, 1236.0, None, "d0", "E06", None, None, None, None, None, None),
+    ipc.Close(8, 1236.0, None, "d0", E.E06, None, None, None, None, None, None),
     ipc.End(7, "completed"),
     ipc.Call(4, "drain", ["u0", True]),
     ipc.Call(5, "put_engine", [{"name": "u9", "url": "http://127.0.0.1:9"}]),
@@ -144,12 +148,12 @@ def test_the_answers_to_one_read_leave_in_one_write_when_it_is_handled() -> None
         ch: ipc.Channel
 
         def answer(m: Any) -> None:
-            ch.send(ipc.Arrived(m.rid, None, {}))
+            ch.send(ipc.Arrived(m.rid, None))
 
         ch = ipc.Channel(answer, lambda exc: None)
         ch.connection_made(t)
         ch.data_received(ipc.encode(ipc.Arrive(1, 1.0)) + ipc.encode(ipc.Arrive(2, 1.0)))
-        assert t.writes == [ipc.encode(ipc.Arrived(1, None, {})) + ipc.encode(ipc.Arrived(2, None, {}))]
+        assert t.writes == [ipc.encode(ipc.Arrived(1, None)) + ipc.encode(ipc.Arrived(2, None))]
         await asyncio.sleep(0)
         return t.writes
 
@@ -171,5 +175,22 @@ def test_send_now_writes_what_is_pending_with_it_in_order() -> None:
 
 
 def test_the_wire_is_orjson_arrays_in_field_order() -> None:
-    m = ipc.Retry(7, "d0", "E03", "decode", 1.5)
-    assert orjson.loads(ipc.encode(m)[4:]) == [m.TAG, *[getattr(m, f.name) for f in fields(m)]]
+    m = ipc.Retry(7, "d0", E.E03, "decode", 1.5)
+    # a row travels by its ID and comes back as the generated constant
+    assert orjson.loads(ipc.encode(m)[4:]) == [m.TAG, 7, "d0", "E03", "decode", 1.5]
+    assert ipc.decode(ipc.encode(m)[4:]).row is E.E03
+    r = ipc.Refused(3, Refuse(E.R10, 1.5, {"retry_after": 2}))
+    assert orjson.loads(ipc.encode(r)[4:]) == [r.TAG, 3, ["R10", 1.5, {"retry_after": 2}, None]]
+
+
+@pytest.mark.parametrize("frame", [[24, 7, "d0", "X99", "decode", 1.5], [5, 3, ["R99", None, {}, None]], [5, 3, "R10"]])
+def test_a_row_that_is_not_a_row_is_a_protocol_error(frame: list[Any]) -> None:
+    with pytest.raises(ipc.ProtocolError):
+        ipc.decode(orjson.dumps(frame))
+
+
+def test_a_tag_is_taken_once() -> None:
+    with pytest.raises(ValueError, match="taken"):
+        @ipc.message(ipc.Retry.TAG)
+        class Again(ipc.Message):
+            rid: int

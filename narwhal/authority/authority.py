@@ -238,13 +238,14 @@ class Authority:
             if f is not None and not f.done():
                 f.set_result(r)
 
-    def yield_retention(self, tenant: str) -> bool:
+    def yield_retention(self, tenant: str, *, act: bool = True) -> bool:
         """R02 with tenants (core/fairness.py retention_victim): the tenant furthest over
         its share of the retention yields its newest request not yet granted (queued),
         refused R02 (Retry-After) in its books, and `tenant`'s arrival is held in its
         place. False when nobody is over `tenant`'s share or the one over it has nothing
         queued (then R02 stands). The yielded request leaves the retention when its data
-        plane ends it: until then `held` is one over the limit."""
+        plane ends it: until then `held` is one over the limit. With `act` false it only
+        looks (R02's fact): whether a request would yield, nothing taken."""
         q = self.quotas
         if q is None:
             return False
@@ -258,8 +259,8 @@ class Authority:
                 t = e.queue.newest(k)
                 if t is not None and (best is None or (t.enqueued_at or 0.0) >= best[0]):
                     best = (t.enqueued_at or 0.0, e, t)
-        if best is None:
-            return False
+        if best is None or not act:
+            return best is not None
         _, e, t = best
         e.queue.remove(t)
         e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
@@ -288,12 +289,12 @@ class Authority:
 
     # -- engine feedback from requests -------------------------------------------------
 
-    def engine_failed(self, name: str, row: str) -> None:
+    def engine_failed(self, name: str, row: E.ErrorRow) -> None:
         """A request-level failure that says something about the engine (E04, E06, E07)."""
         e = self.engines[name]
         e.failed += 1
-        if row in ("E04", "E06", "E07") and e.breaker.failure(self.clock.now()):
-            log.warning("engine %s: circuit breaker opened after %s", e.name, row, extra=log_event("breaker_open", engine=e.name, row=row))
+        if row in (E.E04, E.E06, E.E07) and e.breaker.failure(self.clock.now()):
+            log.warning("engine %s: circuit breaker opened after %s", e.name, row.id, extra=log_event("breaker_open", engine=e.name, row=row.id))
             self.reconcile()
 
     def engine_ok(self, name: str) -> None:

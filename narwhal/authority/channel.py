@@ -20,8 +20,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from narwhal_generated import errors as E
-
 from .. import ipc
 from ..core.lease import Grant, Order, Outcome
 from ..core.tickets import Refuse
@@ -80,24 +78,23 @@ class WorkerSession:
     # -- the seam ------------------------------------------------------------------------
 
     def _arrive(self, m: ipc.Arrive) -> None:
-        got = self.door.arrive_now(m.at, None if m.denied is None else Refuse(E.ROWS[m.denied]), m.tenant)
+        got = self.door.arrive_now(m.at, m.denied, m.tenant)
         if isinstance(got, Refuse):
-            # an overrun row's wait (R18) travels in the fields: Retry-After comes from it
-            fields = got.fields if got.overrun_s is None else {**got.fields, "overrun_s": got.overrun_s}
-            self.send(ipc.Arrived(m.rid, got.row.id, fields))
+            self.send(ipc.Arrived(m.rid, got))
             return
         self.entries[m.rid] = got
-        self.send(ipc.Arrived(m.rid, None, {}))
+        self.send(ipc.Arrived(m.rid, None))
 
     def _admit(self, m: ipc.Admit) -> None:
         entry = self.entries.get(m.rid)
         if entry is None:
             return  # ended meanwhile
         # a route's, a tenant's and a key's names: one string each for every open request
-        got = entry.admit_now(Order(_interned(m.route), m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix),
-                                    tuple(m.token_prefix), _interned(m.tenant), _interned(m.key_id)))
+        order = Order(_interned(m.route), m.prompt_bytes, m.exact_prompt_tokens, m.max_tokens, m.budget_ms, m.arrival, m.deadline_s, tuple(m.prefix),
+                      tuple(m.token_prefix), _interned(m.tenant), _interned(m.key_id)) if m.ordered else None
+        got = entry.admit_now(order, m.body)
         if isinstance(got, Refuse):
-            self.send(ipc.Refused(m.rid, got.row.id, got.overrun_s, got.fields))
+            self.send(ipc.Refused(m.rid, got))
             return
         g = got.granted_now()
         if isinstance(g, Grant):
@@ -115,7 +112,7 @@ class WorkerSession:
         elif isinstance(g, Grant):
             self.send(ipc.Granted(rid, g.engine, g.phase))
         elif isinstance(g, Refuse):
-            self.send(ipc.Refused(rid, g.row.id, g.overrun_s, g.fields))
+            self.send(ipc.Refused(rid, g))
         else:
             self.send(ipc.NoRetry(rid))
 

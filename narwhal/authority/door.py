@@ -11,12 +11,14 @@ and frees what it held.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from narwhal_generated import errors as E
 
+from ..core import refusals as answers
 from ..core.accounting import Entry as BooksEntry
 from ..core.lease import Grant, Order, Outcome
+from ..core.placement import Placement, place
 from ..core.prefix import APPROX_BLOCK_BYTES
 from ..core.quota import DEFAULT
 from ..core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
@@ -89,7 +91,7 @@ class LocalLease:
         g = self.decode_now()
         return await self.wait() if g is QUEUED else g  # type: ignore[return-value]
 
-    def retry_now(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | object | None:
+    def retry_now(self, engine: str, row: E.ErrorRow, phase: str, at: float) -> Grant | Refuse | object | None:
         """T05: the attempt on `engine` failed before response headers with a retryable
         row (or a stream migration, after them); another eligible engine (or QUEUED for a
         slot: a decode slot, or a unified engine's), or None when there is
@@ -108,7 +110,7 @@ class LocalLease:
             return None
         return QUEUED if isinstance(d, Enqueued) else Grant(d.engine, d.phase)
 
-    async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None:
+    async def retry(self, engine: str, row: E.ErrorRow, phase: str, at: float) -> Grant | Refuse | None:
         g = self.retry_now(engine, row, phase, at)
         return await self.wait() if g is QUEUED else g  # type: ignore[return-value]
 
@@ -149,56 +151,229 @@ class LocalLease:
             a.released()
 
 
-class LocalEntry:
-    __slots__ = ("a", "books", "lease", "ended", "tenant", "charged")
+def _on_placement(fact: Callable[[Placement, E.ErrorRow], Refuse | None]) -> Callable[[LocalEntry, E.ErrorRow], Refuse | None]:
+    """An admission row's fact, the scheduler's, over the entry's placement (made once,
+    when the first of them is asked; none without a parsed body)."""
 
-    def __init__(self, a: Authority, books: BooksEntry, tenant: str | None = None) -> None:
+    def on(self: LocalEntry, row: E.ErrorRow) -> Refuse | None:
+        pl = self.pl or self.placed()
+        return None if pl is None else fact(pl, row)
+
+    return on
+
+
+class LocalEntry:
+    """One offered request at the authority: its books entry, what it took, and the facts
+    of the refusal rows the authority knows (core/refusals.py walks them in the table's
+    order; `pos` is where the last walk stopped, undecided so far)."""
+
+    __slots__ = ("a", "books", "lease", "ended", "tenant", "charged", "now", "denied", "pos", "held", "counted",
+                 "body", "order", "work", "pl")
+
+    def __init__(self, a: Authority, books: BooksEntry, tenant: str | None, at: float, denied: Refuse | None) -> None:
         self.a = a
         self.books = books
         self.lease: LocalLease | None = None
         self.ended = False
         self.tenant = tenant  # its quota book's name (tenants configured), else None
         self.charged = 0  # prompt tokens charged to the tenant's tokens_per_min (R19)
+        self.now = at
+        self.denied = denied  # the data plane's R15/R16 on the request head
+        self.pos = 0
+        self.held = False  # R02: it holds a place of http_retention_limit
+        self.counted = False  # R17: it is counted in its tenant's max_in_flight
+        self.body: tuple[Refuse, ...] = ()  # the body rows that hold (the data plane's checks)
+        self.order: Order | None = None
+        self.work: Work | None = None
+        self.pl: Placement | None = None
+
+    def step(self, stage: int) -> Refuse | None:
+        """The rows from `pos` that are known at `stage`: the first that holds refuses
+        (nothing taken in this step); else what the rows passed take is taken."""
+        table = answers.TABLE
+        got, pos = table.walk(self, stage, self.pos, 0 if self.body or self.denied else answers.QUIET_BODY)
+        if got is not None:
+            return got
+        table.take(self, self.pos, pos)
+        self.pos = pos
+        return None
+
+    # -- facts, stage head -----------------------------------------------------------------
+
+    def router_not_ready(self, row: E.ErrorRow) -> Refuse | None:
+        reason = self.a.state.reason(self.now)
+        return None if reason is None else Refuse(row, fields={"reason": reason})
+
+    def api_key_missing(self, row: E.ErrorRow) -> Refuse | None:
+        d = self.denied
+        return d if d is not None and d.row is row else None
+
+    api_key_invalid = api_key_missing
+
+    def tenant_in_flight_full(self, row: E.ErrorRow) -> Refuse | None:
+        if self.tenant is None:
+            return None
+        b = self.a.quotas.book(self.tenant, self.now)  # type: ignore[union-attr]
+        limit = b.limits.max_in_flight
+        if limit is None or b.in_flight < limit:
+            return None
+        return Refuse(row, fields={"tenant": self.tenant, "limit": limit, "retry_after": answers.retry_after_seconds(row)})
+
+    def take_tenant_in_flight_full(self) -> None:
+        if self.tenant is not None:
+            self.a.quotas.count_in(self.tenant, self.now)  # type: ignore[union-attr]
+            self.counted = True
+
+    def tenant_request_rate_exceeded(self, row: E.ErrorRow) -> Refuse | None:
+        if self.tenant is None:
+            return None
+        b = self.a.quotas.book(self.tenant, self.now)  # type: ignore[union-attr]
+        wait = 0.0 if b.requests is None else b.requests.wait_s(1.0, self.now)
+        if wait <= 0:
+            return None
+        return Refuse(row, overrun_s=wait, fields={"tenant": self.tenant, "limit": b.limits.requests_per_s,
+                                                   "retry_after": answers.retry_after_seconds(row, wait)})
+
+    def take_tenant_request_rate_exceeded(self) -> None:
+        if self.tenant is not None:
+            b = self.a.quotas.book(self.tenant, self.now)  # type: ignore[union-attr]
+            if b.requests is not None:
+                b.requests.take(1.0, self.now)
+
+    def http_retention_full(self, row: E.ErrorRow) -> Refuse | None:
+        """R02: the retention is full, unless (tenants configured) a tenant further over
+        its share of it has a queued request to yield (core/fairness.py retention_victim)."""
+        a = self.a
+        limit = a.config.admission.http_retention_limit
+        if a.held < limit or (self.tenant is not None and a.yield_retention(self.tenant, act=False)):
+            return None
+        return Refuse(row, fields={"limit": limit})
+
+    def take_http_retention_full(self) -> None:
+        a = self.a
+        if a.held >= a.config.admission.http_retention_limit and self.tenant is not None:
+            a.yield_retention(self.tenant)  # the yielded request is refused R02 in its books
+        a.held += 1
+        self.held = True
+
+    # -- facts, stage body (the data plane's checks, passed in `admit`) --------------------
+
+    def body_too_large(self, row: E.ErrorRow) -> Refuse | None:
+        for r in self.body:
+            if r.row is row:
+                return r
+        return None
+
+    model_unknown = sampling_width_over_one = unsupported_non_streaming_option = body_too_large
+
+    def body_invalid(self, row: E.ErrorRow) -> Refuse | None:
+        """R04: the body's own check, or a head the data plane found invalid for this row
+        (two credential fields, tenants/identity.py rule 1), passed as `denied`."""
+        d = self.denied
+        if d is not None and d.row.id == row.id:
+            return d
+        return self.body_too_large(row)
+
+    # -- facts, stage admission ------------------------------------------------------------
+
+    def tenant_token_rate_exceeded(self, row: E.ErrorRow) -> Refuse | None:
+        if self.tenant is None:
+            return None
+        w = self.work or self.sized()
+        if w is None:
+            return None
+        b = self.a.quotas.book(self.tenant, self.now)  # type: ignore[union-attr]
+        wait = 0.0 if b.tokens is None else b.tokens.wait_s(w.prompt_tokens, self.now)
+        if wait <= 0:
+            return None
+        return Refuse(row, overrun_s=wait, fields={"tenant": self.tenant, "limit": b.limits.tokens_per_min,
+                                                   "retry_after": answers.retry_after_seconds(row, wait)})
+
+    def take_tenant_token_rate_exceeded(self) -> None:
+        """R19: the tenant's tokens per minute pay for the prompt."""
+        w = self.work
+        if w is not None and self.tenant is not None:
+            b = self.a.quotas.book(self.tenant, self.now)  # type: ignore[union-attr]
+            if b.tokens is not None:
+                b.tokens.take(w.prompt_tokens, self.now)
+            self.charged = w.prompt_tokens
+
+    def placed(self) -> Placement | None:
+        if self.pl is None:
+            w = self.sized()
+            if w is not None:
+                self.pl = place(self.a.scheduler, w, self.now)
+        return self.pl
+
+    # the scheduler's facts (core/placement.py), over this request's placement
+    prompt_alone_exceeds_budget = _on_placement(Placement.prompt_alone_exceeds_budget)
+    no_eligible_engine = _on_placement(Placement.no_eligible_engine)
+    projected_ttft_over_budget = _on_placement(Placement.projected_ttft_over_budget)
+    tenant_queue_full = _on_placement(Placement.tenant_queue_full)
+    admission_queue_full = _on_placement(Placement.admission_queue_full)
+    projected_tpot_over_budget = _on_placement(Placement.projected_tpot_over_budget)
+
+    def take_admission_queue_full(self) -> None:
+        if self.pl is not None:
+            self.pl.take_admission_queue_full()
+
+    def admission_wait_expired(self, row: E.ErrorRow) -> Refuse | None:
+        return None  # nothing has waited at admission: R12/R13 are decided in the wait (LocalLease)
+
+    deadline_expired = admission_wait_expired
+
+    # -- the seam --------------------------------------------------------------------------
+
+    def sized(self) -> Work | None:
+        """Workload sizing, once, when the first admission fact asks (from here on the
+        request is sized: C02 no longer applies); None without a parsed body."""
+        if self.work is None and self.order is not None:
+            a, order = self.a, self.order
+            a.books.sized(self.books)
+            self.work = Work(
+                route=order.route,
+                prompt_tokens=a.sizer.size(order.prompt_bytes, order.exact_prompt_tokens),
+                max_tokens=order.max_tokens,
+                budget_ms=order.budget_ms,
+                arrival=order.arrival,
+                max_wait_s=a.config.admission.max_wait_ms / 1000.0,
+                deadline_s=order.deadline_s,
+                prefix=order.prefix if a.scheduler.prefix else (),
+                token_prefix=order.token_prefix if a.scheduler.prefix else (),
+                block_tokens=APPROX_BLOCK_BYTES / a.sizer.bytes_per_token,
+                tenant=order.tenant,
+            )
+        return self.work
 
     async def arrived(self) -> Refuse | None:
         return None  # decided in LocalDoor.arrive: a refused arrival never has an entry
 
-    async def admit(self, order: Order) -> LocalLease | Refuse:
-        return self.admit_now(order)
+    async def admit(self, order: Order | None, body: tuple[Refuse, ...] = ()) -> LocalLease | Refuse:
+        return self.admit_now(order, body)
 
-    def admit_now(self, order: Order) -> LocalLease | Refuse:
-        """Workload sizing (from here on the request is sized: C02 no longer applies),
-        then R08-R11 and R14."""
+    def admit_now(self, order: Order | None, body: tuple[Refuse, ...] = ()) -> LocalLease | Refuse:
+        """The rest of the table from where the arrival's walk stopped: the body rows that
+        hold (`body`, the data plane's checks; `order` None when the body could not be
+        parsed), then the admission rows over the sized request, then its place."""
         a = self.a
-        a.books.sized(self.books)
-        now = a.clock.now()
-        if a.state.election.fenced(now) or a.state.election.standby(now):
-            # the router lost (or handed on) its authority while the body arrived (R01)
+        self.now = now = a.clock.now()
+        if (a.state.election.fenced(now) or a.state.election.standby(now)) and self.pos > answers.TABLE.index(E.R01):
+            # R01's fact, read again: the router lost (or handed on) its authority while
+            # the body arrived. The arrival's walk passed R01, so it stands above every
+            # row still undecided: in the table's order it decides first.
             return Refuse(E.R01, fields={"reason": a.state.reason(now) or "fenced"})
-        work = Work(
-            route=order.route,
-            prompt_tokens=a.sizer.size(order.prompt_bytes, order.exact_prompt_tokens),
-            max_tokens=order.max_tokens,
-            budget_ms=order.budget_ms,
-            arrival=order.arrival,
-            max_wait_s=a.config.admission.max_wait_ms / 1000.0,
-            deadline_s=order.deadline_s,
-            prefix=order.prefix if a.scheduler.prefix else (),
-            token_prefix=order.token_prefix if a.scheduler.prefix else (),
-            block_tokens=APPROX_BLOCK_BYTES / a.sizer.bytes_per_token,
-            tenant=order.tenant,
-        )
-        if self.tenant is not None:  # R19: the tenant's tokens per minute pay for the prompt
-            wait = a.quotas.charge_prompt(self.tenant, work.prompt_tokens, now)  # type: ignore[union-attr]
-            if wait > 0:
-                return Refuse(E.R19, overrun_s=wait, fields={"tenant": self.tenant, "limit": a.quotas.limits_of(self.tenant).tokens_per_min,  # type: ignore[union-attr]
-                                                             "retry_after": E.retry_after_seconds(E.R19, wait)})
-            self.charged = work.prompt_tokens
-        d = a.scheduler.admit(work, now)
-        if a.scheduler.evicted:  # R11 with tenants: a queued request yielded its place
-            a.settle_evicted()
-        if isinstance(d, Refuse):
-            return d
+        self.order, self.body = order, body
+        got = self.step(answers.ADMISSION)
+        if got is None and self.placed() is None:  # pragma: no cover - no body: a body row holds
+            raise AssertionError("admitted without a parsed body")
+        try:
+            if got is not None:
+                return got
+            d = self.pl.commit()  # type: ignore[union-attr]
+        finally:
+            if a.scheduler.evicted:  # R11 with tenants: a queued request yielded its place
+                a.settle_evicted()
+        assert order is not None
         self.lease = LocalLease(a, d, order)
         return self.lease
 
@@ -209,11 +384,16 @@ class LocalEntry:
         a = self.a
         if self.lease is not None and not self.lease.closed:
             self.lease.close(Outcome(at=a.clock.now()))
-        a.held -= 1
+        if self.held:
+            a.held -= 1
         a.books.end(self.books, cls)
-        if self.tenant is not None:  # its output charged as counted; nothing produced: the prompt refunded
+        if self.counted:  # its output charged as counted; nothing produced: the prompt refunded
             out = self.lease.output_tokens if self.lease is not None else None
             a.quotas.end(self.tenant, a.clock.now(), charged_prompt=self.charged, output_tokens=out)  # type: ignore[union-attr]
+        elif self.charged and self.tenant is not None:  # charged, never counted in flight (an order that puts R19 above R17)
+            b = a.quotas.book(self.tenant, a.clock.now())  # type: ignore[union-attr]
+            if b.tokens is not None:
+                b.tokens.refund(self.charged)
 
 
 class LocalDoor:
@@ -225,36 +405,18 @@ class LocalDoor:
         self.a = a
 
     async def arrive(self, at: float, denied: Refuse | None = None, tenant: str | None = None) -> LocalEntry | Refuse:
-        """C01 (offered), then R01, the data plane's `denied` (R15/R16), the tenant's
-        R17/R18 and R02, before the body is read."""
+        """C01 (offered), then the head-stage rows in the table's order (R01, the data
+        plane's `denied` R15/R16, the tenant's R17/R18, R02), before the body is read."""
         return self.arrive_now(at, denied, tenant)
 
     def arrive_now(self, at: float, denied: Refuse | None = None, tenant: str | None = None) -> LocalEntry | Refuse:
         a = self.a
-        books = a.books.offer(a.quotas.label(tenant) if a.quotas is not None else None)
-        reason = a.state.reason(at)
-        if reason is not None:  # R01
-            a.books.end(books, E.R01.counter)
-            return Refuse(E.R01, fields={"reason": reason})
-        if denied is not None:  # R15, R16: after R01, before R02 (no retention taken)
-            a.books.end(books, denied.row.counter)
-            return denied
-        name: str | None = None
-        if a.quotas is not None:  # tenants configured: R17, R18 (core/quota.py)
-            name = tenant or DEFAULT
-            over = a.quotas.arrive(name, at)
-            if over is not None:
-                row, wait = E.ROWS[over[0]], over[1]
-                a.books.end(books, row.counter)
-                lim = a.quotas.limits_of(name)
-                limit = lim.max_in_flight if row is E.R17 else lim.requests_per_s
-                return Refuse(row, overrun_s=wait if row.retry_after == "overrun" else None,
-                              fields={"tenant": name, "limit": limit, "retry_after": E.retry_after_seconds(row, wait)})
-        limit = a.config.admission.http_retention_limit
-        if a.held >= limit and not (name is not None and a.yield_retention(name)):  # R02; with tenants, fair (core/fairness.py retention_victim)
-            a.books.end(books, E.R02.counter)
-            if name is not None:
-                a.quotas.end(name, at)  # type: ignore[union-attr]
-            return Refuse(E.R02, fields={"limit": limit})
-        a.held += 1
-        return LocalEntry(a, books, name)
+        q = a.quotas
+        books = a.books.offer(q.label(tenant) if q is not None else None)
+        # tenants configured: its quota book (R17-R19); without auth the tenant default
+        e = LocalEntry(a, books, (tenant or DEFAULT) if q is not None and denied is None else None, at, denied)
+        got = e.step(answers.HEAD)
+        if got is not None:  # refused at arrival: nothing taken, the books closed here
+            a.books.end(books, got.row.counter)
+            return got
+        return e

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from narwhal_generated import errors as E
+
 from ..telemetry.logs import event as log_event
 from ..upstream.engines import EngineSpec
 from . import metrics, views
@@ -93,7 +95,7 @@ class LocalControls:
         try:
             return {"ok": True, **await reconfig.reload(self.control)}
         except reconfig.ReloadError as e:
-            return {"ok": False, "row": "H05" if e.missing else "H11", "detail": str(e)}
+            return {"ok": False, "row": (E.H05 if e.missing else E.H11).id, "detail": str(e)}
 
     async def delete_engine(self, name: str) -> dict[str, Any]:
         """DELETE /admin/engines/{name}: drain it, then remove it (lifecycle M04, M12)."""

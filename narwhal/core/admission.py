@@ -1,12 +1,13 @@
-"""Admission and placement: rows R08-R13 and the phase slots, sans-IO.
+"""Admission and placement: the phase slots, and the scheduler's refusal rows, sans-IO.
 
 Rules
-  * `admit` evaluates, in the refusal table's order, R08 (prompt alone over budget,
-    predictive), R09 (no eligible engine), R10 (projected TTFT over budget, predictive)
-    and R11 (queue full), then places the request: dispatched at once when its engine has
-    a free slot, else queued FIFO on that engine.
-  * R12/R13 are temporal: `expiry(ticket, now)` names the row that has expired for a
-    waiting ticket (R12 first when both have, as the table orders them).
+  * `admit` walks the admission-stage rows of the refusal table (R08 prompt alone over
+    budget, R09 no eligible engine, R10 projected TTFT over budget, R20 the tenant's
+    queue, R11 queue full, R14 projected TPOT) in the table's order over the request's
+    placement (core/placement.py, which computes their facts), then places it:
+    dispatched at once when its engine has a free slot, else queued on that engine.
+  * R12/R13 are temporal: `expiry(ticket, now)` walks the wait-stage rows for a waiting
+    ticket, in the table's order (R12 first when both have expired, as it orders them).
   * `admission: open` skips R08 and R10 and places on the least-loaded engine.
   * Phase slots (admission.phase_concurrency) are per engine per phase. A unified engine
     request holds a prefill slot until its first token and a decode slot until it ends;
@@ -26,15 +27,6 @@ Theory of operation: the HTTP shell holds one `Ticket` per admitted request, awa
 grant when queued, and reports phase ends (`first_token`, `prefill_done`, `finish`).
 Every call that frees a slot returns the `Dispatch` grants it made possible; the shell
 wakes those waiters. Nothing here blocks, sleeps or reads a clock.
-
-Projection (predictive mode, docs/prediction.md sections 3-5), for each eligible phase-1
-engine e:
-    TTFT(e) = backlog_e + prefill_e(n) [+ start_d(n) + decode wait, when e is a prefill
-    engine: the KV transfer and the decode engine's first token]
-R08 if min_e (prefill_e(n) [+ start_d(n)]) * m(0) > budget; R10 if
-min_e TTFT(e) * m(depth_e) > budget, with Retry-After max(1, round(overrun s)).
-R14 (decode side, when admission.prediction.tpot_budget_ms is set): the projected TPOT
-of the batch the request will join on its decode engine exceeds that budget.
 """
 
 from __future__ import annotations
@@ -46,28 +38,36 @@ from typing import Any
 
 from narwhal_generated import errors as E
 
+from . import refusals as answers
 from .fairness import Weights
 from .fleet import PHASE1_ROLES, EngineState
-from .prediction import DEPTH_BUCKET_OF, Margin, OutputLengthLearner
+from .placement import Placement, expected_cached, place
+from .prediction import Margin, OutputLengthLearner
 from .prefix import PrefixIndex
+from .refusals import ADMISSION, WAIT
 from .tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 
 __all__ = ["Scheduler"]
 
-_BUCKET = DEPTH_BUCKET_OF  # queue depth -> margin bucket, for depths below _NB
-_NB = len(DEPTH_BUCKET_OF)
 
 
 
-def _expected_cached(idx: PrefixIndex, work: Work, n: float) -> float:
-    """The prompt tokens an engine's prefix cache is expected to hold (refusals.yaml R10
-    note: prefill is projected on the tokens it is expected not to hold; at least one is
-    computed). Token-keyed index: the engine computes at least the last token and reuses
-    whole blocks only, so at most the whole blocks of the first n - 1 tokens."""
-    if idx.token:
-        bt = idx.block_tokens or 1.0
-        return min((n - 1.0) // bt * bt, idx.match(work.token_prefix) * bt)
-    return min(n - 1.0, idx.match(work.prefix) * work.block_tokens)
+
+class _Waiting:
+    """A waiting ticket's wait-stage facts (R12, R13)."""
+
+    __slots__ = ("t", "now", "waited")
+
+    def __init__(self, t: Ticket, now: float, waited: float) -> None:
+        self.t, self.now, self.waited = t, now, waited
+
+    def admission_wait_expired(self, row: E.ErrorRow) -> Refuse | None:
+        return Refuse(row) if self.t.waiting and self.waited >= self.t.work.max_wait_s else None
+
+    def deadline_expired(self, row: E.ErrorRow) -> Refuse | None:
+        w = self.t.work
+        return Refuse(row) if w.deadline_s is not None and self.now - w.arrival >= w.deadline_s else None
+
 
 class Scheduler:
     def __init__(
@@ -210,168 +210,21 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------
 
-    def admit(self, work: Work, now: float) -> Dispatch | Enqueued | Refuse:
-        # One pass over the phase-1 engines (the hot path of every admission: ~64 engines
-        # must cost well under 20 us), computing per eligible engine its solo TTFT
-        # (R08), its projected TTFT (R10) and the placement key. The arithmetic is
-        # PrefillModel.predict_ms and EngineState.backlog_ms inlined.
-        n = work.prompt_tokens
-        u = n / 1000.0
-        uu = u * u
-        waves = self.maintenance_waves
-        decoders = self._decode_candidates(set()) if self._decoders else []
-        start, alone = self._decode_start_ms(n, decoders) if decoders else (0.0, 0.0)
-        predictive = self.mode == "predictive"
-        # With R14 on, "the best projection" has two sides: among the engines whose
-        # projected TTFT fits the budget, the one with the lowest projected TPOT (for a
-        # unified engine, the batch it would join: docs/prediction.md section 6), then the lower
-        # TTFT; when none fits, the lowest TTFT (R10 then refuses on it). A TTFT-only
-        # ranking ties on engines whose prefill is idle and piles the decode batches onto
-        # one of them (docs/performance.md, decode-bound overload).
-        tpot_rank = predictive and self.tpot_budget_ms is not None
-        budget = work.budget_ms
-        factors = self.margin.factors
-        now_ms = now * 1000.0
-        engine: EngineState | None = None
-        best_key: Any = None
-        proj = 0.0
-        m = 1.0
-        min_solo = float("inf")
-        out_len: float | None = None
-        caches = self.prefix if (work.prefix or work.token_prefix) else None
-        tenant = work.tenant
-        wt = self.weights(tenant) if tenant is not None else 1.0
-        best_cached = 0.0
-        behind = -1.0  # 1 + mean depth: counted once, when a cache first saves something
-        for e in self._phase1:
-            if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
-                continue
-            cached = 0.0
-            if caches:
-                idx = caches.get(e.name)
-                if idx is not None and idx.trusted:
-                    cached = _expected_cached(idx, work, n)
-                    if cached > 0.0:
-                        u = (n - cached) / 1000.0
-                        uu = u * u
-            if e.role == "prefill":
-                if not decoders:
-                    continue
-                extra, solo_extra = start, alone
-            else:
-                extra = solo_extra = 0.0
-                if e.decode_in_use + e.external >= e.decode_slots:
-                    # a unified engine whose slots are all taken (engines[].max_concurrency):
-                    # the request waits for the decodes ahead of it, not only their prefills
-                    if out_len is None:
-                        out_len = self.output_lengths.predict(work.route, n, work.max_tokens)
-                    extra = self._slot_wait_ms(e, out_len)
-            th = e.prefill.lin.theta
-            pf = th[0] + th[1] * u + th[2] * uu
-            pf = (pf if pf > 0.0 else 0.0) * e.prefill.drift.correction
-            saved = 0.0
-            if cached > 0.0:  # the next engine starts from the full prompt again
-                u = n / 1000.0
-                uu = u * u
-                full = (th[0] + th[1] * u + th[2] * uu) * e.prefill.drift.correction
-                saved = full - pf if full > pf else 0.0
-            solo = pf + solo_extra  # R08: the prompt alone (no decode-slot wait)
-            busy = e.busy_until * 1000.0 - now_ms
-            # the work ahead of it here: the whole queue, or (tenants queued) what fair
-            # queueing serves before it (core/fairness.py ahead_ms)
-            qw = e.queue.ahead_ms(tenant, wt, e.queued_work_ms) if e.queue else 0.0
-            p_e = (busy if busy > 0.0 else 0.0) + qw + pf + extra
-            if predictive:
-                if solo < min_solo:
-                    min_solo = solo
-                d = len(e.inflight_prefill) + len(e.queue)
-                m_e = factors[_BUCKET[d] if d < _NB else -1]
-                # refusals.yaml R10 note (placement cost): the projected TTFT minus the
-                # prefill its cached prefix saves there, once for each request expected to
-                # queue behind it (`behind`, Little's law: as many as wait now) and once
-                # for the copy it does not make (elsewhere the prefix is stored again and
-                # evicts about as much that a later request would find), times the margin.
-                # With nothing cached it is the projected TTFT alone.
-                if saved > 0.0 and behind < 0.0:
-                    behind = 1.0 + self._mean_depth()
-                key: Any = (p_e - saved * behind) * m_e
-                if tpot_rank:
-                    if p_e * m_e <= budget:
-                        tp = e.decode.predict_ms(e.joining_batch()) if e.role == "unified" else 0.0
-                        key = (0, tp, key)
-                    else:
-                        key = (1, key, 0.0)
-            else:
-                m_e = 1.0
-                free = e.phase1_free()
-                # open mode: an engine with a free slot, then the shortest queue, then the
-                # least loaded (prefill, and decode for a unified engine)
-                key = (not (free and not e.queue), len(e.queue), e.prefill_in_use / e.prefill_slots + (e.decode_in_use / e.decode_slots if e.role == "unified" else 0.0))
-            if best_key is None or key < best_key:
-                best_key, engine, proj, m = key, e, p_e, m_e
-                best_cached = cached
-        if predictive and engine is not None:
-            # R08: the prompt alone, on its best engine, with the depth-0 margin
-            solo_m = min_solo * factors[0]
-            if solo_m > work.budget_ms:
-                return Refuse(E.R08, fields={"projected_ms": round(solo_m), "budget_ms": round(work.budget_ms)})
-        if engine is None:  # R09
-            phase = "decode" if any(e.role == "prefill" and self.eligible(e) for e in self._phase1) else "prefill"
-            return Refuse(E.R09, fields={"phase": phase})
-        if predictive and proj * m > work.budget_ms:  # R10
-            over = (proj * m - work.budget_ms) / 1000.0
-            ra = E.retry_after_seconds(E.R10, over)
-            return Refuse(E.R10, overrun_s=over, fields={"projected_ms": round(proj * m), "budget_ms": round(work.budget_ms), "retry_after": ra})
-        free = self._phase1_free(engine) and not engine.queue
-        if not free and self.tenant_queue_limit is not None:  # R20: the tenant's own queue limit
-            tl = self.tenant_queue_limit(tenant)
-            if tl is not None and sum(e.queue.queued(tenant) for e in self._phase1) >= tl:
-                return Refuse(E.R20, fields={"tenant": tenant or "default", "limit": tl})
-        if not free and self.queued >= self.queue_limit and not self._yield_to(tenant, wt):
-            return Refuse(E.R11, fields={"limit": self.queue_limit})  # R11
-        if predictive and self.tpot_budget_ms is not None:
-            r14 = self._decode_check(engine, work)
-            if r14 is not None:
-                return r14
-        t = Ticket(self._next_id, work)
-        self._next_id += 1
-        t.projected_ttft_ms = proj
-        t.depth = engine.depth()
-        t.expected_cached = best_cached
-        t.pred_prefill_ms = engine.prefill.predict_ms(n - best_cached)
-        if free:
-            return self._dispatch1(t, engine, now)
-        return self._enqueue(t, engine, now)
+    def place(self, work: Work, now: float) -> Placement:
+        """The best engine for `work` and the admission rows' facts over it
+        (core/placement.py); nothing taken until `Placement.commit`."""
+        return place(self, work, now)
 
-    def _yield_to(self, tenant: str | None, weight: float) -> bool:
-        """R11 with tenants (refusals.yaml R11 note): the queue is full; when the arriving
-        tenant would hold less of it per weight than the tenant furthest over its share,
-        that tenant's newest queued request yields (refused R11, `evicted`) and the
-        arrival queues in its place. True when one yielded."""
-        load: dict[str | None, int] = {}
-        newest: dict[str | None, tuple[float, EngineState, Ticket]] = {}
-        for e in self._phase1:
-            q = e.queue
-            if not q:
-                continue
-            for t in q:
-                u = t.work.tenant
-                load[u] = load.get(u, 0) + 1
-                at = t.enqueued_at or 0.0
-                if u not in newest or at >= newest[u][0]:
-                    newest[u] = (at, e, t)
-        if len(load) < 1 or (len(load) == 1 and tenant in load):
-            return False
-        victim = max(load, key=lambda u: load[u] / self.weights(u))
-        if victim == tenant or (load.get(tenant, 0) + 1) / weight >= load[victim] / self.weights(victim):
-            return False
-        _, e, t = newest[victim]
-        e.queue.remove(t)
-        e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
-        self.queued -= 1
-        t.state = "done"
-        self.evicted.append((t, Refuse(E.R11, fields={"limit": self.queue_limit})))
-        return True
+    def admit(self, work: Work, now: float) -> Dispatch | Enqueued | Refuse:
+        """The admission-stage rows (R08-R11, R14, R20) in the refusal table's order over
+        the request's placement, then its place (R19 is the door's: authority/door.py
+        walks the whole table, this the scheduler's rows alone)."""
+        pl = place(self, work, now)
+        refused = answers.TABLE.first_at(ADMISSION, pl)
+        if refused is not None:
+            return refused
+        pl.take_admission_queue_full()
+        return pl.commit()
 
     def _enqueue(self, t: Ticket, engine: EngineState, now: float) -> Enqueued:
         t.state = "queued"
@@ -394,43 +247,6 @@ class Scheduler:
         if self._phase1_free(e) and not e.queue:
             return self._dispatch1(t, e, now)
         return self._enqueue(t, e, now)
-
-    def project_tpot(self, engine: EngineState) -> tuple[float, float, EngineState] | None:
-        """(projected TPOT ms, batch it assumes, decode engine) for a request placed with
-        `engine` as its first phase: the batch it will join when it reaches decode
-        (docs/prediction.md section 6), on the best eligible decode engine."""
-        if engine.role == "unified":
-            nb = float(engine.joining_batch())
-            return engine.decode.predict_ms(nb), nb, engine
-        decoders = self._decode_candidates(set())
-        if not decoders:
-            return None
-        coming = len(self.decode_queue) + self.queued + sum(len(e.inflight_prefill) for e in self._phase1 if e.role == "prefill")
-        share = coming / len(decoders)
-        best: tuple[float, float, EngineState] | None = None
-        for d in decoders:
-            b = d.decode_in_use + share + 1
-            tp = d.decode.predict_ms(b)
-            if best is None or tp < best[0]:
-                best = (tp, b, d)
-        return best
-
-    def _decode_check(self, engine: EngineState, work: Work) -> Refuse | None:
-        """R14: the projected TPOT where the request will decode exceeds the TPOT budget."""
-        budget = self.tpot_budget_ms
-        proj = self.project_tpot(engine)
-        if budget is None or proj is None or proj[0] <= budget:
-            return None
-        tp, b, d = proj
-        a, slope = d.decode.lin.theta
-        corr = d.decode.drift.correction
-        b_ok = (budget / corr - a) / slope if slope > 0 else 0.0
-        excess = max(1.0, b - max(0.0, b_ok))
-        out = self.output_lengths.predict(work.route, work.prompt_tokens, work.max_tokens)
-        # sequences finish at about b / (output length x TPOT): the excess drains in
-        over_s = excess * out * tp / max(b, 1.0) / 1000.0
-        ra = E.retry_after_seconds(E.R14, over_s)
-        return Refuse(E.R14, overrun_s=over_s, fields={"projected_ms": round(tp, 1), "budget_ms": budget, "retry_after": ra})
 
     def _dispatch1(self, t: Ticket, e: EngineState, now: float) -> Dispatch:
         if t.enqueued_at is not None:
@@ -466,13 +282,10 @@ class Scheduler:
         return t.waited + (now - t.enqueued_at if t.enqueued_at is not None else 0.0)
 
     def expiry(self, t: Ticket, now: float) -> E.ErrorRow | None:
-        """The row that has expired for `t` at `now`, R12 before R13."""
-        waited = self.waited_s(t, now)
-        if t.waiting and waited >= t.work.max_wait_s:
-            return E.R12
-        if t.work.deadline_s is not None and now - t.work.arrival >= t.work.deadline_s:
-            return E.R13
-        return None
+        """The first wait-stage row (R12, R13) that has expired for `t` at `now`, in the
+        refusal table's order."""
+        got = answers.TABLE.first_at(WAIT, _Waiting(t, now, self.waited_s(t, now)))
+        return None if got is None else got.row
 
     def time_left(self, t: Ticket, now: float) -> float:
         """Seconds until the first of R12/R13 can expire for a waiting ticket."""
@@ -601,7 +414,7 @@ class Scheduler:
         for e in self._phase1:
             if e.role == "unified" and e.name not in t.excluded and self.eligible(e) and e.phase1_free():
                 idx = self.prefix.get(e.name) if (t.work.prefix or t.work.token_prefix) else None
-                cached = _expected_cached(idx, t.work, n) if idx is not None and idx.trusted else 0.0
+                cached = expected_cached(idx, t.work, n) if idx is not None and idx.trusted else 0.0
                 ms = e.prefill.predict_ms(n - cached)
                 key = (round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms)  # within 10 ms: a tie
                 if best is None or key < best[0]:

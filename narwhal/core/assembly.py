@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from narwhal_generated import assembly as T
+from narwhal_generated import errors as E
 
 __all__ = ["Assembler", "Failure"]
 
@@ -57,8 +58,8 @@ def _unsupported(where: str, k: Any) -> Failure:
     table names (audio, annotations, ...) is named; any other name is the engine's own
     and goes to the log only."""
     if k in _UNSUPPORTED:
-        return Failure("E01", "A12", f"{where} field {k!r}")
-    return Failure("E01", "A12", f"a {where} field the assembly table does not name", f"{where} field {str(k)[:80]!r}")
+        return Failure(E.E01.id, T.A12.id, f"{where} field {k!r}")
+    return Failure(E.E01.id, T.A12.id, f"a {where} field the assembly table does not name", f"{where} field {str(k)[:80]!r}")
 
 
 def _has_value(v: Any) -> bool:
@@ -108,7 +109,7 @@ class Assembler:
 
     def feed(self, chunk: Any) -> Failure | None:
         if type(chunk) is not dict:
-            return Failure("E02", "A13", "an engine event is not a JSON object")
+            return Failure(E.E02.id, T.A13.id, "an engine event is not a JSON object")
         for k in _METADATA:  # A14: first non-null wins
             if k not in self._meta:
                 v = chunk.get(k)
@@ -117,18 +118,18 @@ class Assembler:
         usage = chunk.get("usage")
         if usage is not None:  # A15, D03: null and absent alike; last non-null wins
             if type(usage) is not dict:
-                return Failure("E02", "A13", "usage is not an object")
+                return Failure(E.E02.id, T.A13.id, "usage is not an object")
             self._usage = usage
         pids = chunk.get("prompt_token_ids")
         if pids is not None and self._prompt_ids is None:
             if type(pids) is not list:
-                return Failure("E02", "A13", "prompt_token_ids is not a list")
+                return Failure(E.E02.id, T.A13.id, "prompt_token_ids is not a list")
             self._prompt_ids = pids
         choices = chunk.get("choices")
         if choices is None:
             return None
         if type(choices) is not list:
-            return Failure("E02", "A13", "choices is not a list")
+            return Failure(E.E02.id, T.A13.id, "choices is not a list")
         for c in choices:  # A19: a usage-only frame (choices: []) touches no choice
             f = self._feed_choice(c)
             if f is not None:
@@ -138,7 +139,7 @@ class Assembler:
     def _choice(self, c: dict[str, Any]) -> _Choice | Failure:
         idx = c.get("index", 0)
         if type(idx) is not int:
-            return Failure("E02", "A13", "choice index is not an integer")
+            return Failure(E.E02.id, T.A13.id, "choice index is not an integer")
         ch = self._choices.get(idx)
         if ch is None:
             ch = self._choices[idx] = _Choice(idx)
@@ -146,7 +147,7 @@ class Assembler:
 
     def _feed_choice(self, c: Any) -> Failure | None:
         if type(c) is not dict:
-            return Failure("E02", "A13", "a choice is not an object")
+            return Failure(E.E02.id, T.A13.id, "a choice is not an object")
         ch = self._choice(c)
         if isinstance(ch, Failure):
             return ch
@@ -161,7 +162,7 @@ class Assembler:
             delta = c.get("delta")
             if delta is not None:
                 if type(delta) is not dict:
-                    return Failure("E02", "A13", "delta is not an object")
+                    return Failure(E.E02.id, T.A13.id, "delta is not an object")
                 f = self._feed_delta(ch, delta)
                 if isinstance(f, Failure):
                     return f
@@ -172,7 +173,7 @@ class Assembler:
                 if v is None:
                     continue
                 if type(v) is not str:
-                    return Failure("E02", "A13", f"choice {k} is not a string")
+                    return Failure(E.E02.id, T.A13.id, f"choice {k} is not a string")
                 ch.seen.add(k)
                 if v:
                     ch.parts.setdefault(k, []).append(v)
@@ -187,7 +188,7 @@ class Assembler:
         fr = c.get("finish_reason")
         if fr is not None:  # A16: last non-null wins
             if type(fr) is not str:
-                return Failure("E02", "A13", "finish_reason is not a string")
+                return Failure(E.E02.id, T.A13.id, "finish_reason is not a string")
             ch.finish_reason = fr
         for k in _STOP_FIELDS:  # A17: kept when present; last non-null wins
             if k in c:
@@ -197,12 +198,12 @@ class Assembler:
         ids = c.get("token_ids")
         if ids is not None:  # A22 (validated by core.tokens on the relay path)
             if type(ids) is not list:
-                return Failure("E02", "A13", "token_ids is not a list")
+                return Failure(E.E02.id, T.A13.id, "token_ids is not a list")
             ch.token_ids.extend(ids)
         pids = c.get("prompt_token_ids")
         if pids is not None and ch.prompt_token_ids is None:
             if type(pids) is not list:
-                return Failure("E02", "A13", "prompt_token_ids is not a list")
+                return Failure(E.E02.id, T.A13.id, "prompt_token_ids is not a list")
             ch.prompt_token_ids = pids
         return None
 
@@ -214,14 +215,14 @@ class Assembler:
         role = delta.get("role")
         if role is not None and ch.role is None:  # A23
             if type(role) is not str:
-                return Failure("E02", "A13", "delta role is not a string")
+                return Failure(E.E02.id, T.A13.id, "delta role is not a string")
             ch.role = role
         for k in _CHAT_CONCAT:  # A01-A04, D02: each under its own name, never joined
             v = delta.get(k)
             if v is None:
                 continue
             if type(v) is not str:
-                return Failure("E02", "A13", f"delta {k} is not a string")
+                return Failure(E.E02.id, T.A13.id, f"delta {k} is not a string")
             ch.seen.add(k)
             if v:
                 ch.parts.setdefault(k, []).append(v)
@@ -229,7 +230,7 @@ class Assembler:
         tcs = delta.get("tool_calls")
         if tcs is not None:
             if type(tcs) is not list:
-                return Failure("E02", "A13", "delta tool_calls is not a list")
+                return Failure(E.E02.id, T.A13.id, "delta tool_calls is not a list")
             for tc in tcs:
                 f = self._feed_tool_call(ch, tc)
                 if f is not None:
@@ -238,7 +239,7 @@ class Assembler:
         fc = delta.get("function_call")
         if fc is not None:  # A06
             if type(fc) is not dict:
-                return Failure("E02", "A13", "delta function_call is not an object")
+                return Failure(E.E02.id, T.A13.id, "delta function_call is not an object")
             acc = ch.function_call
             if acc is None:
                 acc = ch.function_call = {k: [] for k in _FUNCTION_CALL_PARTS}
@@ -247,7 +248,7 @@ class Assembler:
                 if v is None:
                     continue
                 if type(v) is not str:
-                    return Failure("E02", "A13", f"function_call {k} is not a string")
+                    return Failure(E.E02.id, T.A13.id, f"function_call {k} is not a string")
                 acc[k].append(v)
             output = True
         return output
@@ -256,42 +257,42 @@ class Assembler:
         # A05: grouped by stream index; id, function name and arguments concatenate
         # independently; entries with one index merge, also within one chunk.
         if type(tc) is not dict:
-            return Failure("E02", "A13", "a tool call delta is not an object")
+            return Failure(E.E02.id, T.A13.id, "a tool call delta is not an object")
         if tc.get("type") == "custom" or _has_value(tc.get("custom")):
-            return Failure("E01", "A12", "custom tool output")
+            return Failure(E.E01.id, T.A12.id, "custom tool output")
         idx = tc.get("index", 0)
         if type(idx) is not int:
-            return Failure("E02", "A13", "tool call index is not an integer")
+            return Failure(E.E02.id, T.A13.id, "tool call index is not an integer")
         acc = ch.tool_calls.get(idx)
         if acc is None:
             acc = ch.tool_calls[idx] = {"id": [], "type": None, "name": [], "arguments": []}
         tid = tc.get("id")
         if tid is not None:
             if type(tid) is not str:
-                return Failure("E02", "A13", "tool call id is not a string")
+                return Failure(E.E02.id, T.A13.id, "tool call id is not a string")
             acc["id"].append(tid)
         ttype = tc.get("type")
         if ttype is not None:
             if type(ttype) is not str:
-                return Failure("E02", "A13", "tool call type is not a string")
+                return Failure(E.E02.id, T.A13.id, "tool call type is not a string")
             if acc["type"] is None:
                 acc["type"] = ttype
         fn = tc.get("function")
         if fn is not None:
             if type(fn) is not dict:
-                return Failure("E02", "A13", "tool call function is not an object")
+                return Failure(E.E02.id, T.A13.id, "tool call function is not an object")
             for k in ("name", "arguments"):
                 v = fn.get(k)
                 if v is None:
                     continue
                 if type(v) is not str:  # A11: arguments stay engine-generated strings
-                    return Failure("E02", "A13", f"tool call function.{k} is not a string")
+                    return Failure(E.E02.id, T.A13.id, f"tool call function.{k} is not a string")
                 acc[k].append(v)
         return None
 
     def _feed_logprobs(self, ch: _Choice, lp: Any) -> Failure | None:
         if type(lp) is not dict:
-            return Failure("E02", "A13", "logprobs is not an object")
+            return Failure(E.E02.id, T.A13.id, "logprobs is not an object")
         arrays = _CHAT_LOGPROB_ARRAYS if self.route == "chat" else _COMPLETION_LOGPROB_ARRAYS
         acc = ch.logprobs
         if acc is None:
@@ -301,7 +302,7 @@ class Assembler:
             if v is None:
                 continue
             if type(v) is not list:
-                return Failure("E02", "A13", f"logprobs {k} is not a list")
+                return Failure(E.E02.id, T.A13.id, f"logprobs {k} is not a list")
             acc.setdefault(k, []).extend(v)
         return None
 
@@ -362,7 +363,7 @@ class Assembler:
             tid, name = "".join(acc["id"]), "".join(acc["name"])
             if not tid or not name:  # A10
                 missing = "an ID" if not tid else "a function name"
-                return Failure("E02", "A10", f"a tool call has no {missing}", f"tool call index {tidx}")
+                return Failure(E.E02.id, T.A10.id, f"a tool call has no {missing}", f"tool call index {tidx}")
             calls.append({
                 "id": tid,
                 "type": acc["type"] or "function",

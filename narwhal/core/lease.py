@@ -4,19 +4,21 @@ The data plane (narwhal/worker: one request's bytes) sees admission only through
 objects per request, and these are their whole vocabulary:
 
   * `Door.arrive(at, denied)` -> `Entry | Refuse`: the request is offered (C01, the
-    books) and decided against the rows that need the router's state before its body is
-    read: R01 (router not ready) and R02 (retention full). `denied` is the data plane's
-    own verdict on the request head that ranks between them (R15/R16, auth: identity is
-    checked in the data plane, narwhal/tenants): R01, else `denied` (the books closed in
-    its class, no retention taken), else the tenant's own rows (R17 in flight, R18 request
-    rate: `tenant`, when tenants are configured), else R02.
+    books) and the refusal table is walked (core/refusals.py) over the head-stage rows,
+    in its order, until a row of a later stage: R01 (router not ready), `denied` (the
+    data plane's own verdict on the request head, R15/R16: identity is checked in the
+    data plane, narwhal/tenants), the tenant's rows (R17 in flight, R18 request rate:
+    `tenant`, when tenants are configured), R02 (retention full). A refused arrival's
+    books are closed in its class and it took nothing.
   * `Entry.arrived()` -> `Refuse | None`: the arrival's decision when `arrive` returned
     before it was known (over IPC the worker sends Arrive and reads the body meanwhile):
     R01, `denied` or R02 with the books already closed, or None (offered and held). The data plane
     awaits it before it answers anything else, so the rows keep their precedence.
-  * `Entry.admit(order)` -> `Lease | Refuse`: the sized request against R08-R11 and R14,
-    placed on a phase-1 engine (granted or queued); an arrival refused meanwhile comes
-    back as its Refuse. `Entry.end(cls)` closes the books (exactly one terminal class per
+  * `Entry.admit(order, body)` -> `Lease | Refuse`: the walk goes on from where the
+    arrival's stopped, over the body rows that hold (`body`: the data plane's checks,
+    R03-R07; `order` None when the body could not be parsed) and the admission rows over
+    the sized request (R19, R08-R11, R20, R14), then places it on a phase-1 engine
+    (granted or queued); an arrival refused meanwhile comes back as its Refuse. `Entry.end(cls)` closes the books (exactly one terminal class per
     offered request) and anything still held.
   * `Lease`: one admitted request's place in the fleet:
       granted()            the phase-1 grant (at once, or after a queue wait: R12/R13 expiry
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+from narwhal_generated import errors as E
 
 from .tickets import Refuse
 
@@ -79,7 +83,7 @@ class Outcome:
     at: float
     ok_engine: str | None = None  # the engine that completed it (breaker success)
     failed_engine: str | None = None  # the engine whose failure ended it (E04, E06, E07 count for the breaker)
-    failed_row: str | None = None
+    failed_row: E.ErrorRow | None = None
     tpot_s: float | None = None  # measured from token arrivals (decode model)
     tpot_engine: str | None = None
     output_tokens: int | None = None  # None: the relay never finished (nothing to learn)
@@ -101,7 +105,7 @@ class Lease(Protocol):
 
     def first_token(self, at: float) -> None: ...
 
-    async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None: ...
+    async def retry(self, engine: str, row: E.ErrorRow, phase: str, at: float) -> Grant | Refuse | None: ...
 
     def close(self, outcome: Outcome) -> None: ...
 
@@ -109,7 +113,7 @@ class Lease(Protocol):
 class Entry(Protocol):
     async def arrived(self) -> Refuse | None: ...
 
-    async def admit(self, order: Order) -> Lease | Refuse: ...
+    async def admit(self, order: Order | None, body: tuple[Refuse, ...] = ()) -> Lease | Refuse: ...
 
     def end(self, cls: str) -> None: ...
 

@@ -9,18 +9,20 @@ uninterrupted answer; with sampling a valid continuation (the sampler's random s
 `seed`'s included, is not carried; presence and frequency penalties count the earlier
 output as prompt on the new engine).
 
-This module decides *whether* a break may be carried on (`obstacle`: the first reason it
-may not, or None), builds the continuation's body (`continuation`), and turns the
-continuation's stream back into the client's (`Rejoin`). The reasons are
-stable names; the spec rows that map them (and the relay that acts on them) come in the
-next step of issue 24.
+This module decides *whether* a break may be carried on, builds the continuation's body
+(`continuation`), and turns the continuation's stream back into the client's (`Rejoin`).
 
-Decisions: spec/tables/migration.yaml, rows G01-G11, first match in file order; each
-reason below is one row's (`obstacle` checks G01-G09 in that order, the caller G10 when
-admission refuses the continuation; G11, none of them: carry on):
+Decisions: spec/tables/migration.yaml, rows G01-G11, the first row whose reason holds, in
+the table's order (a walk over the generated ROWS, like the refusal table's); the row's
+`outcome` is what the relay does (`error_event`, or `migrate`). Each reason is one fact:
+`obstacle` walks the rows before the continuation is placed, and stops (None) at the
+first row whose fact needs the placement (`placement_refused`, `carry_on`); `placed`
+walks the rest once admission has answered. The facts:
   * `not_enabled`: upstream.migration.max_attempts is 0 (the default): every existing row
     unchanged.
   * `no_token_ids`: the engine does not account by token IDs: nothing validated to carry.
+  * `nothing_left`: the output relayed holds max_tokens tokens already: the stream ends
+    as a complete answer (outcome `finish`), nothing is placed.
   * `attempts_spent`: the request has been carried on max_attempts times already.
   * `deadline`: less time is left before the request's deadline (R13) than the new
     engine's projected time to first token: the continuation could not deliver a token.
@@ -36,6 +38,11 @@ admission refuses the continuation; G11, none of them: carry on):
   * `stop_straddles`: the text sent so far ends with a proper prefix of one of the
     request's `stop` strings: the new engine, which checks stop strings on its own text
     only, would miss a stop string that began before the cut.
+  * `several_prompts`: a completions request with a batch of prompts: its choices'
+    token IDs interleave on the one stream, so no one sequence continues it.
+  * `placement_refused`: admission refused the continuation, or the engine it placed it
+    on cannot take it (no token IDs, no prompt IDs, nothing left to generate).
+  * `carry_on`: placed: carry it on (outcome `migrate`).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from narwhal_generated import migration as G
 
 from .sse import DEFAULT_MAX_EVENT_BYTES, DONE, SSEParser
 
-__all__ = ["REASONS", "Progress", "Recorder", "stop_tail", "obstacle", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS", "MAX_RECORDED_IDS"]
+__all__ = ["REASONS", "MIGRATE", "FINISH", "Progress", "Recorder", "stop_tail", "obstacle", "placed", "continuation", "Rejoin", "STRUCTURED_FIELDS", "DROPPED_FIELDS", "MAX_RECORDED_IDS"]
 
 REASONS = G.REASONS  # the rows' reasons, in their order
 
@@ -159,6 +166,7 @@ class Progress:
     plain: bool  # only plain content deltas so far (no reasoning, tool calls, refusal)
     attempts: int  # continuations already made for this request
     deadline_left_ms: float | None  # None: no deadline
+    max_tokens: int | None = None  # the request's (None: no limit)
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -179,30 +187,89 @@ def straddles(text: str, stops: Iterable[str]) -> bool:
     return False
 
 
+class _Break:
+    """One broken stream's facts, one method per reason: True (holds), False, or None
+    (not known yet: it needs the continuation's placement)."""
+
+    __slots__ = ("route", "body", "p", "max_attempts", "token_ids", "projected_ttft_ms", "ok")
+
+    def __init__(self, route: str, body: dict[str, Any], p: Progress, max_attempts: int, token_ids: bool,
+                 projected_ttft_ms: float, ok: bool | None) -> None:
+        self.route, self.body, self.p = route, body, p
+        self.max_attempts, self.token_ids, self.projected_ttft_ms, self.ok = max_attempts, token_ids, projected_ttft_ms, ok
+
+    def not_enabled(self) -> bool:
+        return self.max_attempts <= 0
+
+    def no_token_ids(self) -> bool:
+        return not self.token_ids
+
+    def nothing_left(self) -> bool:
+        return self.p.max_tokens is not None and len(self.p.output_ids) >= self.p.max_tokens
+
+    def attempts_spent(self) -> bool:
+        return self.p.attempts >= self.max_attempts
+
+    def deadline(self) -> bool:
+        return self.p.deadline_left_ms is not None and self.p.deadline_left_ms <= self.projected_ttft_ms
+
+    def echo(self) -> bool:
+        return self.route == "completion" and (self.body.get("echo") is True or self.body.get("suffix") is not None)
+
+    def logprobs(self) -> bool:
+        lp = self.body.get("logprobs")
+        return (lp is not None and lp is not False) or self.body.get("top_logprobs") is not None
+
+    def structured(self) -> bool:
+        return any(self.body.get(f) is not None for f in STRUCTURED_FIELDS)
+
+    def not_plain(self) -> bool:
+        return not self.p.plain
+
+    def stop_straddles(self) -> bool:
+        return straddles(self.p.text, _stops(self.body))
+
+    def several_prompts(self) -> bool:
+        p = self.body.get("prompt")
+        return self.route == "completion" and isinstance(p, list) and len(p) > 1 and not isinstance(p[0], int)
+
+    def placement_refused(self) -> bool | None:
+        return None if self.ok is None else not self.ok
+
+    def carry_on(self) -> bool | None:
+        return self.ok
+
+
+def _walk(b: _Break, rows: Sequence[G.MigrationRow]) -> G.MigrationRow | None:
+    for row in rows:
+        v = getattr(b, row.reason)()
+        if v is None:
+            return None
+        if v:
+            return row
+    raise AssertionError("no migration row holds: the last row is carry_on")  # pragma: no cover - the table's check
+
+
 def obstacle(route: str, body: dict[str, Any], p: Progress, *, max_attempts: int, token_ids: bool,
-             projected_ttft_ms: float) -> str | None:
-    """The first reason (module docstring, in order) this break may not be carried on,
-    or None: carry it on."""
-    if max_attempts <= 0:
-        return "not_enabled"
-    if not token_ids:
-        return "no_token_ids"
-    if p.attempts >= max_attempts:
-        return "attempts_spent"
-    if p.deadline_left_ms is not None and p.deadline_left_ms <= projected_ttft_ms:
-        return "deadline"
-    if route == "completion" and (body.get("echo") is True or body.get("suffix") is not None):
-        return "echo"
-    lp = body.get("logprobs")
-    if (lp is not None and lp is not False) or body.get("top_logprobs") is not None:
-        return "logprobs"
-    if any(body.get(f) is not None for f in STRUCTURED_FIELDS):
-        return "structured"
-    if not p.plain:
-        return "not_plain"
-    if straddles(p.text, _stops(body)):
-        return "stop_straddles"
-    return None
+             projected_ttft_ms: float, rows: Sequence[G.MigrationRow] = G.ROWS) -> G.MigrationRow | None:
+    """The first row (in the table's order) whose reason holds before the continuation
+    is placed: this break is not carried on (its outcome); None: place the continuation,
+    then `placed`."""
+    return _walk(_Break(route, body, p, max_attempts, token_ids, projected_ttft_ms, None), rows)
+
+
+def placed(route: str, body: dict[str, Any], p: Progress, *, ok: bool, max_attempts: int, token_ids: bool,
+           projected_ttft_ms: float, rows: Sequence[G.MigrationRow] = G.ROWS) -> G.MigrationRow:
+    """The walk once admission answered (`ok`: placed, and the engine can take it): the
+    first row that holds, in the table's order (G10 placement_refused or G11 carry_on
+    as generated)."""
+    row = _walk(_Break(route, body, p, max_attempts, token_ids, projected_ttft_ms, ok), rows)
+    assert row is not None
+    return row
+
+
+MIGRATE = "migrate"  # the outcome of a row that carries the stream on (spec/tables/migration.yaml)
+FINISH = "finish"  # the outcome of a row that ends the stream as a complete answer
 
 
 def continuation(body: dict[str, Any], *, max_tokens: int | None, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> dict[str, Any]:

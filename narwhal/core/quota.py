@@ -38,6 +38,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import islice
 
+from narwhal_generated import errors as E
+
 __all__ = ["Limits", "Bucket", "TenantBook", "Quotas", "MAX_TENANTS", "DEFAULT", "OVERFLOW"]
 
 MAX_TENANTS = 4096  # books of tenants not configured kept at once (module invariants)
@@ -175,22 +177,27 @@ class Quotas:
 
     # -- the rows ------------------------------------------------------------------------
 
-    def arrive(self, tenant: str, now: float) -> tuple[str, float] | None:
-        """At arrival: ("R17", 0) over max_in_flight, ("R18", wait) over requests_per_s,
+    def arrive(self, tenant: str, now: float) -> tuple[E.ErrorRow, float] | None:
+        """At arrival: (R17, 0) over max_in_flight, (R18, wait) over requests_per_s,
         else None and the request is counted in flight (end it with `end`)."""
         b = self.book(tenant, now)
         lim = b.limits
         if lim.max_in_flight is not None and b.in_flight >= lim.max_in_flight:
-            return ("R17", 0.0)
+            return (E.R17, 0.0)
         if b.requests is not None:
             w = b.requests.wait_s(1.0, now)
             if w > 0:
-                return ("R18", w)
+                return (E.R18, w)
             b.requests.take(1.0, now)
+        self.count_in(tenant, now)
+        return None
+
+    def count_in(self, tenant: str, now: float) -> None:
+        """R17's take: the request is in flight in its tenant's book (end it with `end`)."""
+        b = self.book(tenant, now)
         b.in_flight += 1
         if b is self.overflow:
             self.in_overflow[tenant] = self.in_overflow.get(tenant, 0) + 1
-        return None
 
     def charge_prompt(self, tenant: str, prompt_tokens: int, now: float) -> float:
         """At admission: 0 and the prompt charged, else the wait (R19)."""

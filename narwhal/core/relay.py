@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from narwhal_generated import errors as E
+
 from .assembly import Assembler, Failure
 from .dialects import ToolCallNormaliser
 from .fastevent import event as _native
@@ -193,9 +195,9 @@ class StreamRelay:
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
-                return self._fail(out, first, "E02", "an engine event is not JSON", _show(payload))
+                return self._fail(out, first, E.E02.id, "an engine event is not JSON", _show(payload))
             if type(obj) is not dict:
-                return self._fail(out, first, "E02", "an engine event is not a JSON object", _show(payload))
+                return self._fail(out, first, E.E02.id, "an engine event is not a JSON object", _show(payload))
             err = obj.get("error")
             if err is not None:
                 failed = self._error_event(obj, err, payload, out, first)
@@ -205,7 +207,7 @@ class StreamRelay:
             if self.checks_ids:
                 k, bad = token_id_failure(obj)
                 if bad is not None:
-                    return self._fail(out, first, "E03", bad.words, bad.detail)
+                    return self._fail(out, first, E.E03.id, bad.words, bad.detail)
                 if k:
                     self.token_count += k
                     self.arrivals.add(now, k)
@@ -245,7 +247,7 @@ class StreamRelay:
                 out.append(b"data: %b\n\n" % payload)
         if self._parser.too_large and not self.done:
             detail = f"an event or line longer than upstream.max_event_bytes ({self._parser.max_event_bytes} bytes)"
-            return Step(b"".join(out), first, False, ("E02", detail), None)
+            return Step(b"".join(out), first, False, (E.E02.id, detail), None)
         return _step((out[0] if len(out) == 1 else b"".join(out), first, self.done, None, None))
 
     def _fail(
@@ -261,7 +263,7 @@ class StreamRelay:
         upstream.max_answer_bytes (nothing was written: the answer is whole or nothing)."""
         self.failure_detail = f"{self.events} events, {self.answer_bytes} bytes"
         detail = f"the answer grew past upstream.max_answer_bytes ({self.max_answer_bytes} bytes)"
-        return Step(b"", first, False, ("E02", detail), None)
+        return Step(b"", first, False, (E.E02.id, detail), None)
 
     def _error_event(self, obj: dict[str, Any], err: Any, payload: bytes, out: list[bytes], first: bool) -> Step | None:
         """An engine error event (E04). With migration on (a streaming client and a
@@ -269,12 +271,12 @@ class StreamRelay:
         a continuation, so it keeps no engine_error of its own. A streaming client otherwise
         gets the event in the engine's own shape (None: read on); a non-streaming one, E04."""
         if self.assembler is None and self.recorder is not None:
-            return self._fail(out, first, "E04", _event_error_words(err, self.hosts), _show(payload), obj)
+            return self._fail(out, first, E.E04.id, _event_error_words(err, self.hosts), _show(payload), obj)
         self.engine_error = obj
         if self.assembler is None:
             out.append(_DATA + payload + _END)  # the engine's own shape
             return None
-        return self._fail(out, first, "E04", _event_error_words(err, self.hosts), _show(payload), obj)
+        return self._fail(out, first, E.E04.id, _event_error_words(err, self.hosts), _show(payload), obj)
 
     def _assemble(self, obj: dict[str, Any], first: bool) -> Step | None:
         """Non-streaming: the event, its dialect's quirks normalised (D01), into the

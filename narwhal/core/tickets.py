@@ -52,6 +52,7 @@ class Refuse:
     row: E.ErrorRow
     overrun_s: float | None = None
     fields: dict[str, object] = field(default_factory=dict)
+    param: str | None = None  # a body row's param (R04, R06, R07: the check that fired names it)
 
 
 _NONE: frozenset[str] = frozenset()  # no engine excluded (shared: a set per ticket is 216 bytes)

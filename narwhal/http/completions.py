@@ -23,16 +23,16 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from dataclasses import replace
 
 from starlette.types import Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
-from ..core.lease import Order
+from ..core import refusals as answers
+from ..core.lease import Entry, Order
 from ..core.prefix import rendered, text_keys
-from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request
+from ..core.requests import HeaderValues, ParsedRequest, body_facts
 from ..core.tickets import Refuse
 from ..telemetry.logs import RequestRecord, emit_request_end
 from ..tenants import Identity
@@ -40,18 +40,14 @@ from ..worker.plane import DataPlane
 from ..worker.request import error_event, run_request
 from . import hyper
 from .errors import RID_OK, drain_request, send_row
-from .h1fast import PreparedHead
 from .lean import LeanQueue
+from .sink import AsgiSink, Stalls, until_disconnect
 
 __all__ = ["CompletionEndpoint"]
 
 log = logging.getLogger("narwhal")
 _monotonic = time.monotonic
 
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-]
 
 
 class _Gone(Exception):
@@ -75,108 +71,6 @@ class _TooLarge(Exception):
     def __init__(self, ended: bool = False) -> None:
         super().__init__()
         self.ended = ended  # the client had sent its whole body
-
-
-class AsgiSink:
-    """pipeline.Sink over ASGI send. Every send is bounded by serving.send_stall_ms: a
-    client that accepts no bytes for that long (HTTP/1.1: the TCP window; HTTP/2: the
-    flow-control window, see hyper.py defect 1) is dropped by `Stalls`, which
-    cancels the request (its engine request is cancelled, its slots freed; class
-    cancelled). A send only notes when it began (no timer per event: an asyncio.timeout
-    around every write cost ~8 us an event on the relay path)."""
-
-    __slots__ = ("_send", "rid", "headers_sent", "finished", "stall_s", "sending_since", "extra_headers", "row", "status", "body_bytes", "ending", "_direct", "_prepared")
-
-    def __init__(self, send: Send, rid: str, stall_s: float, direct: hyper.H1Direct | None = None) -> None:
-        self._send = send
-        # HTTP/1.1 under hypercorn: body bytes straight to the transport while that is what
-        # ASGI would do (hyper.py item 11); the relay writes from the engine's reads with it
-        self._direct = direct
-        self._prepared: PreparedHead | None = None  # the stream's head, built ahead (prepare_start)
-        self.ending = False  # the response's last message is being sent: its stream closing is its end
-        self.rid = rid
-        self.headers_sent = False
-        self.finished = False
-        self.stall_s = stall_s
-        self.sending_since = 0.0  # monotonic time the pending send began; 0: none pending
-        self.extra_headers: list[tuple[bytes, bytes]] = []
-        # for the request's record (per response, never per event)
-        self.row: str | None = None
-        self.status: int | None = None
-        self.body_bytes: int | None = None
-
-    async def _out(self, msg: dict[str, Any]) -> None:
-        self.sending_since = _monotonic()
-        await self._send(msg)
-        self.sending_since = 0.0
-
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        h = [*headers, *self.extra_headers, (b"x-request-id", self.rid.encode()), (b"content-length", str(len(body)).encode())]
-        self.headers_sent = True
-        self.status = status
-        self.body_bytes = len(body)
-        await self._out({"type": "http.response.start", "status": status, "headers": h})
-        self.ending = True
-        await self._out({"type": "http.response.body", "body": body, "more_body": False})
-        self.finished = True
-
-    def _head(self) -> list[tuple[bytes, bytes]]:
-        return [*_SSE_HEADERS, *self.extra_headers, (b"x-request-id", self.rid.encode())]
-
-    # write_now and start_now (replies.Sink): made when read, not kept (two bound methods
-    # per open stream); the relay reads write_now once per event (~0.1 us)
-    @property
-    def write_now(self) -> Callable[[bytes], bool] | None:
-        d = self._direct
-        return d.write if d is not None else None
-
-    @property
-    def chunk_writer(self) -> hyper.H1Direct | None:
-        return self._direct
-
-    @property
-    def start_now(self) -> Callable[[bytes], bool] | None:
-        return self._start_now if self._direct is not None else None
-
-    def prepare_start(self) -> None:
-        """The stream's head built now, while the engine works on the first token (item
-        21: H1Direct.prepare), so that _start_now only writes it; nothing where the head is
-        not written straight to the connection."""
-        if self._direct is not None and not self.headers_sent:
-            self._prepared = self._direct.prepare(200, self._head())
-
-    def _start_now(self, first: bytes) -> bool:
-        """The stream's head and its first bytes written now (hyper.py items 11, 15), or
-        nothing (False)."""
-        assert self._direct is not None
-        prepared, self._prepared = self._prepared, None
-        if not self._direct.start(200, self._head(), first, prepared):
-            return False
-        self.headers_sent = True
-        self.status = 200
-        return True
-
-    async def start_stream(self) -> None:
-        if self._direct is not None and self._start_now(b""):  # HTTP/1.1: straight out (hyper.py item 11)
-            return
-        self.headers_sent = True
-        self.status = 200
-        await self._out({"type": "http.response.start", "status": 200, "headers": self._head()})
-
-    async def write(self, data: bytes) -> None:
-        await self._out({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def end_stream(self, last: bytes = b"") -> None:
-        d = self._direct
-        if d is not None and d.end(last):  # HTTP/1.1: one write, the last chunk in it (hyper.py item 17)
-            self.ending = True
-            await d.closed()
-        else:
-            if last:
-                await self.write(last)
-            self.ending = True
-            await self._out({"type": "http.response.body", "body": b"", "more_body": False})
-        self.finished = True
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int, deadline_s: float) -> bytes:
@@ -234,148 +128,8 @@ async def _read_body(scope: Scope, receive: Receive, limit: int, deadline_s: flo
     return first if first is not None else bytes(buf)
 
 
-class _Disconnected(Exception):
-    pass
-
-
-class _Cancellable(Protocol):
-    def cancel(self) -> object: ...
-
-
-class Stalls:
-    """serving.send_stall_ms for every request of an endpoint: one task, waking every
-    stall_s / 4 while any request is watched, cancels each request whose pending send
-    began more than stall_s ago (a task per request cost 1.4 KiB per open stream)."""
-
-    __slots__ = ("watched", "_task")
-
-    def __init__(self) -> None:
-        self.watched: dict[AsgiSink, _Cancellable] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def watch(self, sink: AsgiSink, task: _Cancellable) -> None:
-        self.watched[sink] = task
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
-
-    def unwatch(self, sink: AsgiSink) -> None:
-        self.watched.pop(sink, None)
-        if not self.watched and self._task is not None:  # nothing left: no task outlives the requests
-            self._task.cancel()
-            self._task = None
-
-    async def _run(self) -> None:
-        while self.watched:
-            await asyncio.sleep(min(4.0, next(iter(self.watched)).stall_s / 4))
-            now = _monotonic()
-            for sink, task in list(self.watched.items()):
-                since = sink.sending_since
-                if since and now - since > sink.stall_s:
-                    log.info("request %s: the client accepted no bytes for %.0f ms; dropped", sink.rid, sink.stall_s * 1000)
-                    del self.watched[sink]
-                    task.cancel()
-
-
-class _Cut:
-    """Cancels the request's own task for its client (gone, or stalled) and remembers it
-    did: that cancellation is the class `cancelled`, any other one goes on up."""
-
-    __slots__ = ("task", "sink", "fired")
-
-    def __init__(self, task: asyncio.Task[Any], sink: AsgiSink) -> None:
-        self.task = task
-        self.sink = sink
-        self.fired = False
-
-    def cancel(self) -> None:  # Stalls: the client accepted nothing for send_stall_ms
-        if not self.fired:
-            self.fired = True
-            self.task.cancel()
-
-    def gone(self) -> None:  # the stream closed: the client went away, unless it was the answer's end
-        if not self.sink.ending:
-            self.cancel()
-
-
-async def _until_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink, hook: hyper.CloseHook | None, stalls: Stalls) -> str:
-    """Run the request; if the client disconnects first, or stops reading for
-    serving.send_stall_ms, cancel it (which closes the engine connections and frees
-    every slot) and report the class `cancelled`.
-
-    hypercorn reports a disconnect only through receive(), and a send() to a gone client
-    is silently dropped: without a watcher a stream would run on to its end. Under
-    hypercorn the stream's CloseHook (hyper.py) cancels the request -- run here, in the
-    app's own task (a task of its own cost a loop turn before the engine saw the request,
-    and memory per open stream) -- when the stream closes; under any other server a task
-    waits on receive()."""
-    if hook is None:
-        return await _until_received_disconnect(work, receive, sink, stalls)
-    if hook.closed:  # reset right after it was sent (HTTP/2 rapid reset): no engine sees it
-        work.close()
-        return "cancelled"
-    me = asyncio.current_task()
-    assert me is not None
-    cut = _Cut(me, sink)
-    hook.cb = cut.gone
-    stalls.watch(sink, cut)
-    try:
-        got = await work
-    except asyncio.CancelledError:
-        if cut.fired and me.uncancel() == 0:  # only the client's cut: the request's end
-            return "cancelled"
-        raise
-    except BaseException:
-        if cut.fired:  # cut, and the work ended with an error of its own: that goes on up alone
-            me.uncancel()
-        raise
-    finally:
-        hook.cb = None
-        stalls.unwatch(sink)
-    if cut.fired:  # cut as it ended, and the work let the cancellation pass: it is not pending
-        me.uncancel()
-    return got
-
-
-async def _until_received_disconnect(work: Coroutine[Any, Any, str], receive: Receive, sink: AsgiSink, stalls: Stalls) -> str:
-    """_until_disconnect for a server without CloseHooks: a task waits on receive()."""
-    watch = asyncio.ensure_future(receive())
-    # a client that reset its stream right after sending it (HTTP/2 rapid reset) has its
-    # disconnect queued already: one turn of the loop lets the watcher see it, and the
-    # request never reaches an engine
-    await asyncio.sleep(0)
-    if watch.done() and watch.result().get("type") == "http.disconnect":
-        work.close()
-        return "cancelled"
-    task = asyncio.ensure_future(work)
-    stalls.watch(sink, task)
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return "cancelled" if task.cancelled() else task.result()
-        msg = watch.result()
-        if msg.get("type") != "http.disconnect":  # not expected after the whole body
-            try:
-                return await task
-            except asyncio.CancelledError:
-                if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                    return "cancelled"  # dropped by the stall watcher
-                raise
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        return "cancelled"
-    finally:
-        stalls.unwatch(sink)
-        if not watch.done():
-            watch.cancel()
-        if not task.done():
-            task.cancel()
-
-
 def _rendered(row: E.ErrorRow, **fields: object) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    status, headers, body = E.render(row, **fields)
+    status, headers, body = answers.render(row, **fields)
     return status, [(b"connection", b"close"), *headers], body
 
 
@@ -418,7 +172,9 @@ def _end(rec: RequestRecord | None, cls: str, now: float, sink: AsgiSink | None 
 
 
 class CompletionEndpoint:
-    """POST /v1/chat/completions or /v1/completions."""
+    """POST /v1/chat/completions or /v1/completions, in stages: the head (identity, the
+    record, the door's arrival walk), the body (read, then its facts), admission and
+    the request's life (worker/request.py), and its end (the books, exactly once)."""
 
     def __init__(self, plane: DataPlane, route: str) -> None:
         self.plane = plane
@@ -434,146 +190,83 @@ class CompletionEndpoint:
             await send_row(send, E.H02, rid=rid, method=scope["method"], path=scope["path"])
             return
         arrival = r.clock.now()
-        drain = 8 * r.config.serving.max_request_bytes
-        who: Identity | None = None
-        denied: Refuse | None = None
-        if r.auth is not None:  # R15, R16 (issue 22): from the head alone
-            checked = r.auth.check(scope["headers"])
-            if isinstance(checked, Identity):
-                who = checked
-            else:
-                denied = Refuse(checked)
-        tel = r.telemetry
-        tp = hdr.get(b"traceparent")
-        rec: RequestRecord | None = None
-        trace = tel.tracing.start(rid, tp) if tel.tracing is not None else None  # sampled once, here
-        if trace is not None or tel.json_logs or tp is not None:  # else nothing is made: the no-op path
-            rec = RequestRecord(rid, self.route, arrival, trace=trace, traceparent=tp, tracestate=hdr.get(b"tracestate"), log=tel.json_logs)
-            if who is not None:
-                rec.tenant, rec.key_id = who.tenant, who.key_id
+        who, denied = self._identity(scope)
+        rec = self._record(rid, hdr, arrival, who)
         got = await r.door.arrive(arrival, denied, who.tenant if who is not None else None)
-        if isinstance(got, Refuse):  # R01, R15/R16, R02: the authority has closed the books
+        if isinstance(got, Refuse):  # a head row: the authority has closed the books
             try:
-                await drain_request(scope, receive, limit=drain)
-                await send_row(send, got.row, rid=rid, overrun_s=got.overrun_s, **got.fields)
+                await self._answer(scope, receive, send, rid, got, rec)
             finally:
-                r.telemetry.child(r.telemetry.e2e, got.row.counter).observe(r.clock.now() - arrival)
-                if rec is not None:
-                    rec.refused(got.row)
-                    _end(rec, got.row.counter, r.clock.now())
+                self._ended(arrival, got.row.counter, rec)
             return
-        entry = got
-        if denied is not None:  # over IPC: the authority's answer is R01 or `denied`; no body is read
-            ended = "cancelled"
-            try:
-                refused = await entry.arrived() or denied
-                ended = refused.row.counter
-                if rec is not None:
-                    rec.refused(refused.row)
-                await drain_request(scope, receive, limit=drain)
-                await send_row(send, refused.row, rid=rid, overrun_s=refused.overrun_s, **refused.fields)
-            finally:
+        if denied is not None and await self._denied(scope, receive, send, rid, arrival, got, rec):
+            return
+        await self._serve(scope, receive, send, rid, hdr, arrival, got, who, rec)
+
+    async def _denied(self, scope: Scope, receive: Receive, send: Send, rid: str, arrival: float, entry: Entry, rec: RequestRecord | None) -> bool:
+        """The data plane denied the key (R15/R16) and the arrival's walk goes on over IPC:
+        its answer, with no body read; False when the table puts a later stage's row
+        above the key's (the walk goes on with the body)."""
+        ended = "cancelled"
+        try:
+            refused = await entry.arrived()
+            if refused is None:
+                ended = ""
+                return False
+            ended = refused.row.counter
+            await self._answer(scope, receive, send, rid, refused, rec)
+            return True
+        finally:
+            if ended:
                 entry.end(ended)  # the authority closed the books at arrival; this End is ignored there
-                r.telemetry.child(r.telemetry.e2e, ended).observe(r.clock.now() - arrival)
-                _end(rec, ended, r.clock.now())
-            return
+                self._ended(arrival, ended, rec)
+
+    def _identity(self, scope: Scope) -> tuple[Identity | None, Refuse | None]:
+        """R15, R16 (auth): the head's facts, from the head alone."""
+        auth = self.plane.auth
+        if auth is None:
+            return None, None
+        checked = auth.check(scope["headers"])
+        if isinstance(checked, Identity):
+            return checked, None
+        return None, Refuse(checked)
+
+    def _record(self, rid: str, hdr: dict[bytes, bytes], arrival: float, who: Identity | None) -> RequestRecord | None:
+        """A RequestRecord when tracing samples it (decided once, here), with JSON logs,
+        or with a client's traceparent; else nothing is made (the no-op path)."""
+        tel = self.plane.telemetry
+        tp = hdr.get(b"traceparent")
+        trace = tel.tracing.start(rid, tp) if tel.tracing is not None else None
+        if trace is None and not tel.json_logs and tp is None:
+            return None
+        rec = RequestRecord(rid, self.route, arrival, trace=trace, traceparent=tp, tracestate=hdr.get(b"tracestate"), log=tel.json_logs)
+        if who is not None:
+            rec.tenant, rec.key_id = who.tenant, who.key_id
+        return rec
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, rid: str, refused: Refuse, rec: RequestRecord | None,
+                      drain: bool = True, timeout_s: float = 2.0) -> None:
+        """A refusal row's answer (from the row alone), the body drained first."""
+        if rec is not None:
+            rec.refused(refused.row)
+        if drain:
+            await drain_request(scope, receive, limit=8 * self.plane.config.serving.max_request_bytes, timeout_s=timeout_s)
+        await send_row(send, refused.row, rid=rid, param=refused.param, overrun_s=refused.overrun_s, **refused.fields)
+
+    def _ended(self, arrival: float, cls: str, rec: RequestRecord | None, sink: AsgiSink | None = None) -> None:
+        r = self.plane
+        r.telemetry.child(r.telemetry.e2e, cls).observe(r.clock.now() - arrival)
+        _end(rec, cls, r.clock.now(), sink)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, rid: str, hdr: dict[bytes, bytes], arrival: float,
+                     entry: Entry, who: Identity | None, rec: RequestRecord | None) -> None:
+        """An offered request from its body on; `entry.end` here is the only place an
+        offered entry's books are closed (exactly one terminal class)."""
+        r = self.plane
         sink = AsgiSink(send, rid, r.config.serving.send_stall_ms / 1000.0, (scope.get("extensions") or {}).get(hyper.DIRECT) if r.direct_relay else None)
         cls: str | None = None
         try:
-            adm = r.config.admission
-            limit = r.config.serving.max_request_bytes
-            failed: _TooLarge | _Fragmented | _TooSlow | None = None
-            try:
-                body = await _read_body(scope, receive, limit, r.config.serving.read_timeout_ms / 1000.0)
-            except (_TooLarge, _Fragmented, _TooSlow) as e:
-                failed = e
-            except _Gone:
-                cls = "cancelled"
-                return
-            # With workers the arrival (R01, R02) is decided while the body is read: a
-            # refused one answers with its own row, as it would have before the body.
-            refused = await entry.arrived()
-            if refused is not None:
-                if rec is not None:
-                    rec.refused(refused.row)
-                if failed is not None and not (isinstance(failed, _TooLarge) and failed.ended):
-                    await drain_request(scope, receive, limit=drain, timeout_s=1.0)
-                await send_row(send, refused.row, rid=rid, overrun_s=refused.overrun_s, **refused.fields)
-                cls = refused.row.counter
-                return
-            if isinstance(failed, _TooLarge):  # R03
-                if not failed.ended:
-                    await drain_request(scope, receive, limit=drain)
-                if rec is not None:
-                    rec.refused(E.R03)
-                await send_row(send, E.R03, rid=rid, limit=limit)
-                cls = E.R03.counter
-                return
-            if isinstance(failed, _Fragmented):  # H10
-                sink.row = E.H10.id
-                await sink.respond(*_rendered(E.H10, limit=FRAGMENT_PIECES, min_bytes=FRAGMENT_MIN_BYTES))
-                cls = E.H10.counter
-                # no client sends real bodies so: its reconnects are refused at accept
-                # for serving.abuse_penalty_ms, else the next 4,096 pieces cost the same
-                hyper.penalise(scope)
-                # a short linger only: draining such a body costs what H10 saves
-                await drain_request(scope, receive, limit=65536, timeout_s=0.2)
-                return
-            if isinstance(failed, _TooSlow):  # H07
-                sink.row = E.H07.id
-                await sink.respond(*_rendered(E.H07, limit_ms=r.config.serving.read_timeout_ms))
-                cls = E.H07.counter
-                # linger (bounded): a close while the client's bytes still arrive makes the
-                # kernel send RST, which can destroy the 408 before the client reads it
-                await drain_request(scope, receive, limit=drain, timeout_s=1.0)
-                return
-            ttft = hdr.get(b"x-narwhal-ttft-target-ms")
-            dl = hdr.get(b"x-narwhal-deadline-ms")
-            hv = parse_headers(
-                ttft.decode("latin-1") if ttft is not None else None,
-                dl.decode("latin-1") if dl is not None else None,
-                budget_ms=adm.ttft_budget_ms,
-                max_target_ms=adm.max_ttft_target_ms,
-            )
-            parsed: ParsedRequest | Rejection = hv if isinstance(hv, Rejection) else parse_request(self.route, body, model=r.config.serving.model)
-            if rec is not None:
-                rec.request_bytes = len(body)
-            if isinstance(parsed, Rejection):  # R04-R07
-                if rec is not None:
-                    rec.refused(parsed.row)
-                await send_row(send, parsed.row, rid=rid, param=parsed.param, **parsed.fields)
-                cls = parsed.row.counter
-                return
-            assert not isinstance(hv, Rejection)
-            if rec is not None:
-                rec.stream = parsed.stream
-            # workload sizing: an exact count here (token IDs, or serving.tokenizer on the
-            # text), else the authority's learned estimate from the prompt's bytes
-            exact = parsed.prompt_token_count
-            if exact is None and r.count_tokens is not None and parsed.prompt_text is not None:
-                exact = r.count_tokens(parsed.prompt_text)
-            order = Order(
-                route=self.route,
-                prompt_bytes=parsed.prompt_bytes,
-                exact_prompt_tokens=exact,
-                max_tokens=parsed.max_tokens,
-                budget_ms=float(hv.ttft_target_ms if hv.ttft_target_ms is not None else r.tenant_budget_ms(who.tenant if who is not None else None)),
-                arrival=arrival,
-                deadline_s=None if hv.deadline_ms is None else hv.deadline_ms / 1000.0,
-                # the prompt's prefix blocks: which engine may hold its history cached
-                prefix=text_keys(rendered(self.route, parsed.body)) if r.models_prefix else (),
-                token_prefix=await r.token_prefix(self.route, parsed.body) if r.kv_tokenizer is not None else (),
-                tenant=None if who is None else who.tenant,
-                key_id=None if who is None else who.key_id,
-            )
-            # the parsed request holds what the rest needs: a long prompt's bytes go now, and
-            # what was read from the head with them (this frame and the server's scope live
-            # as long as the stream; hypercorn reads the scope's headers again only for its
-            # access log, which Narwhal turns off, and for HTTP/2 push and trailers, which
-            # it never sends): ~0.5 KiB per open stream
-            del body, hdr, hv, ttft, dl, tp
-            scope["headers"] = _HEAD_READ
-            cls = await _until_disconnect(run_request(r, entry, parsed, order, sink, rid, rec), receive, sink, (scope.get("extensions") or {}).get(hyper.CLOSE), self.stalls)
+            cls = await self._body_on(scope, receive, send, rid, hdr, arrival, entry, who, rec, sink)
         except asyncio.CancelledError:
             cls = "cancelled"
             raise
@@ -582,18 +275,120 @@ class CompletionEndpoint:
         except Exception:
             log.exception("request %s (key %s): router bug", rid, "-" if who is None else who.key_id)  # the key's id, never the key
             cls = E.H06.counter
-            sink.row = E.H06.id
-            try:
-                if not sink.headers_sent:
-                    if rec is not None:
-                        rec.status = E.H06.status
-                    await send_row(send, E.H06, rid=rid, request_id=rid)
-                elif not sink.finished:
-                    await sink.write(error_event(E.H06, request_id=rid))
-                    await sink.end_stream()
-            except Exception:  # noqa: BLE001 - the client may be gone too
-                pass
+            await self._bug(send, rid, sink, rec)
         finally:
             entry.end(cls or "cancelled")
-            r.telemetry.child(r.telemetry.e2e, cls or "cancelled").observe(r.clock.now() - arrival)
-            _end(rec, cls or "cancelled", r.clock.now(), sink)
+            self._ended(arrival, cls or "cancelled", rec, sink)
+
+    async def _bug(self, send: Send, rid: str, sink: AsgiSink, rec: RequestRecord | None) -> None:
+        """H06: the router's own fault, told to the client as well as it still can be."""
+        sink.row = E.H06.id
+        try:
+            if not sink.headers_sent:
+                if rec is not None:
+                    rec.status = E.H06.status
+                await send_row(send, E.H06, rid=rid, request_id=rid)
+            elif not sink.finished:
+                await sink.write(error_event(E.H06, request_id=rid))
+                await sink.end_stream()
+        except Exception:  # noqa: BLE001 - the client may be gone too
+            pass
+
+    async def _body_on(self, scope: Scope, receive: Receive, send: Send, rid: str, hdr: dict[bytes, bytes], arrival: float,
+                       entry: Entry, who: Identity | None, rec: RequestRecord | None, sink: AsgiSink) -> str | None:
+        """Read the body (H07, H10 are the reader's own answers, not refusal rows), hear
+        the arrival's walk, then the body's facts and the rest of the walk."""
+        r = self.plane
+        limit = r.config.serving.max_request_bytes
+        failed: _TooLarge | _Fragmented | _TooSlow | None = None
+        try:
+            body = await _read_body(scope, receive, limit, r.config.serving.read_timeout_ms / 1000.0)
+        except (_TooLarge, _Fragmented, _TooSlow) as e:
+            failed, body = e, b""
+        except _Gone:
+            return "cancelled"
+        # With workers the arrival is walked while the body is read: a refused one
+        # answers with its own row, as it would have before the body.
+        refused = await entry.arrived()
+        if refused is not None:
+            unread = failed is not None and not (isinstance(failed, _TooLarge) and failed.ended)
+            await self._answer(scope, receive, send, rid, refused, rec, drain=unread, timeout_s=1.0)
+            return refused.row.counter
+        if isinstance(failed, (_Fragmented, _TooSlow)):
+            return await self._unread(scope, receive, sink, failed)
+        facts, parsed, hv = self._facts(body, hdr, limit, failed)
+        if rec is not None:
+            rec.request_bytes = len(body)
+        if facts:  # a body row holds: the walk decides which row answers (it refuses)
+            order = self._order(parsed, hv, arrival, who) if parsed is not None else None
+            got = await entry.admit(order, facts)
+            assert isinstance(got, Refuse), "a body row holds: the walk refuses"
+            await self._answer(scope, receive, send, rid, got, rec, drain=isinstance(failed, _TooLarge) and not failed.ended)
+            return got.row.counter
+        assert parsed is not None and hv is not None
+        if rec is not None:
+            rec.stream = parsed.stream
+        order = self._order(parsed, hv, arrival, who)
+        if r.kv_tokenizer is not None:
+            order = replace(order, token_prefix=await r.token_prefix(self.route, parsed.body))
+        # the parsed request holds what the rest needs: a long prompt's bytes go now, and
+        # what was read from the head with them (this frame and the server's scope live
+        # as long as the stream; hypercorn reads the scope's headers again only for its
+        # access log, which Narwhal turns off, and for HTTP/2 push and trailers, which
+        # it never sends): ~0.5 KiB per open stream
+        del body, hdr, hv
+        scope["headers"] = _HEAD_READ
+        return await until_disconnect(run_request(r, entry, parsed, order, sink, rid, rec), receive, sink, (scope.get("extensions") or {}).get(hyper.CLOSE), self.stalls)
+
+    async def _unread(self, scope: Scope, receive: Receive, sink: AsgiSink, failed: _Fragmented | _TooSlow) -> str:
+        """H10 (a body in absurdly small pieces) or H07 (not whole within
+        serving.read_timeout_ms): the reader's answers."""
+        r = self.plane
+        drain = 8 * r.config.serving.max_request_bytes
+        if isinstance(failed, _Fragmented):  # H10
+            sink.row = E.H10.id
+            await sink.respond(*_rendered(E.H10, limit=FRAGMENT_PIECES, min_bytes=FRAGMENT_MIN_BYTES))
+            # no client sends real bodies so: its reconnects are refused at accept
+            # for serving.abuse_penalty_ms, else the next 4,096 pieces cost the same
+            hyper.penalise(scope)
+            # a short linger only: draining such a body costs what H10 saves
+            await drain_request(scope, receive, limit=65536, timeout_s=0.2)
+            return E.H10.counter
+        sink.row = E.H07.id  # H07
+        await sink.respond(*_rendered(E.H07, limit_ms=r.config.serving.read_timeout_ms))
+        # linger (bounded): a close while the client's bytes still arrive makes the
+        # kernel send RST, which can destroy the 408 before the client reads it
+        await drain_request(scope, receive, limit=drain, timeout_s=1.0)
+        return E.H07.counter
+
+    def _facts(self, body: bytes, hdr: dict[bytes, bytes], limit: int, failed: _TooLarge | None) -> tuple[tuple[Refuse, ...], ParsedRequest | None, HeaderValues | None]:
+        """The body stage's facts (core/requests.py body_facts)."""
+        adm = self.plane.config.admission
+        ttft = hdr.get(b"x-narwhal-ttft-target-ms")
+        dl = hdr.get(b"x-narwhal-deadline-ms")
+        return body_facts(self.route, body, ttft.decode("latin-1") if ttft is not None else None, dl.decode("latin-1") if dl is not None else None,
+                          too_large=limit if failed is not None else None, model=self.plane.config.serving.model,
+                          budget_ms=adm.ttft_budget_ms, max_target_ms=adm.max_ttft_target_ms)
+
+    def _order(self, parsed: ParsedRequest, hv: HeaderValues | None, arrival: float, who: Identity | None) -> Order:
+        """What admission knows of the request: workload sizing here is an exact count
+        (token IDs, or serving.tokenizer on the text), else the authority's learned
+        estimate from the prompt's bytes."""
+        r = self.plane
+        exact = parsed.prompt_token_count
+        if exact is None and r.count_tokens is not None and parsed.prompt_text is not None:
+            exact = r.count_tokens(parsed.prompt_text)
+        target = hv.ttft_target_ms if hv is not None else None
+        return Order(
+            route=self.route,
+            prompt_bytes=parsed.prompt_bytes,
+            exact_prompt_tokens=exact,
+            max_tokens=parsed.max_tokens,
+            budget_ms=float(target if target is not None else r.tenant_budget_ms(who.tenant if who is not None else None)),
+            arrival=arrival,
+            deadline_s=None if hv is None or hv.deadline_ms is None else hv.deadline_ms / 1000.0,
+            # the prompt's prefix blocks: which engine may hold its history cached
+            prefix=text_keys(rendered(self.route, parsed.body)) if r.models_prefix else (),
+            tenant=None if who is None else who.tenant,
+            key_id=None if who is None else who.key_id,
+        )

@@ -12,6 +12,8 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_generated import errors as E
 
+from ..core import refusals as answers
+
 __all__ = ["send_row", "row_response", "json_headers", "drain_request", "RID_OK"]
 
 # x-request-id values taken from a client: 1-128 visible ASCII characters, matched whole
@@ -27,7 +29,7 @@ def json_headers(rid: str | None, extra: list[tuple[bytes, bytes]] | None = None
 
 
 async def send_row(send: Send, row: E.ErrorRow, *, rid: str | None, param: str | None = None, overrun_s: float | None = None, **fields: object) -> None:
-    status, headers, body = E.render(row, param=param, overrun_s=overrun_s, **fields)
+    status, headers, body = answers.render(row, param=param, overrun_s=overrun_s, **fields)
     headers = json_headers(rid, headers)
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -35,7 +37,7 @@ async def send_row(send: Send, row: E.ErrorRow, *, rid: str | None, param: str |
 
 
 def row_response(row: E.ErrorRow, *, rid: str | None = None, param: str | None = None, **fields: object) -> Response:
-    status, headers, body = E.render(row, param=param, **fields)
+    status, headers, body = answers.render(row, param=param, **fields)
     r = Response(body, status_code=status, media_type="application/json")
     for k, v in headers:
         if k != b"content-type":

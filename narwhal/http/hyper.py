@@ -154,6 +154,7 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from narwhal_generated import errors as E
 
+from ..core import refusals as answers
 from .h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, H1Direct, PreparedH11
 from .lean import LeanEvent, LeanQueue
 
@@ -495,7 +496,7 @@ class HardenedH11Protocol(H11Protocol):
 
     async def _send_error_response(self, status_code: int) -> None:
         row = E.H09 if status_code == 431 else E.H08
-        status, headers, body = E.render(row)
+        status, headers, body = answers.render(row)
         hdrs = [*headers, (b"content-length", str(len(body)).encode()), (b"connection", b"close"), *self.config.response_headers("h11")]
         await self._send_h11_event(h11.Response(status_code=status, headers=hdrs))
         await self._send_h11_event(h11.Data(data=body))

@@ -15,13 +15,13 @@ import tempfile
 from pathlib import Path
 
 from ._docs import render_tables_md
-from ._load import Spec, SpecError, load_spec
+from ._load import Spec, SpecError, load_spec, with_table
 from ._models import DATAMODEL_CODEGEN_VERSION, render_models
 from ._openapi import render_openapi
 from ._python import render_modules
 from .config_doc import render_config_md
 
-__all__ = ["generate", "check", "render", "find_root", "SpecError", "GENERATOR_VERSION"]
+__all__ = ["generate", "check", "render", "find_root", "SpecError", "GENERATOR_VERSION", "load_spec", "with_table", "render_modules"]
 
 GENERATOR_VERSION = "1"
 

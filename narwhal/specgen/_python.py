@@ -7,6 +7,7 @@ their file order, nothing depends on time, dict order or the machine.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ._load import Spec
@@ -31,137 +32,60 @@ def _header(sources: list[str]) -> str:
     )
 
 
-_ERRORS_PRELUDE = '''
-"""Every refusal and error Narwhal answers with, one row each, and their HTTP mapping.
+_ERRORS_DOC = '''
+"""Every refusal and error Narwhal answers with, one row each, as data.
 
-REFUSALS is in precedence order (the first matching row decides); FAILURES and
-HTTP_ERRORS are keyed by ID. Handlers never write a status, type or code by hand: they
-pick a row and call `render`.
+REFUSALS is in precedence order: narwhal/core/refusals.py walks it, and the first row
+whose predicate holds decides; each row's `stage` is when its fact becomes known.
+FAILURES and HTTP_ERRORS are keyed by ID. The HTTP answer of a row (status, envelope,
+Retry-After, headers) is made from the row alone by narwhal/core/refusals.py `render`:
+handlers never write a status, type or code by hand.
 """
-
-from __future__ import annotations
-
-import json
-import math
-from dataclasses import dataclass
-
-__all__ = [
-    "ErrorRow", "REFUSALS", "FAILURES", "HTTP_ERRORS", "ROWS", "BY_WHEN", "BY_CODE",
-    "CODES", "TYPES", "retry_after_seconds", "envelope", "render",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorRow:
-    id: str
-    order: int | None
-    when: str
-    status: int
-    type: str
-    code: str
-    param: str | None  # "from_check": the check that fired supplies it
-    retry_after: int | str | None  # None, a constant in seconds, or "overrun"
-    counter: str  # terminal class, or "none" for non-completion routes
-    unsized: bool
-    retryable: bool
-    message: str
-    quote: str
-    headers: tuple[tuple[str, str], ...] = ()  # other response headers (name, value), e.g. WWW-Authenticate
-
-
-class _Blank(dict):  # type: ignore[type-arg]
-    def __missing__(self, key: str) -> str:
-        return "?"
-
 '''
 
-_ERRORS_FUNCS = '''
-
-def retry_after_seconds(row: ErrorRow, overrun_s: float | None = None) -> int | None:
-    """The Retry-After value of a row: its constant, or for "overrun" rows
-    max(1, round-half-up(overrun_s)) as R10 says."""
-    if row.retry_after is None:
-        return None
-    if row.retry_after == "overrun":
-        return max(1, math.floor((overrun_s or 0.0) + 0.5))
-    return int(row.retry_after)
-
-
-def envelope(row: ErrorRow, *, param: str | None = None, **fields: object) -> dict[str, object]:
-    """The OpenAI-style error envelope of a row; `fields` fill the message template."""
-    p = param if row.param == "from_check" else row.param
+def _error_row(r: dict[str, Any]) -> dict[str, Any]:
+    ra = r["retry_after"]
     return {
-        "error": {
-            "message": row.message.format_map(_Blank(fields)),
-            "type": row.type,
-            "param": p,
-            "code": row.code,
-        }
+        "id": r["id"], "order": r.get("order"), "stage": r.get("stage"), "when": r["when"],
+        "status": r["status"], "type": r["type"], "code": r["code"], "param": r["param"],
+        "retry_after": ra["constant"] if isinstance(ra, dict) else (None if ra == "none" else ra),
+        "counter": r["counter"], "unsized": bool(r.get("unsized", False)),
+        "retryable": bool(r.get("retryable", False)), "message": r["message"], "quote": r["quote"],
+        "headers": tuple(r.get("headers", {}).items()),
     }
 
 
-def render(
-    row: ErrorRow,
-    *,
-    param: str | None = None,
-    overrun_s: float | None = None,
-    **fields: object,
-) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """(status, headers, body) of a row's HTTP answer."""
-    ra = retry_after_seconds(row, overrun_s)
-    if ra is not None:
-        fields.setdefault("retry_after", ra)
-    body = json.dumps(envelope(row, param=param, **fields), separators=(",", ":")).encode()
-    headers = [(b"content-type", b"application/json")]
-    if ra is not None:
-        headers.append((b"retry-after", str(ra).encode()))
-    for name, value in row.headers:
-        headers.append((name.lower().encode(), value.encode()))
-    return row.status, headers, body
-'''
+def _stages(spec: Spec) -> tuple[str, ...]:
+    """The refusal stages in the order a request reaches them (the schema's enum)."""
+    meta = json.loads((spec.root / "spec" / "schema" / "table.schema.json").read_text())
+    return tuple(meta["$defs"]["ErrorRow"]["properties"]["stage"]["enum"])
 
 
 def _errors(spec: Spec) -> str:
-    out = [_header(["spec/tables/refusals.yaml", "spec/tables/failures.yaml"]), _ERRORS_PRELUDE]
     groups: dict[str, list[str]] = {"REFUSALS": [], "FAILURES": [], "HTTP_ERRORS": []}
-    all_rows = []
+    extra = [*groups, "ROWS", "BY_WHEN", "BY_CODE", "CODES", "TYPES", "STAGES"]
+    body = [
+        _header(["spec/tables/refusals.yaml", "spec/tables/failures.yaml"]),
+        _ERRORS_DOC,
+        _ROWS_PRELUDE.format(all=", ".join(_lit(a) for a in ["ErrorRow", *extra]), cls="ErrorRow",
+                             fields=_fields("errors")),
+    ]
     for tname in ("refusals", "failures"):
         for r in spec.rows(tname):
-            ra = r["retry_after"]
-            ra_v: int | str | None = ra["constant"] if isinstance(ra, dict) else (None if ra == "none" else ra)
-            note = spec.tables[tname].get("notes", {}).get(r["id"])
-            if note:
-                out.append(f"# {r['id']}: {note}\n")
-            out.append(
-                f"{r['id']} = ErrorRow(\n"
-                f"    id={_lit(r['id'])},\n"
-                f"    order={_lit(r.get('order'))},\n"
-                f"    when={_lit(r['when'])},\n"
-                f"    status={r['status']},\n"
-                f"    type={_lit(r['type'])},\n"
-                f"    code={_lit(r['code'])},\n"
-                f"    param={_lit(r['param'])},\n"
-                f"    retry_after={_lit(ra_v)},\n"
-                f"    counter={_lit(r['counter'])},\n"
-                f"    unsized={_lit(bool(r.get('unsized', False)))},\n"
-                f"    retryable={_lit(bool(r.get('retryable', False)))},\n"
-                f"    message={_lit(r['message'])},\n"
-                f"    quote={_lit(r['quote'])},\n"
-                + (f"    headers={_lit(tuple(r['headers'].items()))},\n" if r.get("headers") else "")
-                + ")\n\n"
-            )
+            body.append(_constant(spec, tname, "ErrorRow", _error_row(r)))
             key = "REFUSALS" if tname == "refusals" else ("HTTP_ERRORS" if r["id"].startswith("H") else "FAILURES")
             groups[key].append(r["id"])
-            all_rows.append(r)
     for key, ids in groups.items():
-        out.append(f"{key}: tuple[ErrorRow, ...] = ({', '.join(ids)},)\n")
-    out.append("ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}\n")
-    out.append("BY_WHEN: dict[str, ErrorRow] = {r.when: r for r in ROWS.values()}\n")
-    out.append("BY_CODE: dict[str, ErrorRow] = {r.code: r for r in ROWS.values()}\n")
-    out.append("CODES: frozenset[str] = frozenset(BY_CODE)\n")
-    out.append("TYPES: frozenset[str] = frozenset(r.type for r in ROWS.values())\n")
-    out.append(_ERRORS_FUNCS)
-    return "".join(out)
+        body.append(f"{key}: tuple[ErrorRow, ...] = ({', '.join(ids)},)\n")
+    body.append(
+        "ROWS: dict[str, ErrorRow] = {r.id: r for r in REFUSALS + FAILURES + HTTP_ERRORS}\n"
+        "BY_WHEN: dict[str, ErrorRow] = {r.when: r for r in ROWS.values()}\n"
+        "BY_CODE: dict[str, ErrorRow] = {r.code: r for r in ROWS.values()}\n"
+        "CODES: frozenset[str] = frozenset(BY_CODE)\n"
+        "TYPES: frozenset[str] = frozenset(r.type for r in ROWS.values())\n"
+        f"STAGES: tuple[str, ...] = {_lit(_stages(spec))}\n"
+    )
+    return "".join(body)
 
 
 _ROWS_PRELUDE = '''
@@ -186,26 +110,42 @@ def _row_module(
     rows = spec.rows(table)
     ids = [r["id"] for r in rows]
     all_names = [cls, "ROWS", "BY_ID", *ids, *extra_all]
-    fields = "\n".join(f"    {k}: {t}" for k, t in _FIELD_TYPES[table].items())
     body = [
         _header([f"spec/tables/{table}.yaml"]),
         f'"""{doc}"""\n',
-        _ROWS_PRELUDE.format(all=", ".join(_lit(a) for a in all_names), cls=cls, fields=fields),
+        _ROWS_PRELUDE.format(all=", ".join(_lit(a) for a in all_names), cls=cls, fields=_fields(table)),
     ]
     for r in rows:
-        note = spec.tables[table].get("notes", {}).get(r["id"])
-        if note:
-            body.append(f"# {r['id']}: {note}\n")
-        args = ",\n".join(f"    {k}={_lit(r.get(k, _DEFAULTS.get(k)))}" for k in keys)
-        body.append(f"{r['id']} = {cls}(\n{args},\n)\n\n")
+        body.append(_constant(spec, table, cls, {k: r.get(k, _DEFAULTS.get(k)) for k in keys}))
     body.append(f"ROWS: tuple[{cls}, ...] = ({', '.join(ids)},)\n")
     body.append(f"BY_ID: dict[str, {cls}] = {{r.id: r for r in ROWS}}\n")
     return "".join(body), ids
 
 
+def _fields(table: str) -> str:
+    return "\n".join(f"    {k}: {t}" for k, t in _FIELD_TYPES[table].items())
+
+
+def _constant(spec: Spec, table: str, cls: str, values: dict[str, Any]) -> str:
+    """One row as a typed constant named by its ID, its note above it."""
+    note = spec.tables[table].get("notes", {}).get(values["id"])
+    args = ",\n".join(f"    {k}={_lit(v)}" for k, v in values.items())
+    return (f"# {values['id']}: {note}\n" if note else "") + f"{values['id']} = {cls}(\n{args},\n)\n\n"
+
+
 _DEFAULTS: dict[str, Any] = {"fields": (), "refusal": None}
 
 _FIELD_TYPES: dict[str, dict[str, str]] = {
+    "errors": {
+        "id": "str", "order": "int | None  # refusals: the precedence; None for the others",
+        "stage": "str | None  # refusals: when the row's fact becomes known (STAGES)", "when": "str",
+        "status": "int", "type": "str", "code": "str",
+        "param": "str | None  # \"from_check\": the check that fired supplies it",
+        "retry_after": "int | str | None  # None, a constant in seconds, or \"overrun\"",
+        "counter": "str  # terminal class, or \"none\" for non-completion routes",
+        "unsized": "bool", "retryable": "bool", "message": "str", "quote": "str",
+        "headers": "tuple[tuple[str, str], ...]  # other response headers (name, value)",
+    },
     "assembly": {
         "id": "str", "route": "str", "source_field": "str", "target": "str", "op": "str",
         "fields": "tuple[str, ...]", "refusal": "str | None", "level": "str", "quote": "str",

@@ -31,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from narwhal_generated import errors as E
+
 from .http1 import (
     BodyTooLarge,
     ConnectionFailed,
@@ -59,12 +61,12 @@ class UpstreamError(Exception):
 
 def _map(exc: H1Error) -> UpstreamError:
     if isinstance(exc, ReadTimeout):
-        return UpstreamError("E07", str(exc), exc.detail)
+        return UpstreamError(E.E07.id, str(exc), exc.detail)
     if isinstance(exc, ConnectTimeout):
-        return UpstreamError("E06", f"{exc} (upstream.connect_timeout_ms)", exc.detail)
+        return UpstreamError(E.E06.id, f"{exc} (upstream.connect_timeout_ms)", exc.detail)
     if isinstance(exc, BodyTooLarge):
-        return UpstreamError("E02", str(exc), exc.detail)
-    return UpstreamError("E06", str(exc), exc.detail)
+        return UpstreamError(E.E02.id, str(exc), exc.detail)
+    return UpstreamError(E.E06.id, str(exc), exc.detail)
 
 
 class Upstream:

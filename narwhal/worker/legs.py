@@ -134,7 +134,7 @@ class Run(Migrating):
             at=self.r.clock.now(),
             ok_engine=self.ok_engine,
             failed_engine=fe,
-            failed_row=failed.row if fe is not None and failed is not None else None,
+            failed_row=E.ROWS[failed.row] if fe is not None and failed is not None else None,
             tpot_s=self.tpot[1] if self.tpot else None,
             tpot_engine=self.tpot[0] if self.tpot else None,
             output_tokens=self.output_tokens,
@@ -151,7 +151,7 @@ class Run(Migrating):
     def _http_error(self, status: int, raw: bytes, e: EngineSpec, leg: str = "engine") -> Failed:
         msg, param = engine_error_detail(status, raw, self.r.engine_hosts)
         log.log(logging.WARNING if status >= 500 else logging.INFO, "request %s: %s %s answered HTTP %d: %r", self.rid, leg, e.name, status, raw[:500])
-        return Failed("E05" if status < 500 else "E04", f"{leg} {e.name}: {msg}", param=param, engine=e)
+        return Failed(E.E05.id if status < 500 else E.E04.id, f"{leg} {e.name}: {msg}", param=param, engine=e)
 
     # -- legs --------------------------------------------------------------------------
 
@@ -180,12 +180,12 @@ class Run(Migrating):
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 log.warning("request %s: prefill engine %s: E02 answer not JSON: %r", self.rid, e.name, raw[:200])
-                raise Failed("E02", f"prefill engine {e.name} answered with non-JSON", engine=e) from None
+                raise Failed(E.E02.id, f"prefill engine {e.name} answered with non-JSON", engine=e) from None
             if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
-                raise Failed("E02", f"prefill engine {e.name} returned no kv_transfer_params", engine=e)
+                raise Failed(E.E02.id, f"prefill engine {e.name} returned no kv_transfer_params", engine=e)
             kv = obj["kv_transfer_params"]
             if kv is not None and not isinstance(kv, dict):
-                raise Failed("E02", f"prefill engine {e.name} returned kv_transfer_params that is not an object", engine=e)
+                raise Failed(E.E02.id, f"prefill engine {e.name} returned kv_transfer_params that is not an object", engine=e)
             usage = obj.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                 self.prefill_prompt_tokens = usage["prompt_tokens"]
@@ -280,11 +280,11 @@ class Run(Migrating):
                     except H1Error as x:
                         raise up.mapped(x) from None
                     if not chunk:
-                        raise Failed("E06", f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
+                        raise Failed(E.E06.id, f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
                     if rejoin is not None:  # a continuation: in the client's stream's shape first
                         chunk = rejoin.feed(chunk)
                         if rejoin.too_large:
-                            raise Failed("E02", f"engine {e.name}: an event or line longer than upstream.max_event_bytes", engine=e)
+                            raise Failed(E.E02.id, f"engine {e.name}: an event or line longer than upstream.max_event_bytes", engine=e)
                         if not chunk:
                             continue
                     now = now_fn()
@@ -367,9 +367,9 @@ class Run(Migrating):
         sink = self.sink
         if not sink.headers_sent:
             log.warning("request %s: engine %s: E04 error event %r", self.rid, e.name, orjson.dumps(event)[:500])
-            raise Failed("E04", f"engine {e.name}: {err_msg(event, self.r.engine_hosts)}", engine=e)
+            raise Failed(E.E04.id, f"engine {e.name}: {err_msg(event, self.r.engine_hosts)}", engine=e)
         await sink.end_stream(last)
-        f = Failed("E04", "error event", engine=e)
+        f = Failed(E.E04.id, "error event", engine=e)
         raise Ended("failed", f)
 
     async def _respond_assembled(self, e: EngineSpec, relay: StreamRelay, assembler: Assembler, checks_ids: bool, now: float) -> None:
@@ -530,7 +530,7 @@ class Run(Migrating):
                     self.rec.retries += 1
                 log.info("request %s: retrying after %s on %s", self.rid, f.row, e.name)
                 f.reported = True  # Lease.retry tells the engine's breaker
-                nxt = await self.lease.retry(f.engine.name, f.row, g.phase, r.clock.now())
+                nxt = await self.lease.retry(f.engine.name, E.ROWS[f.row], g.phase, r.clock.now())
                 if nxt is None:
                     raise
                 if isinstance(nxt, Refuse):

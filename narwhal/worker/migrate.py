@@ -32,7 +32,7 @@ from ..core.requests import ParsedRequest
 from ..upstream.client import EngineClient, UpstreamError
 from ..upstream.engines import EngineSpec
 
-__all__ = ["Cont", "progress", "prompt_ids", "prepare", "MIGRATIONS_COMMENT"]
+__all__ = ["Cont", "progress", "prompt_ids", "prepare", "finish", "MIGRATIONS_COMMENT"]
 
 log = logging.getLogger("narwhal")
 
@@ -48,10 +48,24 @@ class Cont:
     rejoin: Rejoin
 
 
-def progress(rec: Recorder | None, *, attempts: int, deadline_left_ms: float | None) -> Progress:
+def progress(rec: Recorder | None, *, attempts: int, deadline_left_ms: float | None, max_tokens: int | None = None) -> Progress:
     if rec is None:
-        return Progress(output_ids=(), text="", plain=True, attempts=attempts, deadline_left_ms=deadline_left_ms)
-    return Progress(output_ids=tuple(rec.output_ids), text=rec.tail, plain=rec.plain, attempts=attempts, deadline_left_ms=deadline_left_ms)
+        return Progress(output_ids=(), text="", plain=True, attempts=attempts, deadline_left_ms=deadline_left_ms, max_tokens=max_tokens)
+    return Progress(output_ids=tuple(rec.output_ids), text=rec.tail, plain=rec.plain, attempts=attempts, deadline_left_ms=deadline_left_ms,
+                    max_tokens=max_tokens)
+
+
+def finish(req: ParsedRequest, rec: Recorder, model: str, *, prompt_tokens: int, finish_sent: bool) -> bytes:
+    """The end of a stream whose output already holds max_tokens tokens (G13): the last
+    event with finish_reason length (unless the engine's own was relayed), the usage
+    chunk when the client asked for it, and `data: [DONE]`, in the client's stream's
+    shape (through a Rejoin, as a continuation's events would be)."""
+    out = len(rec.output_ids)
+    j = Rejoin(route=req.route, id=rec.id or "", created=rec.created or 0, model=rec.model or model, prompt_tokens=prompt_tokens, before=out)
+    events = [] if finish_sent else [j.event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})]
+    if req.client_usage:
+        events.append(j.event({"choices": [], "usage": {"completion_tokens": 0}}))
+    return b"".join(b"data: " + orjson.dumps(ev) + b"\n\n" for ev in events) + b"data: [DONE]\n\n"
 
 
 def _own_prompt(req: ParsedRequest) -> list[int] | None:

@@ -11,9 +11,12 @@ from typing import Any
 
 import orjson
 
+from narwhal_generated import errors as E
+from narwhal_generated.migration import MigrationRow
+
 from ..core.dialects import DIALECTS
 from ..core.lease import Grant, Lease, Order
-from ..core.migration import Recorder, obstacle
+from ..core.migration import FINISH, MIGRATE, Recorder, obstacle, placed
 from ..core.relay import StreamRelay
 from ..core.requests import ParsedRequest
 from ..telemetry.logs import RequestRecord
@@ -55,13 +58,21 @@ class Migrating:
         assert f.engine is not None
         rec = self.relay.recorder if self.relay is not None else None
         now = r.clock.now()
-        why = self._obstacle(rec, now)
+        why = self._obstacle(rec, now)  # a G row that holds before placement, or None: place it
+        if why is not None and why.outcome == FINISH:  # G13: nothing left to generate
+            assert rec is not None
+            r.telemetry.migrations.labels(f.row, why.reason).inc()
+            prompt = rec.valid_prompt()
+            await self.sink.write(migrate.finish(req, rec, r.config.serving.model, prompt_tokens=len(prompt) if prompt is not None else self.lease.prompt_tokens,
+                                                 finish_sent=self.relay is not None and self.relay.finish_reason is not None))
+            await self.sink.end_stream()
+            log.info("request %s: %s on %s after all %d tokens: finished (%s)", self.rid, f.row, f.engine.name, len(rec.output_ids), why.reason)
+            raise Ended("completed", f)
         cont = nxt = None
         if why is None:
             assert rec is not None
             f.reported = True  # Lease.retry tells the engine's breaker
-            nxt = await self.lease.retry(f.engine.name, f.row, phase, now)  # placed like a retry: another eligible engine
-            why = "placement_refused"  # G10, unless all of the below holds
+            nxt = await self.lease.retry(f.engine.name, E.ROWS[f.row], phase, now)  # placed like a retry: another eligible engine
             if isinstance(nxt, Grant) and DIALECTS[r.engines[nxt.engine].dialect].token_accounting == "token_ids":
                 e2 = r.engines[nxt.engine]
                 model = e2.model or r.config.serving.model
@@ -70,11 +81,10 @@ class Migrating:
                 if prompt is not None:
                     cont = migrate.prepare(req, self.body, e2, model, rec, prompt, prompt_tokens=len(prompt),
                                            cached_tokens=self.cached_tokens, max_event_bytes=r.config.upstream.max_event_bytes)
-                    if cont is not None:
-                        why = None
-        r.telemetry.migrations.labels(f.row, why or "carry_on").inc()
-        if why is not None or cont is None or not isinstance(nxt, Grant):
-            log.info("request %s: %s on %s after response headers: not migrated (%s)", self.rid, f.row, f.engine.name, why)
+            why = self._placed(rec, now, ok=cont is not None)  # the rest of the table's walk (G10, G11)
+        r.telemetry.migrations.labels(f.row, why.reason).inc()
+        if why.outcome != MIGRATE or cont is None or not isinstance(nxt, Grant):
+            log.info("request %s: %s on %s after response headers: not migrated (%s)", self.rid, f.row, f.engine.name, why.reason)
             if f.event is not None:  # the engine's error event held back: the client gets it now
                 await self.sink.write(b"data: " + orjson.dumps(f.event) + b"\n\n" + _DONE)
                 await self.sink.end_stream()
@@ -94,13 +104,22 @@ class Migrating:
             return False
         return self._obstacle(rec, self.r.clock.now()) is None
 
-    def _obstacle(self, rec: Recorder | None, now: float) -> str | None:
-        """G01-G09 for this request now (core/migration.obstacle): the first reason its
-        decode leg may not be carried on, or None."""
+    def _obstacle(self, rec: Recorder | None, now: float, ok: bool | None = None) -> MigrationRow | None:
+        """The migration table's walk for this request now (core/migration.py): the first
+        G row that holds before the continuation is placed, or None; with `ok` (placed
+        and takeable), the row the whole walk ends in."""
         left = None if self.order.deadline_s is None else (self.order.deadline_s - (now - self.order.arrival)) * 1000.0
-        return obstacle(self.req.route, self.body, migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left),
-                        max_attempts=self.max_migrations, token_ids=rec is not None and not rec.overflow,
-                        projected_ttft_ms=self.lease.projected_ttft_ms or 0.0)
+        p = migrate.progress(rec, attempts=self.migrations, deadline_left_ms=left, max_tokens=self.req.max_tokens)
+        token_ids = rec is not None and not rec.overflow
+        ttft = self.lease.projected_ttft_ms or 0.0
+        if ok is None:
+            return obstacle(self.req.route, self.body, p, max_attempts=self.max_migrations, token_ids=token_ids, projected_ttft_ms=ttft)
+        return placed(self.req.route, self.body, p, ok=ok, max_attempts=self.max_migrations, token_ids=token_ids, projected_ttft_ms=ttft)
+
+    def _placed(self, rec: Recorder | None, now: float, *, ok: bool) -> MigrationRow:
+        row = self._obstacle(rec, now, ok)
+        assert row is not None
+        return row
 
     def _marked(self, out: bytes) -> bytes:
         """The stream's last bytes with the migrations it took (an SSE comment before

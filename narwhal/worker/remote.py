@@ -40,7 +40,7 @@ class AuthorityLost(ConnectionError):
 
 
 def _refuse(m: ipc.Refused) -> Refuse:
-    return Refuse(E.ROWS[m.row], overrun_s=m.overrun_s, fields=m.fields)
+    return m.refused
 
 
 class Link:
@@ -194,12 +194,17 @@ class RemoteLease:
     def first_token(self, at: float) -> None:
         self.link.send(ipc.FirstToken(self.rid, at))
 
-    async def retry(self, engine: str, row: str, phase: str, at: float) -> Grant | Refuse | None:
+    async def retry(self, engine: str, row: E.ErrorRow, phase: str, at: float) -> Grant | Refuse | None:
         return self._grant(await self.link.request(self.rid, ipc.Retry(self.rid, engine, row, phase, at)))
 
     def close(self, o: Outcome) -> None:
         self.link.send(ipc.Close(self.rid, o.at, o.ok_engine, o.failed_engine, o.failed_row, o.tpot_s, o.tpot_engine,
                                  o.output_tokens, o.finish_reason, o.reported_prompt_tokens, o.cached_tokens))
+
+
+def _unordered(rid: int, body: tuple[Refuse, ...]) -> ipc.Admit:
+    """The Admit of a body that could not be parsed: its body rows, no Order."""
+    return ipc.Admit(rid, "", 0, None, None, 0.0, 0.0, None, [], [], None, None, body, False)
 
 
 class RemoteEntry:
@@ -212,15 +217,14 @@ class RemoteEntry:
         self._arrival = arrival
 
     async def arrived(self) -> Refuse | None:
-        got = await self._arrival  # at once when it is in
-        if got.row is None:
-            return None
-        fields = dict(got.fields)
-        return Refuse(E.ROWS[got.row], overrun_s=fields.pop("overrun_s", None), fields=fields)
+        return (await self._arrival).refused  # at once when it is in
 
-    async def admit(self, order: Order) -> RemoteLease | Refuse:
+    async def admit(self, order: Order | None, body: tuple[Refuse, ...] = ()) -> RemoteLease | Refuse:
         o = order
-        f = self.link.request(self.rid, ipc.Admit(self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s, list(o.prefix), list(o.token_prefix), o.tenant, o.key_id))
+        msg = _unordered(self.rid, body) if o is None else ipc.Admit(
+            self.rid, o.route, o.prompt_bytes, o.exact_prompt_tokens, o.max_tokens, o.budget_ms, o.arrival, o.deadline_s,
+            list(o.prefix), list(o.token_prefix), o.tenant, o.key_id, body)
+        f = self.link.request(self.rid, msg)
         try:
             refused = await self.arrived()
         except BaseException:  # the authority lost, or this request cancelled
@@ -270,7 +274,7 @@ class RemoteDoor:
         link.arrivals[rid] = f
         # written at the end of this loop turn: when the body is in already, the Admit
         # sent in the same turn leaves with it (one write, one read, one answer)
-        link.channel.send(ipc.Arrive(rid, at, None if denied is None else denied.row.id, tenant))
+        link.channel.send(ipc.Arrive(rid, at, denied, tenant))
         return RemoteEntry(link, rid, f)
 
 

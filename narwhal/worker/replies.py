@@ -14,6 +14,7 @@ import orjson
 
 from narwhal_generated import errors as E
 
+from ..core import refusals as answers
 from ..core.relay import engine_message
 
 __all__ = ["Sink", "ChunkWriter", "DONE", "error_event", "refuse", "engine_error_detail", "err_msg", "cached", "merge_usage"]
@@ -64,11 +65,11 @@ class Sink(Protocol):
 
 def error_event(row: E.ErrorRow, **fields: object) -> bytes:
     """The error event that ends a stream after response headers."""
-    return b"data: " + json.dumps(E.envelope(row, **fields), separators=(",", ":")).encode() + b"\n\n" + DONE
+    return b"data: " + json.dumps(answers.envelope(row, **fields), separators=(",", ":")).encode() + b"\n\n" + DONE
 
 
 async def refuse(sink: Sink, row: E.ErrorRow, *, param: str | None = None, overrun_s: float | None = None, **fields: object) -> str:
-    status, headers, body = E.render(row, param=param, overrun_s=overrun_s, **fields)
+    status, headers, body = answers.render(row, param=param, overrun_s=overrun_s, **fields)
     sink.row = row.id
     await sink.respond(status, headers, body)
     return row.counter

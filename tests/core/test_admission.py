@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from narwhal.core import refusals as answers
 from narwhal.core.admission import Scheduler
 from narwhal.core.clock import ManualClock
 from narwhal.core.fleet import EngineState
@@ -39,7 +40,7 @@ def test_R08_prompt_alone_exceeds_budget_no_retry_after() -> None:
     s = sched(engine("u0", b0=100, b1=1.0))
     r = s.admit(work(clk, n=3000, budget=2000), clk.now())  # 100 + 3000 = 3100 ms alone
     assert isinstance(r, Refuse) and r.row is E.R08
-    assert E.retry_after_seconds(r.row, r.overrun_s) is None
+    assert answers.retry_after_seconds(r.row, r.overrun_s) is None
 
 
 def test_R08_uses_the_margin_and_the_best_engine() -> None:
@@ -75,7 +76,7 @@ def test_R09_no_eligible_engine() -> None:
     e = engine("u0")
     e.healthy = False
     r = sched(e).admit(work(clk), clk.now())
-    assert isinstance(r, Refuse) and r.row is E.R09 and E.retry_after_seconds(r.row) == 1
+    assert isinstance(r, Refuse) and r.row is E.R09 and answers.retry_after_seconds(r.row) == 1
 
 
 def test_R09_each_eligibility_reason() -> None:
@@ -130,7 +131,7 @@ def test_R10_projected_ttft_over_budget_with_retry_after() -> None:
     r = s.admit(work(clk, n=400), clk.now())
     assert isinstance(r, Refuse) and r.row is E.R10
     assert abs((r.overrun_s or 0) - 0.5) < 1e-9
-    assert E.retry_after_seconds(r.row, r.overrun_s) == 1
+    assert answers.retry_after_seconds(r.row, r.overrun_s) == 1
 
 
 def test_R10_retry_after_is_the_rounded_overrun() -> None:
@@ -140,10 +141,10 @@ def test_R10_retry_after_is_the_rounded_overrun() -> None:
     for _ in range(4):
         s.admit(work(clk, n=1000, budget=60000), clk.now())  # 4 s of work ahead
     r = s.admit(work(clk, n=1000, budget=2000), clk.now())  # 5 s projected: 3 s over
-    assert isinstance(r, Refuse) and r.row is E.R10 and E.retry_after_seconds(r.row, r.overrun_s) == 3
+    assert isinstance(r, Refuse) and r.row is E.R10 and answers.retry_after_seconds(r.row, r.overrun_s) == 3
     # round half up: 2.5 s over -> 3
     r = s.admit(work(clk, n=1000, budget=2500), clk.now())
-    assert isinstance(r, Refuse) and E.retry_after_seconds(r.row, r.overrun_s) == 3
+    assert isinstance(r, Refuse) and answers.retry_after_seconds(r.row, r.overrun_s) == 3
     # the backlog drains with time: 3.6 s later only 0.4 s is ahead, so it fits
     clk.advance(3.6)
     assert not isinstance(s.admit(work(clk, n=1000, budget=2000), clk.now()), Refuse)
@@ -186,7 +187,7 @@ def test_R11_queue_full() -> None:
     assert isinstance(s.admit(work(clk), clk.now()), Enqueued)
     assert isinstance(s.admit(work(clk), clk.now()), Enqueued)
     r = s.admit(work(clk), clk.now())
-    assert isinstance(r, Refuse) and r.row is E.R11 and E.retry_after_seconds(r.row) == 1
+    assert isinstance(r, Refuse) and r.row is E.R11 and answers.retry_after_seconds(r.row) == 1
 
 
 def test_R11_zero_queue_limit_refuses_any_wait() -> None:
@@ -456,7 +457,7 @@ def test_R14_projected_tpot_over_budget() -> None:
     # request k joins a batch of k + 1 (the k ahead of it, all bound for d0): the 11th
     # (k = 10) would decode at 10 + 11 = 21 ms > 20 ms
     assert admitted == 10
-    assert E.retry_after_seconds(r.row, r.overrun_s) >= 1
+    assert answers.retry_after_seconds(r.row, r.overrun_s) >= 1
     # without a TPOT budget the check is off
     s.tpot_budget_ms = None
     assert not isinstance(s.admit(work(clk), clk.now()), Refuse)
@@ -518,4 +519,4 @@ def test_R08_is_the_prompt_alone_and_the_decode_slot_wait_is_R10() -> None:
     assert solo == alone and proj > alone  # the projection carries the decode wait, solo does not
     r = s.admit(work(clk, n=1500, budget=(alone + proj) / 2), clk.now())
     assert isinstance(r, Refuse) and r.row is E.R10
-    assert E.retry_after_seconds(r.row, r.overrun_s) is not None
+    assert answers.retry_after_seconds(r.row, r.overrun_s) is not None

@@ -46,12 +46,19 @@ CASES = [
     ("stop begun before the cut", "chat", {"stop": ["world!"]}, {}, 1, True, 50.0, "stop_straddles"),
     ("stop not begun", "chat", {"stop": ["END"]}, {}, 1, True, 50.0, None),
     ("stop as a string", "chat", {"stop": "or"}, {"text": "Hello wo"}, 1, True, 50.0, "stop_straddles"),
+    ("every token out already", "chat", {}, {"max_tokens": 2}, 1, True, 50.0, "nothing_left"),
+    ("one token left", "chat", {}, {"max_tokens": 3}, 1, True, 50.0, None),
+    ("a batch of prompts", "completion", {"prompt": ["one", "two"]}, {}, 1, True, 50.0, "several_prompts"),
+    ("a batch of token-ID prompts", "completion", {"prompt": [[1, 2], [3]]}, {}, 1, True, 50.0, "several_prompts"),
+    ("one token-ID prompt", "completion", {"prompt": [1, 2, 3]}, {}, 1, True, 50.0, None),
+    ("a batch of one", "completion", {"prompt": ["one"]}, {}, 1, True, 50.0, None),
 ]
 
 
 @pytest.mark.parametrize(("name", "route", "body", "prog", "attempts", "ids", "ttft", "reason"), CASES, ids=[c[0] for c in CASES])
 def test_obstacle(name: str, route: str, body: dict[str, Any], prog: dict[str, Any], attempts: int, ids: bool, ttft: float, reason: str | None) -> None:
-    assert obstacle(route, {**CHAT, **body}, progress(**prog), max_attempts=attempts, token_ids=ids, projected_ttft_ms=ttft) == reason
+    got = obstacle(route, {**CHAT, **body}, progress(**prog), max_attempts=attempts, token_ids=ids, projected_ttft_ms=ttft)
+    assert (got.reason if got is not None else None) == reason
 
 
 def test_every_reason_obstacle_decides_has_a_case() -> None:
@@ -61,8 +68,8 @@ def test_every_reason_obstacle_decides_has_a_case() -> None:
 def test_obstacle_checks_the_rows_in_the_tables_order() -> None:
     """Everything wrong at once: take away the reason obstacle names, one at a time; the
     reasons come out in the order of spec/tables/migration.yaml."""
-    body: dict[str, Any] = {**CHAT, "echo": True, "logprobs": True, "tools": [{}], "stop": ["wor" + "ld"]}
-    p = progress(attempts=1, deadline_left_ms=1.0, plain=False)
+    body: dict[str, Any] = {**CHAT, "echo": True, "logprobs": True, "tools": [{}], "stop": ["wor" + "ld"], "prompt": ["a", "b"]}
+    p = progress(attempts=1, deadline_left_ms=1.0, plain=False, max_tokens=2)
     kw: dict[str, Any] = {"max_attempts": 0, "token_ids": False, "projected_ttft_ms": 50.0}
     fixes = {
         "not_enabled": lambda: kw.update(max_attempts=1),
@@ -74,12 +81,17 @@ def test_obstacle_checks_the_rows_in_the_tables_order() -> None:
         "structured": lambda: body.pop("tools"),
         "not_plain": lambda: None,
         "stop_straddles": lambda: body.pop("stop"),
+        "several_prompts": lambda: body.update(prompt="hi"),
+        "nothing_left": lambda: None,
     }
     seen: list[str] = []
-    while (why := obstacle("completion", body, p, **kw)) is not None:
+    while (row := obstacle("completion", body, p, **kw)) is not None:
+        why = row.reason
         seen.append(why)
         if why == "not_plain":
             p = progress(attempts=1, deadline_left_ms=1.0, plain=True)
+        if why == "nothing_left":
+            p = progress(attempts=1, deadline_left_ms=1.0, plain=False)
         fixes[why]()
     assert seen == [r for r in REASONS if r not in ("placement_refused", "carry_on")]
 

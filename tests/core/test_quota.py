@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.core.quota import DEFAULT, MAX_TENANTS, Bucket, Limits, Quotas, retry_after
+from narwhal_generated import errors as E
 
 
 def test_a_bucket_fills_at_its_rate_up_to_its_capacity() -> None:
@@ -30,13 +31,13 @@ def test_retry_after_rounds_up_and_is_at_least_one(s: float, ra: int) -> None:
 def test_in_flight_and_rate_rows() -> None:
     q = Quotas({"a": Limits(max_in_flight=2, requests_per_s=10.0), DEFAULT: Limits(requests_per_s=1.0)})
     assert q.arrive("a", 0.0) is None and q.arrive("a", 0.0) is None
-    assert q.arrive("a", 0.0) == ("R17", 0.0)
+    assert q.arrive("a", 0.0) == (E.R17, 0.0)
     q.end("a", 0.0)
     assert q.arrive("a", 0.0) is None
     # an unconfigured tenant gets default's limits, in its own book
     assert q.arrive("zed", 0.0) is None
     row, wait = q.arrive("zed", 0.0)  # type: ignore[misc]
-    assert row == "R18" and wait == pytest.approx(1.0)
+    assert row is E.R18 and wait == pytest.approx(1.0)
     assert q.arrive("zed", 1.0) is None
     assert q.arrive("other", 0.0) is None  # another unknown tenant: its own bucket
     assert q.weight("a") == 1.0 and q.limits_of(None) == q.default
@@ -104,7 +105,7 @@ def test_past_the_bound_new_tenants_share_one_budget_and_their_books_balance() -
     assert "new-a" not in q.books and q.overflow is not None and q.overflow.in_flight == 2
     assert q.charge_prompt("new-a", 500, 0.0) == 0.0
     assert q.charge_prompt("new-b", 500, 0.0) > 0  # one budget for both: nobody got a fresh one
-    assert q.arrive("new-c", 0.0) is None and q.arrive("new-d", 0.0) == ("R17", 0.0)  # default's max_in_flight, shared
+    assert q.arrive("new-c", 0.0) is None and q.arrive("new-d", 0.0) == (E.R17, 0.0)  # default's max_in_flight, shared
     for t in ("new-a", "new-b", "new-c"):
         q.end(t, 1.0)
     assert q.overflow.in_flight == 0 and q.in_overflow == {}

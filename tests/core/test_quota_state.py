@@ -8,6 +8,7 @@ import pytest
 
 from narwhal.core import quota_state
 from narwhal.core.quota import Limits, Quotas
+from narwhal_generated import errors as E
 
 LIMITS = {"a": Limits(requests_per_s=2.0, tokens_per_min=600), "b": Limits(requests_per_s=1.0), "default": Limits(tokens_per_min=60)}
 
@@ -34,9 +35,9 @@ def test_a_new_leader_restores_the_levels_filled_for_the_gap() -> None:
     new = Quotas(LIMITS)
     assert quota_state.restore(new, data, now=50.0, wall=1000.25) == 2
     # a: requests bucket 0 + 0.25 s x 2/s; tokens 300 + 0.25 s x 10/s
-    assert new.arrive("a", 50.0) == ("R18", pytest.approx(0.25))
+    assert new.arrive("a", 50.0) == (E.R18, pytest.approx(0.25))
     assert new.charge_prompt("a", 400, 50.0) == pytest.approx((400 - 302.5) / 10.0)
-    assert new.arrive("b", 50.0) == ("R18", pytest.approx(0.75))
+    assert new.arrive("b", 50.0) == (E.R18, pytest.approx(0.75))
     assert new.arrive("c", 50.0) is None  # not carried: a fresh, full bucket
 
 
@@ -56,7 +57,7 @@ def test_a_tenant_not_carried_gets_full_buckets_even_in_a_router_that_led_before
 def test_bytes_that_do_not_parse_restore_nothing(data: bytes) -> None:
     q = spent()
     assert quota_state.restore(q, data, now=0.0, wall=0.0) == -1
-    assert q.arrive("a", 0.0) == ("R18", pytest.approx(0.5))  # unchanged
+    assert q.arrive("a", 0.0) == (E.R18, pytest.approx(0.5))  # unchanged
 
 
 @pytest.mark.parametrize("level", [1e12, -1e12, "9", None, True, float("nan")])

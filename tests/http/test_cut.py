@@ -1,4 +1,4 @@
-"""narwhal/http/completions.py `_until_disconnect` under hypercorn (a CloseHook): the request
+"""narwhal/http/sink.py `until_disconnect` under hypercorn (a CloseHook): the request
 runs in the app's own task; the client's cut (its stream closed, or send_stall_ms) ends it
 as `cancelled`, and any other cancellation goes on up. Table-driven, without sockets."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.http import completions as C
 from narwhal.http import hyper
+from narwhal.http import sink as C
 
 
 class _Sink:
@@ -50,7 +50,7 @@ async def _scenario(what: str) -> tuple[str, int, bool]:
 
     async def app() -> tuple[str, int]:
         try:
-            got = await C._until_disconnect(work(), None, sink, hook, stalls)  # type: ignore[arg-type]
+            got = await C.until_disconnect(work(), None, sink, hook, stalls)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             return "raised", asyncio.current_task().cancelling()  # type: ignore[union-attr]
         except RuntimeError:
@@ -99,7 +99,7 @@ def test_a_stream_closed_before_the_request_ran_reaches_no_engine() -> None:
             started[0] = True
             return "ok"
 
-        return await C._until_disconnect(work(), None, _Sink(), hook, C.Stalls()), started[0]  # type: ignore[arg-type]
+        return await C.until_disconnect(work(), None, _Sink(), hook, C.Stalls()), started[0]  # type: ignore[arg-type]
 
     assert asyncio.run(main()) == ("cancelled", False)
 
@@ -115,7 +115,7 @@ def test_the_request_makes_no_task_of_its_own() -> None:
             return "ok"
 
         before = set(asyncio.all_tasks())
-        await C._until_disconnect(work(), None, _Sink(), hyper.CloseHook(), stalls)  # type: ignore[arg-type]
+        await C.until_disconnect(work(), None, _Sink(), hyper.CloseHook(), stalls)  # type: ignore[arg-type]
         return before, during[0]
 
     before, during = asyncio.run(main())

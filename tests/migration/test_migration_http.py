@@ -97,6 +97,30 @@ def test_without_migration_the_break_is_an_error_event_as_before(mocks: list[Run
         assert len(ids) == 25
 
 
+def test_a_break_after_the_last_token_ends_as_a_finished_answer(mocks: list[RunningMock]) -> None:
+    """Issue 40: the engine breaks after sending all max_tokens tokens (before its last
+    event): nothing is left to generate, so the stream ends with finish_reason length and
+    the usage chunk (G13), not an error event labelled placement_refused; class completed,
+    and no other engine is asked."""
+    want_ids, want_text = uninterrupted(40)
+    with router(mocks, max_attempts=1) as rr:
+        before = len(mocks[1].requests())
+        st = sse(rr.url, body(40, mock={**DROP, "fault_after": 40}))
+        assert st.status == 200 and st.done, st.body
+        assert not [e for e in st.events if isinstance(e, dict) and "error" in e]
+        ids, text, chunks = read(st)
+        assert ids == want_ids and text == want_text
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")] == ["length"]
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        prompt = len(prompt_token_ids("chat", {"messages": MSGS}, 4.0))
+        assert usage[-1] == {"prompt_tokens": prompt, "completion_tokens": 40, "total_tokens": prompt + 40}
+        assert len({c["id"] for c in chunks}) == 1
+        assert [k for k, v in metric(rr, "narwhal_migrations_total").items() if v] == ['cause="E06",decision="nothing_left",worker="0"']
+        assert len(mocks[1].requests()) == before  # no continuation placed
+        b = rr.balanced()
+        assert b["terminal"].get("completed") == 1 and not b["terminal"].get("failed"), b  # the answer was whole
+
+
 @pytest.mark.parametrize(("extra", "reason"), [
     ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
     ({"response_format": {"type": "json_object"}}, "structured"),
@@ -110,10 +134,12 @@ def test_what_a_continuation_cannot_promise_is_not_migrated(mocks: list[RunningM
 
 
 def test_a_continuation_that_breaks_again_spends_the_attempts_then_the_error_event(mocks: list[RunningMock]) -> None:
+    # 60 tokens: the continuation breaks after its own 25th token, with tokens still left
+    # (at 40 it would break after the answer's last token: G13, a finished answer)
     with router(mocks, max_attempts=1) as rr:
-        st = sse(rr.url, body(40, mock={**DROP, "fault_engines": ["u0", "u1"]}))
+        st = sse(rr.url, body(60, mock={**DROP, "fault_engines": ["u0", "u1"]}))
         ids, _, _ = read(st)
-        want, _ = uninterrupted(40)
+        want, _ = uninterrupted(60)
         assert len(ids) > 25 and ids == want[: len(ids)]  # what was relayed is the answer's start: carried on once, never a repeat
         assert any(isinstance(e, dict) and "error" in e for e in st.events) and st.comments == []
         m = {k: v for k, v in metric(rr, "narwhal_migrations_total").items() if v}

@@ -56,10 +56,10 @@ async def _link() -> tuple[Link, _Transport]:
 
 
 @pytest.mark.parametrize(("arrived", "admitted", "want"), [
-    (ipc.Arrived(1, None, {}), ipc.Admitted(1, 10, None, 0.0, "u0", "unified"), "lease"),
-    (ipc.Arrived(1, "R02", {"limit": 8}), None, "R02"),
-    (ipc.Arrived(1, "R01", {"reason": "standby"}), None, "R01"),
-    (ipc.Arrived(1, None, {}), ipc.Refused(1, "R10", 1.0, {"projected_ms": 5000, "budget_ms": 3000, "retry_after": 2}), "R10"),
+    (ipc.Arrived(1, None), ipc.Admitted(1, 10, None, 0.0, "u0", "unified"), "lease"),
+    (ipc.Arrived(1, Refuse(E.R02, fields={"limit": 8})), None, "R02"),
+    (ipc.Arrived(1, Refuse(E.R01, fields={"reason": "standby"})), None, "R01"),
+    (ipc.Arrived(1, None), ipc.Refused(1, Refuse(E.R10, 1.0, {"projected_ms": 5000, "budget_ms": 3000, "retry_after": 2})), "R10"),
 ])  # fmt: skip
 def test_arrive_and_admit_are_one_round_trip(arrived: ipc.Arrived, admitted: Any, want: str) -> None:
     async def main() -> Any:
@@ -94,7 +94,7 @@ def test_a_refused_arrival_is_known_before_the_body_is_answered() -> None:
         link, _ = await _link()
         entry = await RemoteDoor(link).arrive(1.0)
         assert isinstance(entry, RemoteEntry)
-        link.channel.data_received(ipc.encode(ipc.Arrived(1, "R01", {"reason": "fenced"})))
+        link.channel.data_received(ipc.encode(ipc.Arrived(1, Refuse(E.R01, fields={"reason": "fenced"}))))
         return await entry.arrived()
 
     got = asyncio.run(main())
