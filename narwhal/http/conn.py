@@ -8,7 +8,7 @@ what an open stream costs the router (docs/performance.md), and a task wake-up f
 every read. `LeanConnection` is that server (with hyper.py's defects 5, 6 and 8 and item
 14) as one protocol object: each read is handed from `data_received` to the connection's
 protocol -- Narwhal's HTTP/1.1 (h1.cycle.H1Server) or, negotiated by ALPN, switched to by
-a prior-knowledge preface or an h2c upgrade, hypercorn's HTTP/2 (hyper.HardenedH2Protocol).
+a prior-knowledge preface or an h2c upgrade, HTTP/2 (h2conn.H2Server, over h2's public API).
 
 Invariants, each TCPServer's:
   * The protocol's handle() calls run one at a time, in the order the bytes came
@@ -56,6 +56,7 @@ from hypercorn.utils import (
 
 from . import hyper
 from .h1.cycle import H1Server
+from .h2conn import H2Server
 from .lean import LeanEvent, LeanIdle, LeanLock
 
 __all__ = ["LeanConnection", "ConnTasks", "Live", "Asgi", "LeanContext", "serve", "CANCEL_WAIT_S"]
@@ -73,15 +74,13 @@ class LeanContext(WorkerContext):
 
 
 class ConnTasks:
-    """The connection's tasks (the task group its protocols spawn in). `_task_group` is
-    itself: LeanIdle reaches for `task_group._task_group.create_task`."""
+    """The connection's tasks (the task group its protocols spawn in)."""
 
-    __slots__ = ("_conn", "tasks", "_task_group")
+    __slots__ = ("_conn", "tasks")
 
     def __init__(self, conn: LeanConnection) -> None:
         self._conn = conn
         self.tasks: list[asyncio.Task[Any]] = []  # one at a time over HTTP/1.1: a list is a third of a set
-        self._task_group = self
 
     async def spawn_app(self, app: Any, config: Any, scope: Any, send: Any) -> Any:
         return hyper.spawn_lean_app(self.spawn, self._conn.loop, app, config, scope, send)
@@ -137,7 +136,6 @@ class LeanConnection(asyncio.Protocol):
     """One client connection: hypercorn's TCPServer as a protocol (the module's docstring
     states its invariants). `transport` and `send_lock` are what H1Direct writes with."""
 
-    lean = True  # HardenedHTTPStream: an HTTP/1.1 stream on this connection may write directly
 
     __slots__ = (
         "app", "loop", "config", "context", "state", "live", "transport", "protocol", "send_lock", "idle_task", "_group",
@@ -153,7 +151,7 @@ class LeanConnection(asyncio.Protocol):
         self.state = state
         self.live = live
         self.transport: Any = None
-        self.protocol: Any = None  # H1Server or hyper.HardenedH2Protocol
+        self.protocol: Any = None  # H1Server or H2Server
         self.send_lock = LeanLock()
         terminated = context.terminated
         assert isinstance(terminated, LeanEvent), "a LeanContext"
@@ -204,9 +202,8 @@ class LeanConnection(asyncio.Protocol):
             self.protocol = H1Server(self.app, self.config, self.context, self._group, ConnectionState(self.state), self._ssl, self._ends[0], self._ends[1], self)
         self._submit(_BEGIN)
 
-    def _h2(self) -> hyper.HardenedH2Protocol:
-        return hyper.HardenedH2Protocol(self.app, self.config, self.context, self._group, ConnectionState(self.state), self._ssl, self._ends[0], self._ends[1],
-                                        self.protocol_send)
+    def _h2(self) -> H2Server:
+        return H2Server(self.app, self.config, self.context, self._group, ConnectionState(self.state), self._ssl, self._ends[0], self._ends[1], self)
 
     async def switch_h2(self, data: bytes, headers: list[tuple[bytes, bytes]] | None, settings: bytes | None) -> None:
         """The connection goes on as HTTP/2: prior knowledge (`data` starts with the

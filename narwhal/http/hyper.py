@@ -1,10 +1,12 @@
-"""hypercorn's HTTP/2, hardened: the upstream defects a public router cannot live with,
-fixed at the layer they live in, in this one file (the lean primitives of items 12 and 14
-in lean.py, the connection of defects 5, 6, 8 and items 14 and 16 in conn.py).
-`install(limits)` sets the limits and the stream class HTTP/2 streams are made of;
-conn.py makes each HTTP/2 connection a HardenedH2Protocol.
+"""The server's hardening, its limits and its books: the defects a public router cannot
+live with (first measured under hypercorn 0.18 and h2 4.x), each fixed where it lives --
+HTTP/2's (1-4, 9, 10) in h2conn.py, which serves HTTP/2 over h2's public API; the
+connection's (5, 6, 8) and items 14 and 16 in conn.py; HTTP/1.1's in h1/ (Narwhal's own
+connection and ASGI cycle); the lean primitives of items 12 and 14 in lean.py.
+`install(limits)` sets the limits before serving; what Narwhal uses of hypercorn and h2,
+and why, is listed in overrides.py.
 
-Upstream defects (STACK.md "Measured in the second round"; hypercorn 0.18.0, h2 4.x):
+Upstream defects (measured under hypercorn 0.18.0 and h2 4.x; the tests of each fix are in tests/http and tests/abuse):
   1. h2 flow control: `H2Protocol._send_data` pops min(window, frame size) bytes; with a
      zero window that is `StreamBuffer.pop(0)`, which un-pauses the writer, so an app's
      sends never block and a stream's buffer grows without bound while the client reads
@@ -65,24 +67,14 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-from urllib.parse import unquote
 
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import hypercorn.protocol.h2 as _h2mod
 from hypercorn.config import Config as HyperConfig
-from hypercorn.events import Closed, RawData
-from hypercorn.protocol.events import Request, StreamClosed
-from hypercorn.protocol.h2 import H2Protocol
-from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from .h1.cycle import H1Direct
 from .h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook
 from .lean import LeanQueue
 
-__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "penalise", "HardenedH2Protocol", "ConnectionCollector",
+__all__ = ["Limits", "ConnectionCounts", "COUNTS", "install", "limits", "penalise", "ConnectionCollector",
            "H1Direct", "DIRECT", "DIRECT_BUFFER", "CloseHook", "CLOSE", "ServerConfig", "spawn_lean_app", "run_app"]
 
 
@@ -169,172 +161,6 @@ PENALTIES = Penalties()
 _LIMITS = Limits()
 
 
-class _RefusingH2Connection(h2.connection.H2Connection):
-    """Defect 2: a HEADERS frame past the stream limit opens a stream that is refused at
-    once, instead of TooManyStreamsError tearing the connection down."""
-
-    _bypass = False
-    refused = 0  # streams refused on this connection (defect 9 charges them to the bucket)
-
-    @property  # type: ignore[override]
-    def open_inbound_streams(self) -> int:
-        n = super().open_inbound_streams
-        return 0 if self._bypass else n
-
-    def _receive_headers_frame(self, frame: Any) -> Any:
-        if frame.stream_id in self.streams or self.open_inbound_streams < self.local_settings.max_concurrent_streams:
-            return super()._receive_headers_frame(frame)
-        self._bypass = True
-        try:
-            frames, events = super()._receive_headers_frame(frame)
-        finally:
-            self._bypass = False
-        self.reset_stream(frame.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
-        COUNTS.refused_streams += 1
-        self.refused += 1
-        return frames, [e for e in events if getattr(e, "stream_id", None) != frame.stream_id]
-
-
-class _Bucket:
-    __slots__ = ("rate", "tokens", "at")
-
-    def __init__(self, rate: float) -> None:
-        self.rate, self.tokens, self.at = rate, 2.0 * rate, time.monotonic()
-
-    def take(self, n: float = 1.0) -> bool:
-        now = time.monotonic()
-        self.tokens = min(2.0 * self.rate, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        self.tokens -= n
-        return self.tokens >= 0.0
-
-
-_CONTROL = (h2.events.RemoteSettingsChanged, h2.events.PingReceived, h2.events.StreamReset)
-
-
-class HardenedH2Protocol(H2Protocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        old = self.connection
-        conn = _RefusingH2Connection(config=old.config)
-        conn.DEFAULT_MAX_INBOUND_FRAME_SIZE = old.DEFAULT_MAX_INBOUND_FRAME_SIZE
-        conn.local_settings = old.local_settings
-        self.connection = conn
-        self._bucket = _Bucket(_LIMITS.control_frames_per_s)
-        self._counted = True
-        self._calmed = False
-        self._refused_seen = 0
-        COUNTS.h2 += 1
-
-    async def handle(self, event: Any) -> None:
-        if isinstance(event, Closed) and self._counted:
-            self._counted = False
-            COUNTS.h2 -= 1
-        if isinstance(event, RawData) and len(event.data) > FEED_BYTES:  # defect 9
-            data = event.data
-            for i in range(0, len(data), FEED_BYTES):
-                if self._calmed or self.closed:
-                    return
-                if i:
-                    await asyncio.sleep(0)
-                await super().handle(RawData(data[i : i + FEED_BYTES]))
-            return
-        await super().handle(event)
-
-    async def _calm(self) -> None:
-        self._calmed = True
-        COUNTS.calmed += 1
-        peer = self.client[0] if self.client else None
-        if peer:  # defect 8
-            PENALTIES.penalise(peer, _LIMITS.abuse_penalty_s, time.monotonic())
-        self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many control frames")
-        await self._flush()
-        await self.send(Closed())
-
-    async def _send_data(self, stream_id: int) -> None:
-        # defect 1: a zero window pops nothing (pop(0) would un-pause the writer)
-        buf = self.stream_buffers.get(stream_id)
-        if buf is not None and buf.buffer and min(self.connection.local_flow_control_window(stream_id), self.connection.max_outbound_frame_size) <= 0:
-            self.priority.block(stream_id)
-            return
-        await super()._send_data(stream_id)
-
-    async def _handle_events(self, events: list[h2.events.Event]) -> None:
-        if self._calmed:
-            return
-        reset = {ev.stream_id for ev in events if isinstance(ev, h2.events.StreamReset)}
-        if reset:  # defect 4, rapid reset: opened and reset in one read, never created
-            born = {ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)} & reset
-            if born:
-                events = [ev for ev in events if getattr(ev, "stream_id", None) not in born or isinstance(ev, h2.events.StreamReset)]
-                # each was a whole stream parsed for nothing (HEADERS, DATA, RST_STREAM):
-                # charged RAPID_RESET_COST frames, its RST_STREAM event below the third
-                if not self._bucket.take((RAPID_RESET_COST - 1) * len(born)):
-                    await self._calm()
-                    return
-        refused = self.connection.refused - self._refused_seen  # type: ignore[attr-defined]
-        if refused:  # defect 9: refused streams are charged like control frames
-            self._refused_seen += refused
-            if not self._bucket.take(refused):
-                await self._calm()
-                return
-        for ev in events:  # defect 4
-            control = isinstance(ev, _CONTROL) or (isinstance(ev, h2.events.DataReceived) and not ev.data and ev.stream_ended is None)
-            if control and not self._bucket.take():
-                await self._calm()
-                return
-        await super()._handle_events(events)
-
-    async def stream_send(self, event: Any) -> None:
-        if isinstance(event, StreamClosed):  # defect 3
-            buf = self.stream_buffers.get(event.stream_id)
-            if buf is not None and not buf._complete:
-                try:
-                    self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.CANCEL)
-                    await self._flush()
-                except h2.exceptions.ProtocolError:
-                    pass
-                await buf.close()
-                self.stream_buffers.pop(event.stream_id, None)
-                try:
-                    self.priority.remove_stream(event.stream_id)
-                except Exception:  # noqa: BLE001 - priority.MissingStreamError: already gone
-                    pass
-        await super().stream_send(event)
-
-
-
-
-class HardenedHTTPStream(HTTPStream):
-    """An HTTP/2 stream. Defect 10: StreamClosed never blocks on a full app queue. Its
-    scope carries a CloseHook under CLOSE."""
-
-    async def handle(self, event: Any) -> None:
-        if isinstance(event, Request):
-            await super().handle(event)
-            # the app's task is spawned but has not run yet: it sees the extension
-            if hasattr(self, "scope"):
-                self.scope["extensions"][CLOSE] = self._close_hook = CloseHook()
-            return
-        if isinstance(event, StreamClosed):
-            hook = getattr(self, "_close_hook", None)
-            if hook is not None:
-                hook.fire()
-        if isinstance(event, StreamClosed) and self.app_put is not None:
-            q = getattr(self.app_put, "__self__", None)
-            if isinstance(q, (asyncio.Queue, LeanQueue)) and q.full():
-                while not q.empty():  # unread body: the app answered, or is told it is gone
-                    q.get_nowait()
-                self.closed = True
-                if self.state != ASGIHTTPState.CLOSED:
-                    await self.config.log.access(self.scope, None, time.time() - self.start_time)
-                q.put_nowait({"type": "http.disconnect"})
-                return
-        await super().handle(event)
-
-
-RAPID_RESET_COST = 3  # control-frame tokens a stream opened and reset in one read costs
-FEED_BYTES = 4096  # defect 9: bytes of one read handed to h2 per loop turn
 CLIENT_SNDBUF = 256 * 1024  # bytes (the kernel doubles it for its bookkeeping)
 
 
@@ -342,11 +168,11 @@ class ServerConfig(HyperConfig):
     """Item 13: response_headers computed once per second and protocol (a new list each
     call: hypercorn extends it)."""
 
-    _cached: dict[str, tuple[int, list[tuple[bytes, bytes]]]]
+    narwhal_dates: dict[str, tuple[int, list[tuple[bytes, bytes]]]]
 
     def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
         now = int(time.time())
-        cache = self.__dict__.setdefault("_cached", {})
+        cache = self.__dict__.setdefault("narwhal_dates", {})
         hit = cache.get(protocol)
         if hit is None or hit[0] != now:
             hit = cache[protocol] = (now, super().response_headers(protocol))
@@ -400,7 +226,10 @@ def penalise(scope: dict[str, Any]) -> None:
 
 
 def install(limits: Limits) -> None:
-    """Serve with these limits (idempotent); HTTP/2 streams are HardenedHTTPStreams."""
+    """Serve with these limits (idempotent)."""
     global _LIMITS
     _LIMITS = limits
-    _h2mod.HTTPStream = HardenedHTTPStream  # type: ignore[misc]
+
+
+def limits() -> Limits:
+    return _LIMITS

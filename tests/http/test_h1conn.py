@@ -68,13 +68,15 @@ class _Side:
         self.ours = ours
         self.c: Any = h1.Connection() if ours else h11.Connection(h11.SERVER)
         self.m = h1 if ours else h11
+        self.remote: type[Exception] = h1.RemoteProtocolError if ours else h11.RemoteProtocolError
+        self.local: type[Exception] = h1.LocalProtocolError if ours else h11.LocalProtocolError
 
     def events(self) -> list[Any]:
         out = []
         while True:
             try:
                 ev = self.c.next_event()
-            except (h1.RemoteProtocolError if self.ours else h11.RemoteProtocolError) as e:
+            except self.remote as e:
                 out.append(("refused", e.status if self.ours else e.error_status_hint))
                 return out
             except RuntimeError:
@@ -89,7 +91,7 @@ class _Side:
         we send it: either way refused, the connection unchanged)."""
         try:
             return self.c.send(getattr(self.m, kind)(**kw))
-        except (h1.LocalProtocolError if self.ours else h11.LocalProtocolError):
+        except self.local:
             return "refused"
 
     def answer(self, name: str) -> list[Any]:
@@ -107,7 +109,7 @@ class _Side:
     def recycle(self) -> str:
         try:
             self.c.start_next_cycle()
-        except (h1.LocalProtocolError if self.ours else h11.LocalProtocolError):
+        except self.local:
             return "refused"
         return "ok"
 

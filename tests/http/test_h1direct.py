@@ -18,7 +18,6 @@ from narwhal.http.h1fast import DIRECT_BUFFER
 from narwhal.http.lean import LeanLock
 
 
-
 class _Transport:
     def __init__(self) -> None:
         self.out: list[bytes] = []

@@ -16,7 +16,19 @@ from .events import (
     Request,
     Response,
 )
-from .states import CLIENT, CLOSED, DONE, ERROR, IDLE, MIGHT_SWITCH_PROTOCOL, MUST_CLOSE, SEND_BODY, SEND_RESPONSE, SERVER, SWITCHED_PROTOCOL
+from .states import (
+    CLIENT,
+    CLOSED,
+    DONE,
+    ERROR,
+    IDLE,
+    MIGHT_SWITCH_PROTOCOL,
+    MUST_CLOSE,
+    SEND_BODY,
+    SEND_RESPONSE,
+    SERVER,
+    SWITCHED_PROTOCOL,
+)
 
 __all__ = [
     "Connection", "MAX_INCOMPLETE", "Request", "Data", "EndOfMessage", "ConnectionClosed", "Response", "InformationalResponse",

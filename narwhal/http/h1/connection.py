@@ -43,7 +43,16 @@ from .events import (
     Response,
 )
 from .head import parse_head
-from .parse import Buffer, ChunkedReader, ContentLengthReader, Http10Reader, body_framing, comma_values, fields_of, read_head
+from .parse import (
+    Buffer,
+    ChunkedReader,
+    ContentLengthReader,
+    Http10Reader,
+    body_framing,
+    comma_values,
+    fields_of,
+    read_head,
+)
 
 __all__ = ["Connection", "MAX_INCOMPLETE", "ChunkedWriter"]
 
@@ -270,10 +279,7 @@ class Connection:
         cs = self.cs
         old_client, old_server = cs.client, cs.server
         kind = type(ev)
-        if kind is _Out:
-            kind_name = "response" if ev.final else "informational"
-        else:
-            kind_name = _KINDS[kind]
+        kind_name = ("response" if ev.final else "informational") if kind is _Out else _KINDS[kind]
         if role is S.CLIENT and kind is Request:
             if ev.method == b"CONNECT":
                 cs.propose(S.SWITCH_CONNECT)
@@ -294,9 +300,9 @@ class Connection:
         if kind is Request:
             self.method = ev.method
             self.their_http_version = ev.http_version
-        if kind is Request or (kind is _Out and ev.final):
-            if b"close" in comma_values(ev.headers, b"connection") or ev.http_version < b"1.1":  # K1
-                cs.keep_alive_off()
+        final = kind is Request or (kind is _Out and ev.final)
+        if final and (b"close" in comma_values(ev.headers, b"connection") or ev.http_version < b"1.1"):  # K1
+            cs.keep_alive_off()
         if kind is Request and ev.http_version >= b"1.1" and b"100-continue" in comma_values(ev.headers, b"expect"):  # C1
             self.client_is_waiting_for_100_continue = True
         if kind is _Out or (role is S.CLIENT and (kind is Data or kind is EndOfMessage)):

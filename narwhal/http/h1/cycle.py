@@ -41,7 +41,18 @@ from narwhal_generated import errors as E
 from ..h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, PreparedHead
 from ..lean import LeanEvent, LeanQueue
 from .connection import Connection
-from .events import NEED_DATA, PAUSED, ConnectionClosed, Data, EndOfMessage, InformationalResponse, LocalProtocolError, RemoteProtocolError, Request, Response
+from .events import (
+    NEED_DATA,
+    PAUSED,
+    ConnectionClosed,
+    Data,
+    EndOfMessage,
+    InformationalResponse,
+    LocalProtocolError,
+    RemoteProtocolError,
+    Request,
+    Response,
+)
 from .states import DONE, ERROR, IDLE, SEND_BODY, SEND_RESPONSE
 
 __all__ = ["H1Server", "H1Stream", "H1Direct", "REQUEST", "RESPONSE", "CLOSED"]

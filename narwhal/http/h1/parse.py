@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .head import HEAD_MAX, SCAN
 from .events import Data, EndOfMessage, Fields, LocalProtocolError, RemoteProtocolError, Request
+from .head import HEAD_MAX, SCAN
 
 __all__ = [
     "Buffer", "read_head", "fields_of", "comma_values", "ContentLengthReader", "ChunkedReader", "Http10Reader", "body_framing",
