@@ -263,7 +263,9 @@ def running_proxy(upstream: str, mutation: Mutation) -> Iterator[str]:
     from hypercorn.config import Config
 
     from narwhal.http import hyper
-    from narwhal.http.conn import serve  # the proxy's HTTP server is Narwhal's: it answers as Narwhal does (H08, H09)
+    from narwhal.http.conn import (
+        serve,  # the proxy's HTTP server is Narwhal's: it answers as Narwhal does (H08, H09)
+    )
 
     hyper.install(hyper.Limits())
     port = free_port()
