@@ -21,8 +21,8 @@ Invariants, each TCPServer's:
     connection makes them raise ConnectionResetError, which hypercorn turns into Closed.
   * The connection ends -- closed, counted out, forgotten by the listener -- once reading
     has ended (the client's FIN, the loss, the server's close) and every task it spawned
-    (the app's, h2's sender, the idle close) is done: hypercorn's `async with TaskGroup`.
-  * A task of the connection that raises (the app's are caught by hypercorn's _handle)
+    (the apps', the idle close) is done: as hypercorn's `async with TaskGroup` would.
+  * A task of the connection that raises (the app's are caught by hyper.run_app)
     ends the connection and its other tasks, as an asyncio.TaskGroup would.
   * `serve`: hypercorn's worker_serve -- lifespan, the listeners, the shutdown trigger,
     then config.graceful_timeout for the connections to end, then what still runs is

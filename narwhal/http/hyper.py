@@ -10,8 +10,8 @@ Upstream defects (measured under hypercorn 0.18.0 and h2 4.x; the tests of each 
   1. h2 flow control: `H2Protocol._send_data` pops min(window, frame size) bytes; with a
      zero window that is `StreamBuffer.pop(0)`, which un-pauses the writer, so an app's
      sends never block and a stream's buffer grows without bound while the client reads
-     nothing. Fixed: with a zero window nothing is popped; the stream waits for a
-     WINDOW_UPDATE (the writer stays paused at the buffer's high-water mark, 32 KiB).
+     nothing. Fixed (h2conn.py D1): a stream's data goes out as far as its window allows;
+     with a zero window the app's send waits for a WINDOW_UPDATE, nothing is buffered.
   2. h2 stream limit: a stream beyond SETTINGS_MAX_CONCURRENT_STREAMS raises h2's
      TooManyStreamsError out of `receive_data`, and hypercorn drops the whole connection
      (every other stream on it). RFC 9113 5.1.2: refuse the stream. Fixed: the headers
@@ -33,7 +33,8 @@ Upstream defects (measured under hypercorn 0.18.0 and h2 4.x; the tests of each 
      writes block. Bounded: SO_SNDBUF of CLIENT_SNDBUF per client socket, ample for
      token streams (a few KB/s each) and for any answer the router assembles.
   7. hypercorn answers bytes that are not an HTTP/1.1 request (400) and an oversized head
-     (431) with an empty body. Fixed: the error envelope of rows H08 and H09.
+     (431) with an empty body. Fixed (h1/cycle.py A3): the error envelope of rows H08
+     and H09.
   8. Not a hypercorn defect but what the calm answer above leaves open: an attacker whose
      connection got ENHANCE_YOUR_CALM reconnects at once, and every frame of the next
      flood is parsed again. Bounded: its address is penalised for
