@@ -10,7 +10,7 @@ Grammar (RFC 9112 as h11 0.16 reads it, which the differential tests hold us to)
 Field rules (`fields_of`): Content-Length all digits (at most 20), repeated only with
 the same value (a comma list of one value taken as it); Transfer-Encoding once, and only
 "chunked" (else 501); Host exactly once in an HTTP/1.1 request.
-The common head (h1head.SCAN: the C scan or the Python reference) is read first; anything
+The common head (head.SCAN: the C scan or the Python reference) is read first; anything
 it declines is read here.
 """
 
