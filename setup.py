@@ -3,8 +3,8 @@
 Both are optional: where no C compiler is found the build goes on without them.
 `narwhal.core._fastevent` (the relay's common event): the router relays every event in
 Python (core/relay.py, the reference), and `narwhal.core.fastevent.event` is None.
-`narwhal.http._fasthead` (a common request head's scan): narwhal/http/h1head.py's `scan`
-reads every head, and `h1head.SCAN is h1head.scan`.
+`narwhal.http._fasthead` (a common request head's scan): narwhal/http/h1/head.py's `scan`
+reads every head, and `head.SCAN is head.scan`.
 """
 
 from setuptools import Extension, setup

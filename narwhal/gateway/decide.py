@@ -36,6 +36,8 @@ import orjson
 
 from narwhal_generated import errors as E
 
+from ..core.refusals import render
+
 from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body
 from ..core.relay import StreamRelay
@@ -144,7 +146,7 @@ def route_of(head: Head) -> str | None:
 def refusal(row: E.ErrorRow, rid: str, *, param: str | None = None, overrun_s: float | None = None, **fields: object) -> Immediate:
     """A row's answer, as the HTTP path renders it (generated/errors.py), plus the
     request's id."""
-    status, headers, body = E.render(row, param=param, overrun_s=overrun_s, **fields)
+    status, headers, body = render(row, param=param, overrun_s=overrun_s, **fields)
     return Immediate(status, (*headers, (b"x-request-id", rid.encode())), body, row.id, row.counter)
 
 
@@ -262,7 +264,7 @@ class ResponseReader:
         msg, param = engine_error_detail(self.status or 0, bytes(self._error_body), self.relay.hosts)
         detail = f"engine {self._engine}: {msg}"
         self.ended = Ended("failed", row.id, detail)
-        _, _, out = E.render(row, param=param, detail=detail)
+        _, _, out = render(row, param=param, detail=detail)
         return Piece(out, True)
 
     def chunk(self, body: bytes, end: bool, now: float) -> tuple[Piece, bool]:
@@ -286,7 +288,7 @@ class ResponseReader:
         self.ended = Ended("failed", row.id, failure[1])
         if self.stream:
             return Piece(out + error_event(row, detail=failure[1]), end)
-        _, _, body = E.render(row, detail=failure[1])
+        _, _, body = render(row, detail=failure[1])
         return Piece(body, end)
 
     def _finish(self, out: bytes, done: bool, end: bool) -> Piece:

@@ -1,25 +1,25 @@
-/* narwhal.http._fasthead: the scan of a common HTTP/1.1 request head, in C (hyper.py item
-   18; issue 25).
+/* narwhal.http._fasthead: the scan of a common HTTP/1.1 request head, in C (issue 25).
 
    head(data, head_max) -> (method, target, fields, length) | None
 
-   The same answer as the Python scan in narwhal/http/h1head.py (`scan`), which stays the
+   The same answer as the Python scan in narwhal/http/h1/head.py (`scan`), which stays the
    reference: given the bytes at the start of a connection's receive buffer, it answers
    only for a whole head within head_max bytes (its blank line included) of the common
-   shape, and declines (None) for anything else, which h11's own reader then reads as it
-   always has. The common shape, each rule the Python scan's:
+   shape, and declines (None) for anything else, which the general reader
+   (narwhal/http/h1/parse.py) then reads. The common shape, each rule the Python scan's:
 
-     * no LF in the head but as the end of a CRLF (h11 takes a bare LF as a line's end);
+     * no LF in the head but as the end of a CRLF (the general reader takes a bare LF as a
+       line's end);
      * the request line `METHOD SP TARGET SP HTTP/1.1`, METHOD `POST` or `GET`, TARGET one
        or more visible ASCII bytes (0x21-0x7E);
      * one or more field lines, each `token ":" rest CRLF` where rest is only space, tab,
        visible ASCII and obs-text (0x80-0xFF) -- RFC 9110's OWS field-value OWS, a subset
-       of what h11 takes (it takes controls too);
+       of what the general reader takes (it takes controls too);
      * no Transfer-Encoding; a Content-Length at most once, of 1-20 ASCII digits.
 
-   `fields` are (name as sent, name in lower case, value without its outer blanks) as h11's
-   Headers keeps them; `length` is the head's byte count with its blank line. Making the
-   h11.Request (and its Host checks) is left to the caller.
+   `fields` are (name as sent, name in lower case, value without its outer blanks) as
+   narwhal/http/h1 keeps them; `length` is the head's byte count with its blank line.
+   Making the Request (and its Host checks) is left to the caller.
 
    Sans-IO: no socket, no Python object but the arguments and the result. */
 
@@ -28,7 +28,7 @@
 #include <Python.h>
 #include <string.h>
 
-#define CL_DIGITS 20 /* h11's CONTENT_LENGTH_MAX_DIGITS */
+#define CL_DIGITS 20 /* parse.CL_DIGITS */
 
 /* RFC 9110 tchar */
 static int is_tchar(unsigned char c) {
@@ -109,7 +109,7 @@ static PyObject *fields_of(const unsigned char *d, Py_ssize_t first, Py_ssize_t 
         }
         Py_DECREF(t);
     }
-    if (PyList_GET_SIZE(list) == 0) goto decline; /* no field line: h11's to read */
+    if (PyList_GET_SIZE(list) == 0) goto decline; /* no field line: the general reader's */
     return list;
 decline:
     Py_DECREF(list);
@@ -172,7 +172,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_fasthead",
-    "The scan of a common HTTP/1.1 request head, in C; narwhal/http/h1head.py's scan is the reference.", -1, methods,
+    "The scan of a common HTTP/1.1 request head, in C; narwhal/http/h1/head.py's scan is the reference.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

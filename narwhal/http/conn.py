@@ -1,17 +1,17 @@
-"""Client connections as asyncio protocols, and the listener that makes them (item 16 of
-hyper.py: everything above the socket stays hypercorn's).
+"""Client connections as asyncio protocols, and the listener that makes them.
 
 hypercorn's asyncio server (hypercorn/asyncio/run.py, tcp_server.py) gives each
 connection a task reading through an asyncio StreamReader and writing through a
 StreamWriter (with its StreamReaderProtocol), and an asyncio.TaskGroup for the
 connection's tasks: ~6 KiB per open connection measured with tracemalloc, a quarter of
 what an open stream costs the router (docs/performance.md), and a task wake-up for
-every read. `LeanConnection` is hypercorn's TCPServer (with HardenedTCPServer's defects 5,
-6 and 8 and item 14) as one protocol object: each read is handed to hypercorn's own
-ProtocolWrapper (the hardened H11Protocol / H2Protocol) from `data_received`.
+every read. `LeanConnection` is that server (with hyper.py's defects 5, 6 and 8 and item
+14) as one protocol object: each read is handed from `data_received` to the connection's
+protocol -- Narwhal's HTTP/1.1 (h1.cycle.H1Server) or, negotiated by ALPN, switched to by
+a prior-knowledge preface or an h2c upgrade, HTTP/2 (h2conn.H2Server, over h2's public API).
 
 Invariants, each TCPServer's:
-  * The ProtocolWrapper's handle() calls run one at a time, in the order the bytes came
+  * The protocol's handle() calls run one at a time, in the order the bytes came
     (then the end of reading: Closed). One runs to its end inside the callback unless it
     suspends (the app's receive queue is full, a send waits for the client to drain,
     h2's feed turns of defect 9); then reading pauses, a task finishes it, and what came
@@ -21,8 +21,8 @@ Invariants, each TCPServer's:
     connection makes them raise ConnectionResetError, which hypercorn turns into Closed.
   * The connection ends -- closed, counted out, forgotten by the listener -- once reading
     has ended (the client's FIN, the loss, the server's close) and every task it spawned
-    (the app's, h2's sender, the idle close) is done: hypercorn's `async with TaskGroup`.
-  * A task of the connection that raises (the app's are caught by hypercorn's _handle)
+    (the apps', the idle close) is done: as hypercorn's `async with TaskGroup` would.
+  * A task of the connection that raises (the app's are caught by hyper.run_app)
     ends the connection and its other tasks, as an asyncio.TaskGroup would.
   * `serve`: hypercorn's worker_serve -- lifespan, the listeners, the shutdown trigger,
     then config.graceful_timeout for the connections to end, then what still runs is
@@ -46,7 +46,6 @@ from hypercorn.asyncio.statsd import StatsdLogger
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, RawData, Updated
-from hypercorn.protocol import ProtocolWrapper
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import (
     ShutdownError,
@@ -56,25 +55,32 @@ from hypercorn.utils import (
 )
 
 from . import hyper
+from .h1.cycle import H1Server
+from .h2conn import H2Server
 from .lean import LeanEvent, LeanIdle, LeanLock
 
-__all__ = ["LeanConnection", "ConnTasks", "Live", "Asgi", "serve", "CANCEL_WAIT_S"]
+__all__ = ["LeanConnection", "ConnTasks", "Live", "Asgi", "LeanContext", "serve", "CANCEL_WAIT_S"]
 
 log = logging.getLogger("narwhal.http.conn")
 
 CANCEL_WAIT_S = 5.0  # after the grace: the longest wait for cancelled connections to unwind
 
 
-class ConnTasks:
-    """The connection's tasks (hypercorn's TaskGroup for it). `_task_group` is itself:
-    hypercorn's idle timer (and LeanIdle) reach for `task_group._task_group.create_task`."""
+class LeanContext(WorkerContext):
+    """hypercorn's WorkerContext whose events are LeanEvents (item 12): the class's own
+    `event_class`, a public attribute set on a subclass."""
 
-    __slots__ = ("_conn", "tasks", "_task_group")
+    event_class = LeanEvent  # type: ignore[assignment]
+
+
+class ConnTasks:
+    """The connection's tasks (the task group its protocols spawn in)."""
+
+    __slots__ = ("_conn", "tasks")
 
     def __init__(self, conn: LeanConnection) -> None:
         self._conn = conn
         self.tasks: list[asyncio.Task[Any]] = []  # one at a time over HTTP/1.1: a list is a third of a set
-        self._task_group = self
 
     async def spawn_app(self, app: Any, config: Any, scope: Any, send: Any) -> Any:
         return hyper.spawn_lean_app(self.spawn, self._conn.loop, app, config, scope, send)
@@ -130,12 +136,11 @@ class LeanConnection(asyncio.Protocol):
     """One client connection: hypercorn's TCPServer as a protocol (the module's docstring
     states its invariants). `transport` and `send_lock` are what H1Direct writes with."""
 
-    lean = True  # HardenedHTTPStream: an HTTP/1.1 stream on this connection may write directly
 
     __slots__ = (
         "app", "loop", "config", "context", "state", "live", "transport", "protocol", "send_lock", "idle_task", "_group",
         "_busy", "_running", "_backlog", "_reading", "_read_paused", "_lost", "_lost_exc", "_write_paused", "_drain",
-        "_closers", "_ended", "_ssl",
+        "_closers", "_ended", "_ssl", "_ends",
     )
 
     def __init__(self, app: Any, loop: asyncio.AbstractEventLoop, config: HyperConfig, context: WorkerContext, state: Any, live: Live) -> None:
@@ -146,10 +151,10 @@ class LeanConnection(asyncio.Protocol):
         self.state = state
         self.live = live
         self.transport: Any = None
-        self.protocol: ProtocolWrapper | None = None
+        self.protocol: Any = None  # H1Server or H2Server
         self.send_lock = LeanLock()
         terminated = context.terminated
-        assert isinstance(terminated, LeanEvent), "hyper.install() first (WorkerContext.event_class)"
+        assert isinstance(terminated, LeanEvent), "a LeanContext"
         self.idle_task = LeanIdle(self, terminated)  # item 14
         self._group = ConnTasks(self)
         self._busy = False
@@ -164,6 +169,7 @@ class LeanConnection(asyncio.Protocol):
         self._closers: list[asyncio.Future[None]] | None = None
         self._ended = False
         self._ssl = False
+        self._ends: tuple[Any, Any] = (None, None)
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -189,9 +195,26 @@ class LeanConnection(asyncio.Protocol):
         alpn = (ssl_object.selected_alpn_protocol() or "http/1.1") if ssl_object is not None else "http/1.1"
         COUNTS.open += 1
         self.live.add(self)
-        self.protocol = ProtocolWrapper(self.app, self.config, self.context, self._group, ConnectionState(self.state), self._ssl,  # type: ignore[arg-type]
-                                        _addr(family, peer), _addr(family, transport.get_extra_info("sockname")), self.protocol_send, alpn)
+        self._ends = (_addr(family, peer), _addr(family, transport.get_extra_info("sockname")))
+        if alpn == "h2":
+            self.protocol = self._h2()
+        else:
+            self.protocol = H1Server(self.app, self.config, self.context, self._group, ConnectionState(self.state), self._ssl, self._ends[0], self._ends[1], self)
         self._submit(_BEGIN)
+
+    def _h2(self) -> H2Server:
+        return H2Server(self.app, self.config, self.context, self._group, ConnectionState(self.state), self._ssl, self._ends[0], self._ends[1], self)
+
+    async def switch_h2(self, data: bytes, headers: list[tuple[bytes, bytes]] | None, settings: bytes | None) -> None:
+        """The connection goes on as HTTP/2: prior knowledge (`data` starts with the
+        preface) or an h2c upgrade (`headers`, `settings`: the upgraded request, stream 1)."""
+        self.protocol = h2 = self._h2()
+        if headers is None:
+            await h2.initiate()
+        else:
+            await h2.initiate(headers, settings)
+        if data:
+            await h2.handle(RawData(data=data))
 
     def data_received(self, data: bytes) -> None:
         if self._reading:
@@ -477,7 +500,7 @@ async def serve(app: Any, config: HyperConfig, *, shutdown_trigger: Callable[[],
     max_requests = None
     if config.max_requests is not None:
         max_requests = config.max_requests + randint(0, config.max_requests_jitter)
-    context = WorkerContext(max_requests)
+    context = LeanContext(max_requests)
     live = Live()
 
     def factory() -> LeanConnection:

@@ -245,4 +245,4 @@ class LeanIdle:
     def _fire(self) -> None:
         self.disarm()
         if self._closing is None and self._group is not None:
-            self._closing = self._group._task_group.create_task(self._server._initiate_server_close())
+            self._closing = self._group.create_task(self._server._initiate_server_close())

@@ -1,4 +1,5 @@
-"""Serving under hypercorn (the settings; narwhal/compose.py runs it): HTTP/1.1 and HTTP/2 cleartext (prior knowledge and h2c
+"""Serving (the settings, kept in hypercorn's Config; narwhal/compose.py runs it; conn.serve
+serves Narwhal's own HTTP/1.1 and HTTP/2 over h2): HTTP/1.1 and HTTP/2 cleartext (prior knowledge and h2c
 upgrade) on one port; HTTPS with HTTP/2 negotiated by ALPN when serving.tls is set.
 
 How a serving process stops (`Stopping`, `serve_until_stopped`; router state S06): the
@@ -110,7 +111,7 @@ def hypercorn_config(listen: str, *, certfile: str | None = None, keyfile: str |
 
 
 def serving_config(config: NarwhalConfig, listen: str) -> HyperConfig:
-    """hypercorn's configuration from serving.*, with the hardened protocol installed
+    """The server's configuration from serving.*, with its limits installed
     (narwhal/http/hyper.py)."""
     sv = config.serving
     hyper.install(hyper.Limits(control_frames_per_s=sv.h2_control_frames_per_second, abuse_penalty_s=sv.abuse_penalty_ms / 1000.0))
@@ -202,7 +203,7 @@ class Stopping:
 
 async def serve_until_stopped(app: Any, hc: HyperConfig, stopping: Stopping, *,
                               accepting: Callable[[], Awaitable[Any]] | None = None) -> None:
-    """Serve (conn.serve: hypercorn's protocols, a LeanConnection per connection) until
+    """Serve (conn.serve: a LeanConnection per connection) until
     `accepting()` returns (default: `stopping.accepting`), then its graceful shutdown
     with what is left of the grace (`stopping.grace_left()`): the requests still running
     after it are cancelled (LeanConnection.cancel). `stopping.at_once` cuts at once, before or during the grace. Returns once

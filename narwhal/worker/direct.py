@@ -8,7 +8,7 @@ inside the upstream protocol's `data_received`:
   * the relay step is the same `StreamRelay.feed` (parse, T01-T12 checks, strips, E02
     bounds, assembly): nothing is skipped, only where it runs changes;
   * a step that needs nothing but its bytes written (no failure, not the end) is written
-    with the sink's `write_now` (HTTP/1.1 under hypercorn: straight to the client's
+    with the sink's `write_now` (HTTP/1.1: H1Direct, straight to the client's
     transport), or for a non-streaming client just assembled;
   * before the client's head is out, output that is not yet a start (events before the
     first token) is held in the task's own buffer, and the step that starts the stream

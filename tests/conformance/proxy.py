@@ -260,12 +260,14 @@ class _Proxy:
 @contextlib.contextmanager
 def running_proxy(upstream: str, mutation: Mutation) -> Iterator[str]:
     """Serve the mutating proxy on a free loopback port; yields its URL."""
-    from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
     from narwhal.http import hyper
+    from narwhal.http.conn import (
+        serve,  # the proxy's HTTP server is Narwhal's: it answers as Narwhal does (H08, H09)
+    )
 
-    hyper.install(hyper.Limits())  # the proxy's own HTTP server answers as Narwhal's does (H08, H09)
+    hyper.install(hyper.Limits())
     port = free_port()
     cfg = Config()
     cfg.bind = [f"127.0.0.1:{port}"]

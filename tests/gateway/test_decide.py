@@ -23,6 +23,8 @@ from narwhal.gateway.decide import (
 )
 from narwhal_generated import errors as E
 
+from narwhal.core.refusals import render
+
 
 @pytest.mark.parametrize(("path", "route"), [
     (b"/v1/chat/completions", "chat"),
@@ -44,7 +46,7 @@ def test_route_of(path: bytes, route: str | None) -> None:
 ])
 def test_a_refusal_is_the_http_paths_answer_plus_the_request_id(row: E.ErrorRow, fields: dict[str, object], retry_after: bytes | None) -> None:
     im = refusal(row, "rid-1", **fields)
-    status, headers, body = E.render(row, **fields)
+    status, headers, body = render(row, **fields)
     assert (im.status, im.body) == (status, body)
     assert im.headers == (*headers, (b"x-request-id", b"rid-1"))
     assert dict(im.headers).get(b"retry-after") == retry_after

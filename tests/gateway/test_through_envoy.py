@@ -24,6 +24,8 @@ from narwhal.mock import (
     running_fleet,
 )
 from narwhal_generated import errors as E
+
+from narwhal.core.refusals import render
 from tests.gateway.harness import ENVOY, Envoy, Picker, envoy, picker, wait_for
 from tests.helpers import accumulate, sse
 
@@ -100,7 +102,7 @@ def test_T01_T08_T10_a_stream_is_relayed_with_ids_only_when_asked(stack: Stack, 
 def test_R05_is_narwhals_own_404(stack: Stack) -> None:
     n = len(stack.received())
     r = httpx.post(stack.gw.url + "/v1/chat/completions", json=_chat(model="nope"), timeout=30)
-    status, headers, body = E.render(E.R05, param="model", model="nope", configured=MODEL)
+    status, headers, body = render(E.R05, param="model", model="nope", configured=MODEL)
     assert (r.status_code, r.content) == (status, body)
     assert r.headers["content-type"] == "application/json" and "x-request-id" in r.headers
     assert len(stack.received()) == n  # no engine saw it

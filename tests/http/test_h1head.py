@@ -1,7 +1,6 @@
-"""hyper.py item 18: a request head read the short way (narwhal/http/h1head.py), with h11's
-own reader as the oracle: whenever the short way answers, h11 answers the same Request and
-takes the same bytes; a whole connection (PreparedH11) sees the same events and states as
-h11's own."""
+"""The common request head read the short way (narwhal/http/h1/head.py), with h11 as the
+oracle: whenever the short way answers, h11 answers the same request and takes the same
+bytes (whole connections against h11: tests/http/test_h1conn.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +8,11 @@ from typing import Any
 
 import h11
 import pytest
-from h11._readers import maybe_read_from_IDLE_client
-from h11._receivebuffer import ReceiveBuffer
 from hypothesis import given
 from hypothesis import strategies as st
 
 from narwhal.http import _fasthead
-from narwhal.http.h1fast import PreparedH11
-from narwhal.http.h1head import HEAD_MAX, SCAN, parse_head, request_of, scan
+from narwhal.http.h1.head import HEAD_MAX, SCAN, parse_head, request_of, scan
 
 _BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 _COMMON = (
@@ -26,14 +22,15 @@ _COMMON = (
 
 
 def _h11(data: bytes) -> tuple[Any, bytes]:
-    """h11's reader on `data`: (its Request, or None, or the error's type; what is left)."""
-    buf = ReceiveBuffer()
-    buf += data
+    """h11's server connection on `data`: (its Request, or its other event, or the error's
+    type; what is left of the bytes once it has read the head)."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(data)
     try:
-        got: Any = maybe_read_from_IDLE_client(buf)
-    except h11.LocalProtocolError as e:
+        got: Any = conn.next_event()
+    except h11.RemoteProtocolError as e:
         got = type(e)
-    return got, bytes(buf)
+    return got, conn.trailing_data[0]
 
 
 def _same_as_h11(data: bytes) -> bool:
@@ -50,7 +47,8 @@ def _same_as_h11(data: bytes) -> bool:
     theirs, rest = _h11(data)
     assert isinstance(theirs, h11.Request), (data, theirs)
     assert (req.method, req.target, req.http_version) == (theirs.method, theirs.target, theirs.http_version)
-    assert req.headers._full_items == theirs.headers._full_items  # raw names, lower names, values
+    assert [(r, v) for r, _, v in req.headers] == list(theirs.headers.raw_items())  # raw names, values
+    assert [(n, v) for _, n, v in req.headers] == list(theirs.headers)  # lower names, values
     assert data[n:] == rest
     return True
 
@@ -148,52 +146,3 @@ def test_whatever_the_head_the_short_way_answers_only_as_h11_does(data: bytes) -
 @given(st.binary(max_size=200))
 def test_whatever_the_bytes_the_short_way_answers_only_as_h11_does(data: bytes) -> None:
     _same_as_h11(b"POST / HTTP/1.1\r\nHost: x\r\n" + data)
-
-
-_CONVERSATIONS = {
-    "keep_alive_two_requests": [_COMMON + _BODY, _COMMON + _BODY],
-    "pipelined": [_COMMON + _BODY + _COMMON + _BODY],
-    "split_head": [_COMMON[:40], _COMMON[40:] + _BODY],
-    "connection_close": [b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"],
-    "expect_100": [b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n", b"{}"],
-    "chunked": [b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"],
-    "upgrade": [b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"],
-    "bad_then_nothing": [b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n"],
-}
-
-
-def _converse(conn: h11.Connection, reads: list[bytes]) -> list[Any]:
-    """Each read fed, events taken until NEED_DATA/PAUSED, a response sent after each whole
-    request (the server's turn); the events and states seen, or the error."""
-    seen: list[Any] = []
-    for data in reads:
-        conn.receive_data(data)
-        while True:
-            try:
-                ev = conn.next_event()
-            except h11.RemoteProtocolError as e:
-                seen.append(("error", e.error_status_hint, conn.their_state))
-                return seen
-            seen.append((type(ev).__name__ if not isinstance(ev, type) else ev.__name__, getattr(ev, "headers", None) and list(ev.headers.raw_items()),
-                         getattr(ev, "data", None), conn.our_state, conn.their_state, conn.they_are_waiting_for_100_continue))
-            if ev is h11.NEED_DATA:
-                break
-            if ev is h11.PAUSED:
-                if conn.their_state is h11.MIGHT_SWITCH_PROTOCOL:
-                    return seen
-                conn.send(h11.Response(status_code=200, headers=[(b"content-length", b"0")]))
-                conn.send(h11.EndOfMessage())
-                if conn.our_state is h11.MUST_CLOSE:
-                    return seen
-                conn.start_next_cycle()
-                seen.append(("cycle", conn.our_state, conn.their_state))
-    return seen
-
-
-@pytest.mark.parametrize("name", list(_CONVERSATIONS))
-def test_a_connection_sees_what_h11s_own_sees(name: str) -> None:
-    """PreparedH11 (the server's connection) against h11.Connection over the same reads:
-    the same events, headers, bodies and states, 100-continue and keep-alive included."""
-    reads = _CONVERSATIONS[name]
-    mine, theirs = PreparedH11(h11.SERVER), h11.Connection(h11.SERVER)
-    assert _converse(mine, reads) == _converse(theirs, reads)

@@ -172,7 +172,7 @@ class _Server:
 
 class _Group:
     def __init__(self, tg: asyncio.TaskGroup) -> None:
-        self._task_group = tg
+        self.create_task = tg.create_task
 
 
 @pytest.mark.parametrize(

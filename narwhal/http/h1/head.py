@@ -1,16 +1,15 @@
-"""An HTTP/1.1 request head read the short way (hyper.py item 18), sans-IO.
+"""The common HTTP/1.1 request head read the short way, sans-IO.
 
-h11 reads a request head line by line: a regex and a match object per header line, its
-obs-fold pass, then `Request` validates every header again (~20 us warm, ~60 in the
-router's loop). `parse_head` reads the common head -- a whole head in the buffer, within
-HEAD_MAX bytes, `POST` or `GET`, HTTP/1.1, plain header lines -- with one regex over all
-its header lines, and returns exactly the `h11.Request` h11's own reader would return for
-those bytes, and how many bytes it took; or None for anything else, which h11 then reads
-as it always has (its errors and its limits included). Invariant, tested against h11 as
+Reading a head line by line (a regex and a match per field line, then the field rules
+again) costs ~20 us warm. `parse_head` reads the common head -- a whole head in the
+buffer, within HEAD_MAX bytes, `POST` or `GET`, HTTP/1.1, plain field lines -- with one
+scan, and returns the same `Request` the general reader (parse.read_head's grammar) makes
+of those bytes, and how many bytes it took; or None for anything else, which the general
+reader then reads (its errors and its limits included). Invariant, tested against h11 as
 the oracle (tests/http/test_h1head.py): whenever `parse_head` answers, h11's reader on the
-same buffer answers the same Request and takes the same bytes.
+same buffer answers the same request and takes the same bytes.
 
-What it leaves to h11 (None): a head not yet whole, or past HEAD_MAX; any other method or
+What it leaves to the general reader (None): a head not yet whole, or past HEAD_MAX; any other method or
 version; a blank line before the request line; a bare LF; obs-fold; a header byte h11
 takes that this grammar does not (controls, DEL); Transfer-Encoding; a Content-Length that
 is not 1-20 digits, or given twice; a head `Request` would refuse (no Host, two of them).
@@ -24,19 +23,18 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from h11 import Request
-from h11._headers import Headers
+from .events import Request
 
 __all__ = ["HEAD_MAX", "SCAN", "parse_head", "request_of", "scan"]
 
 HEAD_MAX = 16384  # bytes of head read the short way; a longer one is h11's to read
 
-# RFC 9110 field lines as h11 reads them (token ":" OWS field-content OWS), every byte of a
+# RFC 9110 field lines as the general reader reads them (token ":" OWS field-content OWS), every byte of a
 # value visible ASCII or obs-text -- a subset of h11's field_vchar, which takes controls
 _FIELDS = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?[ \t]*\r\n)+")
-_TARGET = re.compile(rb"[\x21-\x7e]+")  # h11's request-target: visible ASCII
+_TARGET = re.compile(rb"[\x21-\x7e]+")  # request-target: visible ASCII
 _METHODS = frozenset((b"POST", b"GET"))
-_CL_DIGITS = 20  # h11's CONTENT_LENGTH_MAX_DIGITS
+_CL_DIGITS = 20  # parse.CL_DIGITS
 
 
 Fields = list[tuple[bytes, bytes, bytes]]  # (name as sent, lower-case name, value), as h11's Headers keeps them
@@ -50,7 +48,7 @@ def scan(data: bytes | bytearray, head_max: int = HEAD_MAX) -> tuple[bytes, byte
     if end < 0:
         return None
     head = bytes(data[: end + 4])
-    if b"\n" in head.replace(b"\r\n", b""):  # a bare LF: h11 takes it as a line's end
+    if b"\n" in head.replace(b"\r\n", b""):  # a bare LF: the general reader takes it as a line's end
         return None
     line_end = head.find(b"\r\n")
     method, _, rest = head[:line_end].partition(b" ")
@@ -77,7 +75,7 @@ def scan(data: bytes | bytearray, head_max: int = HEAD_MAX) -> tuple[bytes, byte
 
 
 try:  # the same scan in C, built by `pip install` where a compiler is (else the reference)
-    from ._fasthead import head as _compiled
+    from .._fasthead import head as _compiled
 except ImportError:
     _compiled = None
 SCAN: Callable[[bytes | bytearray, int], tuple[bytes, bytes, Fields, int] | None] = _compiled or scan
@@ -85,13 +83,13 @@ SCAN: Callable[[bytes | bytearray, int], tuple[bytes, bytes, Fields, int] | None
 
 def parse_head(data: bytes | bytearray) -> tuple[Request, int] | None:
     """The request whose head starts `data`, and the head's length with its blank line;
-    None: h11 reads it (see the module's docstring)."""
+    None: the general reader reads it (see the module's docstring)."""
     return request_of(SCAN(data, HEAD_MAX))
 
 
 def request_of(got: tuple[bytes, bytes, Fields, int] | None) -> tuple[Request, int] | None:
-    """A scan's answer as parse_head gives it: the h11.Request, or None for a head
-    `Request` refuses (no Host, or two)."""
+    """A scan's answer as parse_head gives it: the Request, or None for a head the field
+    rules refuse (no Host, or two): the general reader reads it and says so."""
     if got is None:
         return None
     method, target, fields, n = got
@@ -99,18 +97,6 @@ def request_of(got: tuple[bytes, bytes, Fields, int] | None) -> tuple[Request, i
     for f in fields:
         if f[1] == b"host":
             hosts += 1
-    if hosts != 1:  # no Host, or two: `Request` refuses it; h11 reads it and says so
+    if hosts != 1:
         return None
-    # The Request h11's `Request(..., _parsed=True)` makes, without its checks again: the
-    # Host count is above, the method is POST or GET (h11's token) and the target is
-    # _TARGET (h11's request-target, visible ASCII), both checked by the scan.
-    req = _new(Request)
-    _set(req, "method", method)
-    _set(req, "headers", Headers(fields))  # as h11's normalize_and_validate leaves them (raw name, lower name, value)
-    _set(req, "target", target)
-    _set(req, "http_version", b"1.1")
-    return req, n
-
-
-_new = object.__new__
-_set = object.__setattr__  # Request is a frozen dataclass: h11 sets its slots so too
+    return Request(method, target, fields, b"1.1"), n
