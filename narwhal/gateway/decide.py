@@ -36,10 +36,9 @@ import orjson
 
 from narwhal_generated import errors as E
 
-from ..core.refusals import render
-
 from ..core.assembly import Assembler, Failure
 from ..core.dialects import DIALECTS, decode_body
+from ..core.refusals import render
 from ..core.relay import StreamRelay
 
 # E04/E05 in the engine's words as the direct path passes them; a failure after the stream

@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from narwhal.core.dialects import decode_body
+from narwhal.core.refusals import render
 from narwhal.gateway.decide import (
     DESTINATION,
     BodyReader,
@@ -22,8 +23,6 @@ from narwhal.gateway.decide import (
     subset_of,
 )
 from narwhal_generated import errors as E
-
-from narwhal.core.refusals import render
 
 
 @pytest.mark.parametrize(("path", "route"), [

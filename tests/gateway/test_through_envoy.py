@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal.core.refusals import render
 from narwhal.http.server import free_port
 from narwhal.mock import (
     MockConfig,
@@ -24,8 +25,6 @@ from narwhal.mock import (
     running_fleet,
 )
 from narwhal_generated import errors as E
-
-from narwhal.core.refusals import render
 from tests.gateway.harness import ENVOY, Envoy, Picker, envoy, picker, wait_for
 from tests.helpers import accumulate, sse
 

@@ -39,7 +39,6 @@ from hypercorn.events import Closed, RawData, Updated
 from narwhal_generated import errors as E
 
 from ...core.refusals import render
-
 from ..h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, PreparedHead
 from ..lean import LeanEvent, LeanQueue
 from .connection import Connection
