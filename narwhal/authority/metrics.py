@@ -42,6 +42,12 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         s = self._read()
+        for part in (self._books, self._tenants, self._router, self._fleet, self._engines):
+            yield from part(s)
+
+    @staticmethod
+    def _books(s: dict[str, Any]) -> Iterator[Any]:
+        """The books: offered (C01), unsized (C02), terminal classes."""
         books = s["books"]
         off = CounterMetricFamily(A.COUNTER_METRICS["offered"].removesuffix("_total"), "Requests offered to a completion route (C01).")
         off.add_metric([], books["offered"])
@@ -53,6 +59,11 @@ class _StateCollector(Collector):
         for cls in A.TERMINAL_CLASSES:
             term.add_metric([cls], books["terminal"][cls])
         yield term
+
+    @staticmethod
+    def _tenants(s: dict[str, Any]) -> Iterator[Any]:
+        """Each tenant's books and load (tenants configured; configured tenants from 0)."""
+        books = s["books"]
         by_tenant = {**{t: _ZERO_BOOKS for t in (s.get("tenants") or ())}, **books.get("by_tenant", {})}  # configured tenants from 0 (issue 40 item 9)
         if by_tenant:  # tenants configured: each tenant's books (labels bounded: configured, default, other)
             toff = CounterMetricFamily("narwhal_tenant_requests_offered", "Requests offered, per tenant (the fleet's offered is their sum).", labels=["tenant"])
@@ -72,6 +83,11 @@ class _StateCollector(Collector):
                 tq.add_metric([name], v["queued"])
             yield tin
             yield tq
+
+    @staticmethod
+    def _router(s: dict[str, Any]) -> Iterator[Any]:
+        """The router's own gauges: open requests, retention (R02), queues, its state."""
+        books = s["books"]
         g = GaugeMetricFamily("narwhal_requests_open", "Offered requests not yet ended (0 at rest).")
         g.add_metric([], books["open"])
         yield g
@@ -86,15 +102,10 @@ class _StateCollector(Collector):
         for st in ("active", *S.NOT_READY_PRECEDENCE):
             ready.add_metric([st], 1.0 if s["state"] == st else 0.0)
         yield ready
-        inflight = GaugeMetricFamily("narwhal_engine_inflight", "Requests holding a phase slot, per engine and phase.", labels=["engine", "phase"])
-        queued = GaugeMetricFamily("narwhal_engine_queued", "Phase-1 requests waiting for this engine.", labels=["engine"])
-        healthy = GaugeMetricFamily("narwhal_engine_healthy", "1 when the last health poll succeeded.", labels=["engine"])
-        eligible = GaugeMetricFamily("narwhal_engine_eligible", "1 when the engine is placement-eligible.", labels=["engine"])
-        breaker = GaugeMetricFamily("narwhal_engine_circuit_open", "1 when the engine's circuit breaker is open.", labels=["engine"])
-        drift = GaugeMetricFamily("narwhal_engine_drift_score", "Drift score z of measured vs profiled time, per phase.", labels=["engine", "phase"])
-        tpot = GaugeMetricFamily("narwhal_engine_profile_tpot_seconds", "Profiled TPOT at batch 1 (with decode correction).", labels=["engine"])
-        pblocks = GaugeMetricFamily("narwhal_prefix_index_blocks", "Prompt blocks the router believes the engine holds in its prefix cache (core/prefix.py).", labels=["engine"])
-        pcap = GaugeMetricFamily("narwhal_prefix_index_capacity_blocks", "The prefix index's size limit for the engine, in blocks (follows the engine's reports).", labels=["engine"])
+
+    @staticmethod
+    def _fleet(s: dict[str, Any]) -> Iterator[Any]:
+        """Fleet membership changes and source errors (spec/tables/lifecycle.yaml)."""
         fleet = s["fleet"]
         ch = CounterMetricFamily("narwhal_fleet_changes", "Fleet membership changes by kind (spec/tables/lifecycle.yaml): join, ready (joined: takes traffic), update (settings in place), leave (draining to go; a replace leaves too), cut (drain timeout), gone, drain_on/drain_off (the operator's drain).", labels=["change"])
         for k in CHANGES:
@@ -104,6 +115,19 @@ class _StateCollector(Collector):
         for src, n in sorted(fleet["source_errors"].items()):
             se.add_metric([src], n)
         yield se
+
+    @staticmethod
+    def _engines(s: dict[str, Any]) -> Iterator[Any]:
+        """Per engine: lifecycle, profile, load, health, breaker, drift, prefix index."""
+        inflight = GaugeMetricFamily("narwhal_engine_inflight", "Requests holding a phase slot, per engine and phase.", labels=["engine", "phase"])
+        queued = GaugeMetricFamily("narwhal_engine_queued", "Phase-1 requests waiting for this engine.", labels=["engine"])
+        healthy = GaugeMetricFamily("narwhal_engine_healthy", "1 when the last health poll succeeded.", labels=["engine"])
+        eligible = GaugeMetricFamily("narwhal_engine_eligible", "1 when the engine is placement-eligible.", labels=["engine"])
+        breaker = GaugeMetricFamily("narwhal_engine_circuit_open", "1 when the engine's circuit breaker is open.", labels=["engine"])
+        drift = GaugeMetricFamily("narwhal_engine_drift_score", "Drift score z of measured vs profiled time, per phase.", labels=["engine", "phase"])
+        tpot = GaugeMetricFamily("narwhal_engine_profile_tpot_seconds", "Profiled TPOT at batch 1 (with decode correction).", labels=["engine"])
+        pblocks = GaugeMetricFamily("narwhal_prefix_index_blocks", "Prompt blocks the router believes the engine holds in its prefix cache (core/prefix.py).", labels=["engine"])
+        pcap = GaugeMetricFamily("narwhal_prefix_index_capacity_blocks", "The prefix index's size limit for the engine, in blocks (follows the engine's reports).", labels=["engine"])
         life = GaugeMetricFamily("narwhal_engine_lifecycle", "1 for the engine's lifecycle state (spec/tables/lifecycle.yaml).", labels=["engine", "state"])
         prof = GaugeMetricFamily("narwhal_engine_profile_status", "1 for the engine's profile status (failed: predictive admission uses default models for it).", labels=["engine", "status"])
         for e in s["engines"]:
@@ -124,7 +148,6 @@ class _StateCollector(Collector):
                 pblocks.add_metric([e["name"]], e["prefix_cache"]["blocks"])
                 pcap.add_metric([e["name"]], e["prefix_cache"]["capacity_blocks"])
         yield from (inflight, queued, healthy, eligible, breaker, drift, tpot, prof, pblocks, pcap, life)
-
 
 class _Merged(Collector):
     def __init__(self, families: Iterable[Family]) -> None:

@@ -95,135 +95,144 @@ def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": _REF + ref}}}
 
 
-def render_openapi(spec: Spec) -> str:
-    schemas: dict[str, Any] = {}
-    _embed(schemas, spec.schemas["chat_request.schema.json"], "ChatCompletionRequest", "ChatCompletionRequest_")
-    _embed(schemas, spec.schemas["completion_request.schema.json"], "CompletionRequest", "CompletionRequest_")
-    _embed(schemas, spec.schemas["responses.schema.json"], "", "")
-    _embed(schemas, spec.schemas["error.schema.json"], "ErrorEnvelope", "ErrorEnvelope_")
+# the completion routes' request headers (R13's deadline, the TTFT target, the request ID)
+_COMPLETION_HEADERS = [
+    {
+        "name": "x-narwhal-ttft-target-ms",
+        "in": "header",
+        "required": False,
+        "description": "The client's TTFT target in ms, raising or lowering admission.ttft_budget_ms up to admission.max_ttft_target_ms.",
+        "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
+    },
+    {
+        "name": "x-narwhal-deadline-ms",
+        "in": "header",
+        "required": False,
+        "description": "The original request deadline in ms, relative to arrival (R13).",
+        "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
+    },
+    {
+        "name": "x-request-id",
+        "in": "header",
+        "required": False,
+        "description": "Propagated to the engines and echoed; generated when absent.",
+        "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"},
+    },
+]
+_RID_HEADER = {"x-request-id": {"description": "The request ID.", "schema": {"type": "string"}}}
 
+
+def _completion(schemas: dict[str, Any], req: str, resp: str, summary: str, tag: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = {
+        "description": "An assembled response (stream false) or an SSE stream of engine chunks (stream true).",
+        "headers": _RID_HEADER,
+        "content": {
+            "application/json": {"schema": {"$ref": _REF + resp}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "operationId": tag,
+            "parameters": _COMPLETION_HEADERS,
+            "requestBody": {"required": True, "content": _json(req)},
+            "responses": {"200": ok, **_error_responses(rows, schemas, tag)},
+        }
+    }
+
+
+def _admin(schemas: dict[str, Any], admin_rows: list[dict[str, Any]], op: str, summary: str, body: dict[str, Any] | None, path_params: list[str]) -> dict[str, Any]:
+    o: dict[str, Any] = {
+        "summary": summary,
+        "operationId": op,
+        "security": [{"bearer": []}],
+        "parameters": [
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}}
+            for p in path_params
+        ],
+        "responses": {
+            "200": {"description": "Done.", "content": _json("AdminResult")},
+            **_error_responses(admin_rows if body else [r for r in admin_rows if r["id"] != "H04"], schemas, op),
+        },
+    }
+    if body is not None:
+        o["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    return {"post": o}
+
+
+def _get(op: str, summary: str, ok: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"get": {"summary": summary, "operationId": op, "responses": {"200": ok, **(extra or {})}}}
+
+
+def _flag(name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """An admin body of one required property."""
+    return {"type": "object", "additionalProperties": False, "required": [name], "properties": {name: values}}
+
+
+def _completion_paths(spec: Spec, schemas: dict[str, Any]) -> dict[str, Any]:
+    """The two completion routes (every refusal and failure row, H06) and /v1/models."""
     refusals = spec.rows("refusals")
     failures = [r for r in spec.rows("failures") if r["id"].startswith("E")]
     http = {r["id"]: r for r in spec.rows("failures") if r["id"].startswith("H")}
-    completion_rows = refusals + failures + [http["H06"]]
-
-    headers = [
-        {
-            "name": "x-narwhal-ttft-target-ms",
-            "in": "header",
-            "required": False,
-            "description": "The client's TTFT target in ms, raising or lowering admission.ttft_budget_ms up to admission.max_ttft_target_ms.",
-            "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
-        },
-        {
-            "name": "x-narwhal-deadline-ms",
-            "in": "header",
-            "required": False,
-            "description": "The original request deadline in ms, relative to arrival (R13).",
-            "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
-        },
-        {
-            "name": "x-request-id",
-            "in": "header",
-            "required": False,
-            "description": "Propagated to the engines and echoed; generated when absent.",
-            "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"},
-        },
-    ]
-    rid_header = {"x-request-id": {"description": "The request ID.", "schema": {"type": "string"}}}
-
-    def completion(req: str, resp: str, summary: str, tag: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        ok = {
-            "description": "An assembled response (stream false) or an SSE stream of engine chunks (stream true).",
-            "headers": rid_header,
-            "content": {
-                "application/json": {"schema": {"$ref": _REF + resp}},
-                "text/event-stream": {"schema": {"type": "string"}},
-            },
-        }
-        return {
-            "post": {
-                "summary": summary,
-                "operationId": tag,
-                "parameters": headers,
-                "requestBody": {"required": True, "content": _json(req)},
-                "responses": {"200": ok, **_error_responses(rows, schemas, tag)},
-            }
-        }
-
-    chat_rows = completion_rows
-    completion_only = [r for r in completion_rows if r["id"] != "R07"]
-    admin_rows = [http["H01"], http["H03"], http["H04"], http["H05"]]
-    admin_sec = [{"bearer": []}]
-
-    def admin(op: str, summary: str, body: dict[str, Any] | None, path_params: list[str]) -> dict[str, Any]:
-        o: dict[str, Any] = {
-            "summary": summary,
-            "operationId": op,
-            "security": admin_sec,
-            "parameters": [
-                {"name": p, "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}}
-                for p in path_params
-            ],
-            "responses": {
-                "200": {"description": "Done.", "content": _json("AdminResult")},
-                **_error_responses(admin_rows if body else [r for r in admin_rows if r["id"] != "H04"], schemas, op),
-            },
-        }
-        if body is not None:
-            o["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-        return {"post": o}
-
-    def get(op: str, summary: str, ok: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"get": {"summary": summary, "operationId": op, "responses": {"200": ok, **(extra or {})}}}
-
-    paths = {
-        "/v1/chat/completions": completion(
-            "ChatCompletionRequest", "ChatCompletion", "Chat completion (one offered arrival).", "chat_completions", chat_rows
+    rows = refusals + failures + [http["H06"]]
+    return {
+        "/v1/chat/completions": _completion(
+            schemas, "ChatCompletionRequest", "ChatCompletion", "Chat completion (one offered arrival).", "chat_completions", rows
         ),
-        "/v1/completions": completion(
-            "CompletionRequest", "Completion", "Text completion (one offered arrival).", "completions", completion_only
+        "/v1/completions": _completion(
+            schemas, "CompletionRequest", "Completion", "Text completion (one offered arrival).", "completions", [r for r in rows if r["id"] != "R07"]
         ),
-        "/v1/models": get(
+        "/v1/models": _get(
             "list_models",
             "The configured model.",
             {"description": "OpenAI list shape.", "content": _json("ModelList")},
             # with auth configured, the completion routes' identity rows (R15, R16)
             _error_responses([r for r in refusals if r["when"] in ("api_key_missing", "api_key_invalid")], schemas, "list_models"),
         ),
-        "/health": get("health", "Liveness.", {"description": "The process serves.", "content": _json("Health")}),
-        "/ready": get(
+    }
+
+
+def _read_paths() -> dict[str, Any]:
+    return {
+        "/health": _get("health", "Liveness.", {"description": "The process serves.", "content": _json("Health")}),
+        "/ready": _get(
             "ready",
             "Readiness: state and reason.",
             {"description": "Active.", "content": _json("Ready")},
             {"503": {"description": "Not ready; the reason names the state.", "content": _json("Ready")}},
         ),
-        "/v1/engines": get("list_engines", "Engines, eligibility and learned profiles.", {"description": "Engines.", "content": _json("EngineList")}),
-        "/metrics": get(
+        "/v1/engines": _get("list_engines", "Engines, eligibility and learned profiles.", {"description": "Engines.", "content": _json("EngineList")}),
+        "/metrics": _get(
             "metrics",
             "Prometheus text exposition.",
             {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}},
         ),
-        "/admin/state": admin(
-            "admin_set_state",
-            "Set the router's state.",
-            {"type": "object", "additionalProperties": False, "required": ["state"], "properties": {"state": {"enum": ["active", "standby"]}}},
-            [],
-        ),
-        "/admin/waves/{wave}/maintenance": admin(
-            "admin_wave_maintenance",
-            "A wave enters or leaves maintenance.",
-            {"type": "object", "additionalProperties": False, "required": ["maintenance"], "properties": {"maintenance": {"type": "boolean"}}},
-            ["wave"],
-        ),
-        "/admin/engines/{name}/drain": admin(
-            "admin_drain_engine",
-            "Drain an engine or end its drain.",
-            {"type": "object", "additionalProperties": False, "required": ["drain"], "properties": {"drain": {"type": "boolean"}}},
-            ["name"],
-        ),
-        "/admin/engines/{name}/profile": admin("admin_profile_engine", "Re-profile an engine.", None, ["name"]),
     }
+
+
+def _admin_paths(spec: Spec, schemas: dict[str, Any]) -> dict[str, Any]:
+    http = {r["id"]: r for r in spec.rows("failures") if r["id"].startswith("H")}
+    rows = [http["H01"], http["H03"], http["H04"], http["H05"]]
+    return {
+        "/admin/state": _admin(schemas, rows, "admin_set_state", "Set the router's state.", _flag("state", {"enum": ["active", "standby"]}), []),
+        "/admin/waves/{wave}/maintenance": _admin(
+            schemas, rows, "admin_wave_maintenance", "A wave enters or leaves maintenance.", _flag("maintenance", {"type": "boolean"}), ["wave"]
+        ),
+        "/admin/engines/{name}/drain": _admin(
+            schemas, rows, "admin_drain_engine", "Drain an engine or end its drain.", _flag("drain", {"type": "boolean"}), ["name"]
+        ),
+        "/admin/engines/{name}/profile": _admin(schemas, rows, "admin_profile_engine", "Re-profile an engine.", None, ["name"]),
+    }
+
+
+def render_openapi(spec: Spec) -> str:
+    schemas: dict[str, Any] = {}
+    _embed(schemas, spec.schemas["chat_request.schema.json"], "ChatCompletionRequest", "ChatCompletionRequest_")
+    _embed(schemas, spec.schemas["completion_request.schema.json"], "CompletionRequest", "CompletionRequest_")
+    _embed(schemas, spec.schemas["responses.schema.json"], "", "")
+    _embed(schemas, spec.schemas["error.schema.json"], "ErrorEnvelope", "ErrorEnvelope_")
+    paths = {**_completion_paths(spec, schemas), **_read_paths(), **_admin_paths(spec, schemas)}
     doc = {
         "openapi": "3.1.0",
         "info": {
