@@ -114,7 +114,7 @@ def test_every_path_a_doc_names_exists(doc: Path) -> None:
 
 # -- commands and flags the docs name ------------------------------------------------------
 
-_CMD = re.compile(r"\s*(?:[A-Z_]+=\S*\s+)*narwhal ((?:bench |spec )?[a-z][a-z-]*)((?: +[^\s`]+)*)")
+_CMD = re.compile(r"\s*(?:[A-Z_]+=\S*\s+)*narwhal ((?:bench |spec |gateway )?[a-z][a-z-]*)((?: +[^\s`]+)*)")
 
 
 def commands(text: str) -> set[tuple[str, str]]:

@@ -12,7 +12,7 @@ output as prompt on the new engine).
 This module decides *whether* a break may be carried on, builds the continuation's body
 (`continuation`), and turns the continuation's stream back into the client's (`Rejoin`).
 
-Decisions: spec/tables/migration.yaml, rows G01-G11, the first row whose reason holds, in
+Decisions: spec/tables/migration.yaml, rows G01-G13, the first row whose reason holds, in
 the table's order (a walk over the generated ROWS, like the refusal table's); the row's
 `outcome` is what the relay does (`error_event`, or `migrate`). Each reason is one fact:
 `obstacle` walks the rows before the continuation is placed, and stops (None) at the

@@ -1,4 +1,4 @@
-"""Stream migration in the data plane (issue 24; spec/tables/migration.yaml G01-G11).
+"""Stream migration in the data plane (issue 24; spec/tables/migration.yaml G01-G13).
 
 The decision and the continuation are sans-IO (narwhal/core/migration.py); this module
 gathers what they need from a request's run and talks to the engines for it:
