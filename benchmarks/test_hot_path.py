@@ -111,26 +111,34 @@ _HEAD = (
 )
 
 
-@pytest.mark.parametrize("way", ["h11", "short-python", "short-compiled"])
+@pytest.mark.parametrize("way", ["h11", "general", "short-python", "short-compiled"])
 def test_request_head_read_per_request(benchmark: Any, way: str) -> None:
-    """hyper.py item 18: a common request head read by h11's own reader, and the short way
-    (its scan in Python, h1head.scan, and in C, _fasthead.head)."""
-    from h11._readers import maybe_read_from_IDLE_client
-    from h11._receivebuffer import ReceiveBuffer
+    """A common request head read: by h11 (the oracle, through its public Connection), by
+    Narwhal's general reader (h1/parse.py read_head), and the short way (h1/head.py: its
+    scan in Python, and in C, _fasthead.head)."""
+    import h11
 
     from narwhal.http import _fasthead
-    from narwhal.http.h1head import HEAD_MAX, request_of, scan
+    from narwhal.http.h1.head import HEAD_MAX, request_of, scan
+    from narwhal.http.h1.parse import Buffer, read_head
 
     def h11_way() -> Any:
-        buf = ReceiveBuffer()
-        buf += _HEAD
-        return maybe_read_from_IDLE_client(buf)
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(_HEAD)
+        return conn.next_event()
+
+    def general() -> Any:
+        buf = Buffer()
+        buf.add(_HEAD)
+        return read_head(buf)
 
     def short(s: Any) -> Any:
         return request_of(s(_HEAD, HEAD_MAX))[0]  # type: ignore[index]
 
     if way == "h11":
         req = benchmark(h11_way)
+    elif way == "general":
+        req = benchmark(general)
     else:
         req = benchmark(short, scan if way == "short-python" else _fasthead.head)
     assert req.method == b"POST" and len(req.headers) == 7
@@ -212,7 +220,7 @@ def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any, nativ
     """All of Narwhal's work per relayed event on the direct path, without the sockets:
     the engine connection's data_received (HTTP/1.1 chunked framing) -> DirectFeed.take
     (the relay step: SSE split, orjson parse, T02-T04, T10 strip, re-serialise) ->
-    H1Direct.write (h11's chunk framing) onto a transport that keeps nothing; compiled:
+    H1Direct.write (the HTTP/1.1 chunk framing) onto a transport that keeps nothing; compiled:
     the same read taken whole by serving.relay_native's step (DirectFeed.whole,
     core/fastevent.py) -> H1Direct.write_chunk. What is left of a relayed event's CPU is
     the event loop and the kernel (two syscalls and a wake-up)."""
@@ -223,10 +231,9 @@ def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any, nativ
     import asyncio
     from types import SimpleNamespace
 
-    import h11
-    from hypercorn.protocol.http_stream import ASGIHTTPState
-
-    from narwhal.http.hyper import H1Direct
+    from narwhal.http import h1
+    from narwhal.http.h1.cycle import RESPONSE, H1Direct
+    from narwhal.http.lean import LeanLock
     from narwhal.upstream.http1 import _Conn, _Wheel
     from narwhal.worker.direct import DirectFeed
 
@@ -242,13 +249,13 @@ def test_direct_path_per_event_engine_read_to_client_write(benchmark: Any, nativ
 
     loop = asyncio.new_event_loop()
     try:
-        conn = h11.Connection(h11.SERVER)
+        conn = h1.Connection()
         conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
         conn.next_event(), conn.next_event()
-        conn.send(h11.Response(status_code=200, headers=[]))
-        t = _Sink()
-        server = SimpleNamespace(transport=t, send_lock=asyncio.Lock())
-        direct = H1Direct(SimpleNamespace(state=ASGIHTTPState.RESPONSE, closed=False), SimpleNamespace(connection=conn), server)  # type: ignore[arg-type]
+        conn.send(h1.Response(200, []))
+        cfg = SimpleNamespace(keep_alive_max_requests=1 << 40, log=SimpleNamespace(access_logger=None))
+        proto = SimpleNamespace(h1=conn, lean=SimpleNamespace(transport=_Sink(), send_lock=LeanLock()), config=cfg, requests=1)
+        direct = H1Direct(SimpleNamespace(state=RESPONSE, closed=False), proto)  # type: ignore[arg-type]
         relay = StreamRelay(checks_ids=True, client_ids=False, client_usage=False)
         sink = SimpleNamespace(headers_sent=True, write_now=direct.write, start_now=None, chunk_writer=direct)  # the head is out
         feed = DirectFeed(relay, loop.time, sink, [], lambda now: None, native=native)  # type: ignore[arg-type]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
-from urllib.parse import unquote
 
 import h2.config
 import h2.connection
@@ -44,6 +43,7 @@ from hypercorn.events import Closed, RawData, Updated
 from . import hyper
 from .h1fast import CLOSE, CloseHook
 from .lean import LeanQueue
+from .scope import http_scope
 
 __all__ = ["H2Server", "H2Stream", "FEED_BYTES", "RAPID_RESET_COST"]
 
@@ -287,23 +287,7 @@ class H2Stream:
                 headers.append((name, value))
         headers[0] = (b"host", authority if authority is not None else host)
         self.method = method.decode("ascii").upper()
-        path, _, query = target.partition(b"?")
-        self.scope = scope = {
-            "type": "http",
-            "http_version": "2",
-            "asgi": {"spec_version": "2.1", "version": "3.0"},
-            "method": self.method,
-            "scheme": "https" if p.ssl else "http",
-            "path": unquote(path.decode("ascii")),
-            "raw_path": path,
-            "query_string": query,
-            "root_path": config.root_path,
-            "headers": headers,
-            "client": p.client,
-            "server": p.server,
-            "state": p.state.copy(),
-            "extensions": {},
-        }
+        self.scope = scope = http_scope("2", self.method, target, headers, p, config, {})
         scope["extensions"][CLOSE] = self.hook = CloseHook()
         if config.server_names and headers[0][1].decode() not in config.server_names:
             await self._head(404, [(b"content-length", b"0")], end=True)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from time import time as _time
 from typing import Any
-from urllib.parse import unquote
 
 from hypercorn.events import Closed, RawData, Updated
 
@@ -41,6 +40,7 @@ from narwhal_generated import errors as E
 from ...core.refusals import render
 from ..h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, PreparedHead
 from ..lean import LeanEvent, LeanQueue
+from ..scope import http_scope
 from .connection import Connection
 from .events import (
     NEED_DATA,
@@ -241,26 +241,11 @@ class H1Stream:
         p = self.proto
         config = p.config
         self.start_time = _time()
-        path, _, query = req.target.partition(b"?")
         raw = config.h11_pass_raw_headers
         self.method = method = "POST" if req.method == b"POST" else req.method.decode("ascii").upper()
         ext: dict[str, Any] = {}
-        self.scope = scope = {
-            "type": "http",
-            "http_version": "1.1" if req.http_version == b"1.1" else req.http_version.decode(),
-            "asgi": {"spec_version": "2.1", "version": "3.0"},
-            "method": method,
-            "scheme": "https" if p.ssl else "http",
-            "path": unquote(path.decode("ascii")),
-            "raw_path": path,
-            "query_string": query,
-            "root_path": config.root_path,
-            "headers": [(r if raw else n, v) for r, n, v in req.headers],
-            "client": p.client,
-            "server": p.server,
-            "state": p.state.copy(),
-            "extensions": ext,
-        }
+        version = "1.1" if req.http_version == b"1.1" else req.http_version.decode()
+        self.scope = scope = http_scope(version, method, req.target, [(r if raw else n, v) for r, n, v in req.headers], p, config, ext)
         ext[CLOSE] = self.hook = CloseHook()
         ext[DIRECT] = H1Direct(self, p)
         if config.server_names and _host(req) not in config.server_names:  # not a name this server serves: 404
