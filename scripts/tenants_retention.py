@@ -20,14 +20,11 @@ import hashlib
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,20 +41,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextlib.contextmanager
-def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as fh:
-        p = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield p
-    finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+from fleet_cost import process  # noqa: E402 - the scripts run as files: scripts/ is on sys.path
 
 
 async def one(c: httpx.AsyncClient, url: str, tenant: str, out: list[dict[str, Any]]) -> None:

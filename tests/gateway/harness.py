@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,18 +19,14 @@ import yaml
 
 from narwhal.gateway.envoy import bootstrap
 from narwhal.http.server import free_port
+from narwhal_conformance.epp_run import _stop, envoy_binary
 
 __all__ = ["ENVOY", "envoy", "picker", "Picker", "Envoy", "wait_for", "ADMIN_TOKEN"]
 
 ADMIN_TOKEN = "gateway-test-admin-token"  # the picker's admin API (POST /admin/state)
 
 
-def _envoy_binary() -> str | None:
-    here = Path(sys.executable).parent / "envoy"
-    return str(here) if here.exists() else shutil.which("envoy")
-
-
-ENVOY = _envoy_binary()
+ENVOY = envoy_binary()
 
 
 def wait_for(pred: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -46,16 +41,6 @@ def wait_for(pred: Any, timeout: float, what: str, interval: float = 0.05) -> An
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
-
-
-def _stop(p: subprocess.Popen[bytes]) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
 
 
 class Picker:
