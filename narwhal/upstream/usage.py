@@ -16,6 +16,12 @@ prompt_tokens to the router (A18). An estimate from bytes leaves out the chat te
     message), and used only when a fifth shape, held out, comes out exact. Messages the
     calibration does not cover (tools, names, non-text content, a system message not
     first) are not counted this way.
+  * `engine-count` — where neither can count this prompt (no tokenizer endpoint, the
+    profile not run yet, a shape the calibration does not cover): the engine's own
+    non-streaming usage of the same request cut to one output token (`EngineCount`),
+    asked while the answer still holds its slot. One more prefill per such answer, cheap
+    where the engine caches the prompt it just computed (llama.cpp does); an engine whose
+    non-streaming answer carries no usage is not asked again.
   * otherwise the estimate, and the answer says so.
 
 The source of an assembled answer's usage is the response header
@@ -35,7 +41,7 @@ import orjson
 
 from .client import EngineClient
 
-__all__ = ["PromptCounter", "CountTarget", "Provisional", "detect", "COUNT_TIMEOUT_S", "USAGE_SOURCE_HEADER"]
+__all__ = ["PromptCounter", "CountTarget", "EngineCount", "Provisional", "detect", "COUNT_TIMEOUT_S", "USAGE_SOURCE_HEADER"]
 
 log = logging.getLogger("narwhal")
 
@@ -203,6 +209,46 @@ class Provisional:
                 return n
             self.refused.add(path)
         return None
+
+
+class EngineCount:
+    """The last way to count a prompt exactly (module docstring, `engine-count`): the
+    same request, non-streaming, one output token, its `usage.prompt_tokens`. Invariant:
+    once the engine answered without a usable count (no usage, an error status, not
+    JSON) it is never asked again (`unable`); a timeout is slowness, tried next time."""
+
+    kind = "engine-count"
+
+    def __init__(self, e: CountTarget) -> None:
+        self.e = e
+        self.unable = False
+
+    async def count(self, route: str, body: dict[str, Any]) -> int | None:
+        if self.unable:
+            return None
+        req = {k: v for k, v in body.items() if k not in _NOT_FOR_A_COUNT}
+        req.update(model=self.e.model, stream=False, max_tokens=1, n=1)
+        if "max_completion_tokens" in body:
+            req["max_completion_tokens"] = 1
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        try:
+            async with asyncio.timeout(COUNT_TIMEOUT_S):
+                obj = await _post(self.e, path, req)
+        except TimeoutError:
+            return None
+        except Exception as x:  # noqa: BLE001 - an error status or not JSON: not this way
+            log.info("engine %s: its non-streaming answer does not count the prompt (%s); the usage is an estimate", self.e.name, x)
+            self.unable = True
+            return None
+        n = ((obj if isinstance(obj, dict) else {}).get("usage") or {}).get("prompt_tokens")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            self.unable = True
+            return None
+        return n
+
+
+# the request's keys a one-token count does without: streaming, sampling of many, logprobs
+_NOT_FOR_A_COUNT = frozenset({"stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "echo", "max_tokens", "max_completion_tokens"})
 
 
 async def _usage_of(e: CountTarget, shape: list[tuple[str, str]]) -> int:

@@ -379,14 +379,17 @@ class Run(Migrating):
         came before."""
         r = self.r
         prompt, source = self._prompt_usage(assembler, e)
-        if source == "estimate" and (pc := r.prompt_counter(e.name)) is not None:
-            # the engine omits usage but can count: ask it now, after the stream (an
-            # engine that serialises requests is idle for this one: it still holds
-            # the slot), bounded by usage.COUNT_TIMEOUT_S
-            n = await pc.count(self.req.route, self.req.body)
-            if n is not None:
-                prompt, source = n, pc.kind
-                self.reported_prompt = n
+        if source == "estimate":
+            # the engine omits usage: it counts it now, after the stream (an engine that
+            # serialises requests is idle for this one: it still holds the slot), its
+            # tokenizer first, else its own non-streaming count (upstream/usage.py),
+            # each bounded by usage.COUNT_TIMEOUT_S; the estimate only where neither can
+            for pc in (r.prompt_counter(e.name), r.engine_count(e.name)):
+                n = await pc.count(self.req.route, self.req.body) if pc is not None else None
+                if n is not None:
+                    prompt, source = n, pc.kind
+                    self.reported_prompt = n
+                    break
         res = assembler.finish(prompt_tokens=prompt, completion_tokens=relay.token_count if checks_ids else None)
         if isinstance(res, Failure):
             log.warning("request %s: engine %s: %s %s (%s)%s", self.rid, e.name, res.row, res.detail, res.rule, f": {res.log_detail}" if res.log_detail else "")

@@ -30,7 +30,7 @@ from ..core.lease import Door
 from ..core.prefix import token_keys
 from ..tenants.keys import Auth
 from ..upstream.engines import EngineSpec, engine_client
-from ..upstream.usage import CountTarget, PromptCounter, Provisional
+from ..upstream.usage import CountTarget, EngineCount, PromptCounter, Provisional
 from .telemetry import Telemetry
 
 __all__ = ["DataPlane", "ENGINE_REQUEST_IDS", "tokenizer_of", "TOKENIZE_TIMEOUT_S"]
@@ -77,6 +77,7 @@ class DataPlane:
         self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
         self.prompt_counters: dict[str, PromptCounter] = {}
         self.provisional: dict[str, Provisional] = {}  # engines whose way of counting the authority has not said
+        self.engine_counts: dict[str, EngineCount] = {}  # the last way to count exactly (upstream/usage.py)
         # auth (issue 22): this process's own reading of auth.keys_file / jwks_file (the
         # file is the source of truth; narwhal/tenants/keys.py); None: no key is asked for
         self.auth: Auth | None = Auth(config.auth) if config.auth is not None else None
@@ -137,6 +138,14 @@ class DataPlane:
             p = self.provisional[name] = Provisional(CountTarget(self.client, s.url, s.name, self.model_of(name)))
         return p
 
+    def engine_count(self, name: str) -> EngineCount | None:
+        """`name`'s own non-streaming count of a prompt, where no other way counted it
+        (upstream/usage.py, `engine-count`)."""
+        ec = self.engine_counts.get(name)
+        if ec is None and (s := self.engines.get(name)) is not None:
+            ec = self.engine_counts[name] = EngineCount(CountTarget(self.client, s.url, s.name, self.model_of(name)))
+        return ec
+
     def model_of(self, name: str) -> str:
         return self.engines[name].model or self.config.serving.model
 
@@ -148,6 +157,7 @@ class DataPlane:
             if s.authorization is not None:
                 self.client.authorize(s.url, s.authorization)
             self.provisional.pop(engine, None)  # its URL or model may have changed
+            self.engine_counts.pop(engine, None)
             old = self.engines.get(engine)
             if old is not None:  # settings changed in place (lifecycle M07): keep what was learned
                 s.kv_block_size = old.kv_block_size if old.kv_events == s.kv_events else s.kv_block_size
@@ -167,6 +177,7 @@ class DataPlane:
             s = self.engines.pop(engine, None)
             self.prompt_counters.pop(engine, None)
             self.provisional.pop(engine, None)
+            self.engine_counts.pop(engine, None)
             self.legs.pop(engine, None)
             self.movers.pop(engine, None)
             self.telemetry.forget_engine(engine)
