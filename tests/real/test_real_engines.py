@@ -226,6 +226,10 @@ def test_llamacpp_clients_while_the_profile_runs_get_whole_answers(llamacpp_defa
     want, got = _answers_while_profiling(spec)
     for g in got:
         assert (g["finish"], g["tokens"]) == (want["finish"], want["tokens"]), g
+        # issue 40 item 7: exact usage from the first answer, the profile still running
+        assert g["usage"] == want["usage"], (g, want)
+        assert g["source"] in ("engine-count", "tokenize+template"), g
+    print("usage sources while profiling:", sorted(g["source"] for g in got))
 
 
 # -- vLLM (vllm dialect: real return_token_ids) ---------------------------------------
