@@ -103,12 +103,12 @@ def _https_engine(data: dict[str, Any], err: Any) -> str | None:
 def check_fleet(cfg: NarwhalConfig, *, source: str = "config") -> None:
     if cfg.engines is not None and len(cfg.engines) > cfg.discovery.max_engines:
         raise ConfigError(f"{source}: engines: {len(cfg.engines)} entries, over discovery.max_engines ({cfg.discovery.max_engines})")
-    if any(n < 1 for n in cfg.admission.prediction.profile_prompt_tokens):
+    if any(n.root < 1 for n in cfg.admission.prediction.profile_prompt_tokens):
         raise ConfigError(f"{source}: admission.prediction.profile_prompt_tokens: every length must be >= 1")
     tls = cfg.serving.tls
     if (tls.certfile is None) != (tls.keyfile is None):
         raise ConfigError(f"{source}: serving.tls needs both certfile and keyfile")
-    deny = cfg.upstream.deny_fields
+    deny = [f.root for f in cfg.upstream.deny_fields]
     for i, f in enumerate(deny):
         if not f or f.strip() != f:
             raise ConfigError(f"{source}: upstream.deny_fields[{i}]: {f!r} is not a field name")

@@ -31,16 +31,20 @@ class Tls(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    certfile: StrictStr | None = None
-    keyfile: StrictStr | None = None
+    certfile: Annotated[StrictStr | None, Field(max_length=4096)] = None
+    keyfile: Annotated[StrictStr | None, Field(max_length=4096)] = None
 
 
 class PhaseConcurrency(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    prefill: Annotated[StrictInt, Field(ge=1)] = 4
-    decode: Annotated[StrictInt, Field(ge=1)] = 64
+    prefill: Annotated[StrictInt, Field(ge=1, le=1000000)] = 4
+    decode: Annotated[StrictInt, Field(ge=1, le=1000000)] = 64
+
+
+class ProfilePromptToken(RootModel[StrictInt]):
+    root: Annotated[StrictInt, Field(le=1048576)]
 
 
 class Prediction(BaseModel):
@@ -52,10 +56,11 @@ class Prediction(BaseModel):
         Field(
             description='Confidence margin m until a queue-depth bucket has margin_min_samples samples.',
             ge=1.0,
+            le=100.0,
         ),
     ] = 1.2
     margin_quantile: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.9
-    margin_min_samples: Annotated[StrictInt, Field(ge=1)] = 50
+    margin_min_samples: Annotated[StrictInt, Field(ge=1, le=1000000)] = 50
     adaptive_margin: Annotated[
         StrictBool,
         Field(
@@ -67,17 +72,21 @@ class Prediction(BaseModel):
         Field(
             description='Decode-side check: refuse (R10) when the projected TPOT on the best decode engine exceeds this. null: off.',
             gt=0.0,
+            le=600000.0,
         ),
     ] = None
     profile_on_start: StrictBool = True
     profile_prompt_tokens: Annotated[
-        list[StrictInt],
+        list[ProfilePromptToken],
         Field(
-            description='Prompt lengths (tokens, each >= 1) profiled on registration.', min_length=3
+            description='Prompt lengths (tokens, each >= 1) profiled on registration.',
+            max_length=64,
+            min_length=3,
+            validate_default=True,
         ),
     ] = [16, 256, 768, 1536]
-    profile_output_tokens: Annotated[StrictInt, Field(ge=2)] = 16
-    profile_repeats: Annotated[StrictInt, Field(ge=1)] = 2
+    profile_output_tokens: Annotated[StrictInt, Field(ge=2, le=4096)] = 16
+    profile_repeats: Annotated[StrictInt, Field(ge=1, le=100)] = 2
     prefix_cache: Annotated[
         Literal['auto', 'events', 'approximate', 'off'],
         Field(
@@ -99,6 +108,7 @@ class KvEvents(RootModel[StrictStr]):
         StrictStr,
         Field(
             description="The engine's KV-event publisher (vLLM --kv-events-config publisher zmq, endpoint tcp://host:port): the router subscribes and knows exactly which prompt blocks the engine holds (admission.prediction.prefix_cache events or auto). Needs the prompt's token IDs: the router asks the engine's /tokenize per request (one round trip before admission) unless the prompt is token IDs.",
+            max_length=512,
             pattern='^tcp://[^/\\s]+:[0-9]+$',
         ),
     ] = None
@@ -108,20 +118,24 @@ class Engine(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    name: Annotated[StrictStr, Field(pattern='^[A-Za-z0-9_.-]{1,64}$')]
+    name: Annotated[StrictStr, Field(max_length=64, pattern='^[A-Za-z0-9_.-]{1,64}$')]
     url: Annotated[
         StrictStr,
         Field(
             description="The engine's base URL, http:// only: the engine client (narwhal/upstream/http1.py) speaks cleartext HTTP/1.1 and has no TLS, so an https:// URL is refused at start-up with an error naming the engine (put engines on a network the router trusts, or a TLS-originating proxy beside the router). Userinfo (http://user:password@host:port, percent-escaped) becomes Authorization: Basic on every request to that engine (completions, health polls, profiling); it is never sent as part of Host and never published: /v1/engines, logs and error messages show the URL without it.",
+            max_length=2048,
             pattern='^http://[^\\s/]+(/[^\\s]*)?$',
         ),
     ]
     role: Literal['prefill', 'decode', 'unified'] = 'unified'
     dialect: Literal['vllm', 'sglang', 'openai'] = 'vllm'
-    wave: StrictStr | None = None
+    wave: Annotated[StrictStr | None, Field(max_length=64)] = None
     model: Annotated[
         StrictStr | None,
-        Field(description="The engine's served model name when it differs from serving.model."),
+        Field(
+            description="The engine's served model name when it differs from serving.model.",
+            max_length=256,
+        ),
     ] = None
     max_concurrency: Annotated[
         StrictInt | None,
@@ -151,14 +165,15 @@ class Monitoring(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    poll_interval_ms: Annotated[StrictInt, Field(ge=1)] = 500
-    stale_after_ms: Annotated[StrictInt, Field(ge=1)] = 3000
-    poll_timeout_ms: Annotated[StrictInt, Field(ge=1)] = 1000
+    poll_interval_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 500
+    stale_after_ms: Annotated[StrictInt, Field(ge=1, le=1000000000)] = 3000
+    poll_timeout_ms: Annotated[StrictInt, Field(ge=1, le=60000)] = 1000
     breaker_failures: Annotated[
         StrictInt,
         Field(
             description="Consecutive failures (polls or requests) that open an engine's circuit breaker.",
             ge=1,
+            le=100000,
         ),
     ] = 3
     breaker_cooldown_ms: Annotated[
@@ -166,6 +181,7 @@ class Monitoring(BaseModel):
         Field(
             description='How long an open breaker keeps the engine ineligible before a successful poll may close it.',
             ge=1,
+            le=3600000,
         ),
     ] = 5000
 
@@ -174,11 +190,15 @@ class Admin(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    token_env: StrictStr = 'NARWHAL_ADMIN_TOKEN'
+    token_env: Annotated[StrictStr, Field(max_length=128)] = 'NARWHAL_ADMIN_TOKEN'
+
+
+class DenyField(RootModel[StrictStr]):
+    root: Annotated[StrictStr, Field(max_length=256)]
 
 
 class EtcdItem(RootModel[StrictStr]):
-    root: Annotated[StrictStr, Field(pattern='^https?://[^/@\\s]+(:[0-9]+)?/?$')]
+    root: Annotated[StrictStr, Field(max_length=2048, pattern='^https?://[^/@\\s]+(:[0-9]+)?/?$')]
 
 
 class Name(RootModel[StrictStr]):
@@ -254,14 +274,20 @@ class Ha(BaseModel):
     ca_file: Annotated[
         StrictStr | None,
         Field(
-            description="PEM file of the CA(s) that sign etcd's server certificates (https:// endpoints); null: the system's trust store."
+            description="PEM file of the CA(s) that sign etcd's server certificates (https:// endpoints); null: the system's trust store.",
+            max_length=4096,
         ),
     ] = None
     cert_file: Annotated[
         StrictStr | None,
-        Field(description="PEM client certificate for etcd's --client-cert-auth (with key_file)."),
+        Field(
+            description="PEM client certificate for etcd's --client-cert-auth (with key_file).",
+            max_length=4096,
+        ),
     ] = None
-    key_file: Annotated[StrictStr | None, Field(description='PEM private key of cert_file.')] = None
+    key_file: Annotated[
+        StrictStr | None, Field(description='PEM private key of cert_file.', max_length=4096)
+    ] = None
     username: Annotated[
         StrictStr | None,
         Field(
@@ -273,13 +299,14 @@ class Ha(BaseModel):
         StrictStr | None,
         Field(
             description="The environment variable that holds username's password (never the password itself in the file).",
+            max_length=128,
             pattern='^[A-Za-z_][A-Za-z0-9_]{0,127}$',
         ),
     ] = None
 
 
 class Endpoint(RootModel[StrictStr]):
-    root: Annotated[StrictStr, Field(pattern='^https?://[^/@\\s]+(:[0-9]+)?/?$')]
+    root: Annotated[StrictStr, Field(max_length=2048, pattern='^https?://[^/@\\s]+(:[0-9]+)?/?$')]
 
 
 class EtcdSource(BaseModel):
@@ -322,14 +349,20 @@ class EtcdSource(BaseModel):
     ca_file: Annotated[
         StrictStr | None,
         Field(
-            description="PEM file of the CA(s) that sign etcd's server certificates (https:// endpoints); null: the system's trust store."
+            description="PEM file of the CA(s) that sign etcd's server certificates (https:// endpoints); null: the system's trust store.",
+            max_length=4096,
         ),
     ] = None
     cert_file: Annotated[
         StrictStr | None,
-        Field(description="PEM client certificate for etcd's --client-cert-auth (with key_file)."),
+        Field(
+            description="PEM client certificate for etcd's --client-cert-auth (with key_file).",
+            max_length=4096,
+        ),
     ] = None
-    key_file: Annotated[StrictStr | None, Field(description='PEM private key of cert_file.')] = None
+    key_file: Annotated[
+        StrictStr | None, Field(description='PEM private key of cert_file.', max_length=4096)
+    ] = None
     username: Annotated[
         StrictStr | None,
         Field(
@@ -341,6 +374,7 @@ class EtcdSource(BaseModel):
         StrictStr | None,
         Field(
             description="The environment variable that holds username's password (never the password itself in the file).",
+            max_length=128,
             pattern='^[A-Za-z_][A-Za-z0-9_]{0,127}$',
         ),
     ] = None
@@ -362,8 +396,8 @@ class DnsSource(BaseModel):
     port: Annotated[StrictInt, Field(ge=1, le=65535)]
     role: Literal['prefill', 'decode', 'unified'] = 'unified'
     dialect: Literal['vllm', 'sglang', 'openai'] = 'vllm'
-    model: StrictStr | None = None
-    wave: StrictStr | None = None
+    model: Annotated[StrictStr | None, Field(max_length=256)] = None
+    wave: Annotated[StrictStr | None, Field(max_length=64)] = None
     interval_ms: Annotated[
         StrictInt,
         Field(
@@ -389,7 +423,9 @@ class Jwt(BaseModel):
     jwks_file: Annotated[
         StrictStr,
         Field(
-            description='A JSON Web Key Set file ({"keys": [...]}): public keys only.', min_length=1
+            description='A JSON Web Key Set file ({"keys": [...]}): public keys only.',
+            max_length=4096,
+            min_length=1,
         ),
     ]
     issuer: Annotated[
@@ -416,6 +452,7 @@ class Jwt(BaseModel):
         list[Literal['RS256', 'RS384', 'RS512', 'PS256', 'PS384', 'PS512', 'ES256', 'ES384', 'ES512', 'EdDSA']],
         Field(
             description='The signature algorithms accepted (asymmetric only: the JWKS holds public keys; none and HS* are never accepted).',
+            max_length=10,
             min_length=1,
         ),
     ] = ['RS256', 'ES256']
@@ -486,6 +523,7 @@ class Observability(BaseModel):
         StrictStr | None,
         Field(
             description="The OTLP collector's base URL (http:// or https://). OTLP/HTTP with protobuf goes to {otlp_endpoint}/v1/traces; with protocol grpc, the gRPC endpoint itself (needs the opentelemetry-exporter-otlp-proto-grpc package). null: no traces.",
+            max_length=2048,
             pattern='^https?://[^\\s/]+(/[^\\s]*)?$',
         ),
     ] = None
@@ -579,6 +617,7 @@ class Gateway(BaseModel):
         StrictStr,
         Field(
             description='HOST:PORT the ext_proc gRPC service (HTTP/2 cleartext) listens on, with grpc.health.v1 beside it: the service envoy.service.ext_proc.v3.ExternalProcessor is SERVING only while this router is active (a standby of an ha pair, a draining or fenced router: NOT_SERVING).',
+            max_length=512,
             pattern='^(\\[[0-9A-Fa-f:.]+\\]|[^:\\s]+):[0-9]{1,5}$',
         ),
     ]
@@ -620,28 +659,35 @@ class Serving(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    wave: Annotated[StrictStr | None, Field(description="The router's own maintenance wave.")] = (
-        None
-    )
+    wave: Annotated[
+        StrictStr | None, Field(description="The router's own maintenance wave.", max_length=64)
+    ] = None
     model: Annotated[
         StrictStr,
-        Field(description='The configured model; any other is refused with R05.', min_length=1),
+        Field(
+            description='The configured model; any other is refused with R05.',
+            max_length=256,
+            min_length=1,
+        ),
     ] = 'narwhal-demo'
     listen: Annotated[
-        StrictStr, Field(pattern='^[^\\s:]+:[0-9]{1,5}$|^\\[[0-9a-fA-F:]+\\]:[0-9]{1,5}$')
+        StrictStr,
+        Field(max_length=512, pattern='^[^\\s:]+:[0-9]{1,5}$|^\\[[0-9a-fA-F:]+\\]:[0-9]{1,5}$'),
     ] = '127.0.0.1:8000'
     max_request_bytes: Annotated[
         StrictInt,
         Field(
             description='Larger bodies are refused with R03, without buffering past the limit.',
             ge=1,
+            le=67108864,
         ),
     ] = 1048576
     tls: Annotated[Tls, Field(validate_default=True)] = {}
     tokenizer: Annotated[
         StrictStr | None,
         Field(
-            description="Optional tokenizer.json for exact prompt sizing (needs the 'tokenizers' package)."
+            description="Optional tokenizer.json for exact prompt sizing (needs the 'tokenizers' package).",
+            max_length=4096,
         ),
     ] = None
     server: Annotated[Literal['hypercorn'], Field(description='The ASGI server.')] = 'hypercorn'
@@ -741,11 +787,11 @@ class Admission(BaseModel):
         extra='forbid',
     )
     mode: Literal['predictive', 'open'] = 'predictive'
-    http_retention_limit: Annotated[StrictInt, Field(ge=1)] = 1024
-    queue_limit: Annotated[StrictInt, Field(ge=0)] = 256
-    max_wait_ms: Annotated[StrictInt, Field(ge=1)] = 10000
-    ttft_budget_ms: Annotated[StrictInt, Field(ge=1)] = 2000
-    max_ttft_target_ms: Annotated[StrictInt, Field(ge=1)] = 30000
+    http_retention_limit: Annotated[StrictInt, Field(ge=1, le=1000000)] = 1024
+    queue_limit: Annotated[StrictInt, Field(ge=0, le=1000000)] = 256
+    max_wait_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 10000
+    ttft_budget_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 2000
+    max_ttft_target_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 30000
     phase_concurrency: Annotated[PhaseConcurrency, Field(validate_default=True)] = {}
     prediction: Annotated[Prediction, Field(validate_default=True)] = {}
 
@@ -754,14 +800,16 @@ class Upstream(BaseModel):
     model_config = ConfigDict(
         extra='forbid',
     )
-    connect_timeout_ms: Annotated[StrictInt, Field(ge=1)] = 2000
+    connect_timeout_ms: Annotated[StrictInt, Field(ge=1, le=60000)] = 2000
     idle_timeout_ms: Annotated[
         StrictInt,
         Field(
-            description='An engine that sends nothing for this long fails the attempt (E07).', ge=1
+            description='An engine that sends nothing for this long fails the attempt (E07).',
+            ge=1,
+            le=3600000,
         ),
     ] = 30000
-    max_connections: Annotated[StrictInt, Field(ge=1)] = 4096
+    max_connections: Annotated[StrictInt, Field(ge=1, le=1000000)] = 4096
     max_event_bytes: Annotated[
         StrictInt,
         Field(
@@ -779,9 +827,11 @@ class Upstream(BaseModel):
         ),
     ] = 67108864
     deny_fields: Annotated[
-        list[StrictStr],
+        list[DenyField],
         Field(
-            description="Top-level request-body fields removed from every client body before it reaches any engine (silently: an OpenAI-style API ignores what it does not use, and a refusal would break clients that send engine extras to every backend). Pass-through policy (docs/passthrough.md): every field the router does not interpret reaches the engine unchanged, except (1) fields only the router may set, removed from every client body on every leg and role whatever this list says: kv_transfer_params (vLLM's KV transfer: remote host, port, block IDs; the router sets it itself on P/D legs) bootstrap_host, bootstrap_port, bootstrap_room (SGLang's), and the engine-side request IDs request_id (vLLM) and rid (SGLang); and (2) the fields named here. The default removes what lets one client steer an engine at others' expense or run code in it: priority (jumps vLLM's priority scheduler), vllm_xargs (arbitrary extension arguments), logits_processors (vLLM loads the named classes), custom_logit_processor (SGLang runs a serialised callable). cache_salt stays allowed: it only narrows which cached prefixes its own request may share, protecting that client from prefix-cache timing probes. Set [] to forward everything but the router-only fields."
+            description="Top-level request-body fields removed from every client body before it reaches any engine (silently: an OpenAI-style API ignores what it does not use, and a refusal would break clients that send engine extras to every backend). Pass-through policy (docs/passthrough.md): every field the router does not interpret reaches the engine unchanged, except (1) fields only the router may set, removed from every client body on every leg and role whatever this list says: kv_transfer_params (vLLM's KV transfer: remote host, port, block IDs; the router sets it itself on P/D legs) bootstrap_host, bootstrap_port, bootstrap_room (SGLang's), and the engine-side request IDs request_id (vLLM) and rid (SGLang); and (2) the fields named here. The default removes what lets one client steer an engine at others' expense or run code in it: priority (jumps vLLM's priority scheduler), vllm_xargs (arbitrary extension arguments), logits_processors (vLLM loads the named classes), custom_logit_processor (SGLang runs a serialised callable). cache_salt stays allowed: it only narrows which cached prefixes its own request may share, protecting that client from prefix-cache timing probes. Set [] to forward everything but the router-only fields.",
+            max_length=1024,
+            validate_default=True,
         ),
     ] = ['priority', 'vllm_xargs', 'logits_processors', 'custom_logit_processor']
     migration: Annotated[Migration, Field(description="Stream migration (issue 24; spec/tables/migration.yaml G01-G11): a decode leg that fails after response headers on an engine with token IDs is continued on another decode or unified engine from the prompt's and the answer's validated token IDs.", validate_default=True)] = {
@@ -796,7 +846,8 @@ class Discovery(BaseModel):
     file: Annotated[
         StrictStr | None,
         Field(
-            description='A YAML or JSON file: a list of engines[] entries (or a mapping with the key engines). Read at start and whenever it changes (checked every file_interval_ms by its size, modification time and inode: works for a file replaced by rename, as Kubernetes ConfigMaps are); a change is read once it is still there one check later, so a file rewritten in place is not read half-way (an empty list is valid: every engine the file named leaves). A file that does not parse or validate leaves the fleet as it was, is logged with file, line and key, and counted on /metrics.'
+            description='A YAML or JSON file: a list of engines[] entries (or a mapping with the key engines). Read at start and whenever it changes (checked every file_interval_ms by its size, modification time and inode: works for a file replaced by rename, as Kubernetes ConfigMaps are); a change is read once it is still there one check later, so a file rewritten in place is not read half-way (an empty list is valid: every engine the file named leaves). A file that does not parse or validate leaves the fleet as it was, is logged with file, line and key, and counted on /metrics.',
+            max_length=4096,
         ),
     ] = None
     file_interval_ms: Annotated[
@@ -849,6 +900,7 @@ class Auth(BaseModel):
         StrictStr | None,
         Field(
             description="A YAML or JSON file of API keys: a list of {id, tenant, sha256, expires_at} (or a mapping with the key `keys`). id names the key in logs and metrics (1-128 of A-Z a-z 0-9 . _ : @ -, unique), tenant the tenant it acts for (the same characters), sha256 the lowercase hex SHA-256 of the key's bytes (the key itself is stored nowhere; unique), expires_at (optional) when it stops being valid: ISO-8601 with a time zone, or unix seconds. Removing an entry revokes the key. Read at start (a file that cannot be read or validated then stops the router, naming file, line and key) and whenever it changes (checked every keys_interval_ms, by its size, time, inode and content, and read once the change is still there one check later, so that a file rewritten in place is not read half-written; each worker process reads it itself: the file is the source of truth). A changed file that cannot be read or validated leaves the keys as they were, is logged with file, line and key (never a key), and counted (narwhal_auth_source_errors_total).",
+            max_length=4096,
             min_length=1,
         ),
     ] = None
@@ -896,7 +948,8 @@ class NarwhalConfig(BaseModel):
     engines: Annotated[
         list[Engine] | None,
         Field(
-            description='The fleet at start. null (the default) starts the embedded simulated fleet (one prefill and one decode engine of the vllm dialect) unless a discovery source is configured. Engines can be added, replaced and removed at run time (PUT/DELETE /admin/engines/{name}, discovery, a configuration reload): spec/tables/lifecycle.yaml.'
+            description='The fleet at start. null (the default) starts the embedded simulated fleet (one prefill and one decode engine of the vllm dialect) unless a discovery source is configured. Engines can be added, replaced and removed at run time (PUT/DELETE /admin/engines/{name}, discovery, a configuration reload): spec/tables/lifecycle.yaml.',
+            max_length=100000,
         ),
     ] = None
     discovery: Annotated[Discovery, Field(validate_default=True)] = {}

@@ -260,7 +260,7 @@ async def profile_engine(a: Authority, e: EngineState) -> None:
     """Profile `e` by its role (module docstring): the lengths, the small batch, the
     models fitted; the outcome recorded either way (a failure keeps the previous models)."""
     cfg = a.config.admission.prediction
-    lengths = list(cfg.profile_prompt_tokens)
+    lengths = [n.root for n in cfg.profile_prompt_tokens]
     e.profile_status = "running"
     e.profile_attempted = a.clock.now()
     try:

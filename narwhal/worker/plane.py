@@ -73,7 +73,7 @@ class DataPlane:
         # the pass-through policy (docs/passthrough.md): fields removed from client bodies
         # before each engine request: the engine-side request IDs, always, and the
         # operator's deny-list (the other router-only fields go in parse_request)
-        self.deny_fields = frozenset(config.upstream.deny_fields)
+        self.deny_fields = frozenset(f.root for f in config.upstream.deny_fields)
         self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
         self.prompt_counters: dict[str, PromptCounter] = {}
         self.provisional: dict[str, Provisional] = {}  # engines whose way of counting the authority has not said
@@ -110,7 +110,7 @@ class DataPlane:
         self.config = config
         u = config.upstream
         self.client.reconfigure(connect_timeout_s=u.connect_timeout_ms / 1000.0, idle_timeout_s=u.idle_timeout_ms / 1000.0, max_body_bytes=u.max_event_bytes)
-        self.deny_fields = frozenset(u.deny_fields)
+        self.deny_fields = frozenset(f.root for f in u.deny_fields)
         self.strip_fields = ENGINE_REQUEST_IDS | self.deny_fields
         self._fleet_views()
 
