@@ -695,7 +695,7 @@ H08 = ErrorRow(
     headers=(),
 )
 
-# H09: A request head still incomplete past 16 KiB (h11's incomplete-event bound; one read of up to 64 KiB can carry more); the connection closes. Not an offered request.
+# H09: A request head still incomplete with more than 16 KiB received (Narwhal's HTTP/1.1 server, narwhal/http/h1/connection.py rule L1: MAX_INCOMPLETE, the server setting h11_max_incomplete_size left at its 16 KiB default); the check runs after each read, so a head that arrives whole in one read (at most 256 KiB: the event loop's read size) is parsed. The connection closes. Not an offered request.
 H09 = ErrorRow(
     id='H09',
     order=None,
