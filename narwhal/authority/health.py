@@ -39,7 +39,7 @@ async def _poll(a: Authority, e: EngineState) -> None:
     except UpstreamError as x:
         ok, err = False, str(x)
         if e.healthy:  # once per transition: the detail (address included) is for the log
-            log.warning("engine %s: health poll failed: %s: %s", e.name, x.row, x.log_detail or x.detail)
+            log.warning("engine %s: health poll failed: %s: %s", e.name, x.row.id, x.log_detail or x.detail)
     now = a.clock.now()
     was = e.eligible(a.state.maintenance_waves)
     e.healthy = ok

@@ -49,24 +49,25 @@ __all__ = ["EngineClient", "UpstreamError", "Upstream", "H1Error", "split_userin
 
 @dataclass(frozen=True, slots=True)
 class UpstreamError(Exception):
-    """A transport failure talking to an engine; `row` is E02, E06 or E07."""
+    """A transport failure talking to an engine; `row` is E02, E06 or E07 (the generated
+    row itself, never its ID as a string)."""
 
-    row: str
+    row: E.ErrorRow
     detail: str  # for clients: words, no address, no engine bytes
     log_detail: str = ""  # for the log: with the address and the bytes
 
     def __str__(self) -> str:
-        return f"{self.row}: {self.detail}"
+        return f"{self.row.id}: {self.detail}"
 
 
 def _map(exc: H1Error) -> UpstreamError:
     if isinstance(exc, ReadTimeout):
-        return UpstreamError(E.E07.id, str(exc), exc.detail)
+        return UpstreamError(E.E07, str(exc), exc.detail)
     if isinstance(exc, ConnectTimeout):
-        return UpstreamError(E.E06.id, f"{exc} (upstream.connect_timeout_ms)", exc.detail)
+        return UpstreamError(E.E06, f"{exc} (upstream.connect_timeout_ms)", exc.detail)
     if isinstance(exc, BodyTooLarge):
-        return UpstreamError(E.E02.id, str(exc), exc.detail)
-    return UpstreamError(E.E06.id, str(exc), exc.detail)
+        return UpstreamError(E.E02, str(exc), exc.detail)
+    return UpstreamError(E.E06, str(exc), exc.detail)
 
 
 class Upstream:

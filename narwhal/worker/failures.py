@@ -6,16 +6,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from narwhal_generated import errors as E
+
 from ..upstream.engines import EngineSpec
 
 __all__ = ["Failed", "Ended"]
 
 
 class Failed(Exception):
-    """A leg's failure: its row, words for the client (`detail`), the engine to blame, and
-    an engine error event held back for migration (E04 after response headers)."""
+    """A leg's failure: its row (the generated row, E02-E07; a row ID from a sans-IO step
+    is looked up in `E.ROWS` where it is raised), words for the client (`detail`), the
+    engine to blame, and an engine error event held back for migration (E04 after
+    response headers)."""
 
-    def __init__(self, row: str, detail: str, *, param: str | None = None, engine: EngineSpec | None = None, event: dict[str, Any] | None = None) -> None:
+    def __init__(self, row: E.ErrorRow, detail: str, *, param: str | None = None, engine: EngineSpec | None = None, event: dict[str, Any] | None = None) -> None:
         super().__init__(detail)
         self.row = row
         self.detail = detail
@@ -23,7 +27,6 @@ class Failed(Exception):
         self.engine = engine
         self.event = event  # an engine's error event held back for migration (E04 after headers)
         self.reported = False  # the engine's breaker has been told (Lease.retry)
-
 
 
 class Ended(Exception):

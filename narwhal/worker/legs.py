@@ -134,7 +134,7 @@ class Run(Migrating):
             at=self.r.clock.now(),
             ok_engine=self.ok_engine,
             failed_engine=fe,
-            failed_row=E.ROWS[failed.row] if fe is not None and failed is not None else None,
+            failed_row=failed.row if fe is not None and failed is not None else None,
             tpot_s=self.tpot[1] if self.tpot else None,
             tpot_engine=self.tpot[0] if self.tpot else None,
             output_tokens=self.output_tokens,
@@ -145,13 +145,13 @@ class Run(Migrating):
 
     def _upstream(self, x: UpstreamError, e: EngineSpec, leg: str = "engine") -> Failed:
         """A transport failure: the words for the client, the detail for the log."""
-        log.warning("request %s: %s %s: %s %s", self.rid, leg, e.name, x.row, x.log_detail or x.detail)
+        log.warning("request %s: %s %s: %s %s", self.rid, leg, e.name, x.row.id, x.log_detail or x.detail)
         return Failed(x.row, f"{leg} {e.name}: {x.detail}", engine=e)
 
     def _http_error(self, status: int, raw: bytes, e: EngineSpec, leg: str = "engine") -> Failed:
         msg, param = engine_error_detail(status, raw, self.r.engine_hosts)
         log.log(logging.WARNING if status >= 500 else logging.INFO, "request %s: %s %s answered HTTP %d: %r", self.rid, leg, e.name, status, raw[:500])
-        return Failed(E.E05.id if status < 500 else E.E04.id, f"{leg} {e.name}: {msg}", param=param, engine=e)
+        return Failed(E.E05 if status < 500 else E.E04, f"{leg} {e.name}: {msg}", param=param, engine=e)
 
     # -- legs --------------------------------------------------------------------------
 
@@ -180,12 +180,12 @@ class Run(Migrating):
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 log.warning("request %s: prefill engine %s: E02 answer not JSON: %r", self.rid, e.name, raw[:200])
-                raise Failed(E.E02.id, f"prefill engine {e.name} answered with non-JSON", engine=e) from None
+                raise Failed(E.E02, f"prefill engine {e.name} answered with non-JSON", engine=e) from None
             if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
-                raise Failed(E.E02.id, f"prefill engine {e.name} returned no kv_transfer_params", engine=e)
+                raise Failed(E.E02, f"prefill engine {e.name} returned no kv_transfer_params", engine=e)
             kv = obj["kv_transfer_params"]
             if kv is not None and not isinstance(kv, dict):
-                raise Failed(E.E02.id, f"prefill engine {e.name} returned kv_transfer_params that is not an object", engine=e)
+                raise Failed(E.E02, f"prefill engine {e.name} returned kv_transfer_params that is not an object", engine=e)
             usage = obj.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                 self.prefill_prompt_tokens = usage["prompt_tokens"]
@@ -198,7 +198,7 @@ class Run(Migrating):
         finally:
             self.lease.prefill_done(self.r.clock.now(), ok=ok)
             if leg is not None:
-                leg.end(row=failed.row if failed is not None else (None if ok else "interrupted"), detail=failed.detail if failed is not None else None,
+                leg.end(row=failed.row.id if failed is not None else (None if ok else "interrupted"), detail=failed.detail if failed is not None else None,
                         **{"narwhal.prompt_tokens": self.prefill_prompt_tokens, "narwhal.cached_tokens": self.cached_tokens})
                 self.leg = None
 
@@ -280,11 +280,11 @@ class Run(Migrating):
                     except H1Error as x:
                         raise up.mapped(x) from None
                     if not chunk:
-                        raise Failed(E.E06.id, f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
+                        raise Failed(E.E06, f"engine {e.name}: the stream ended without data: [DONE]", engine=e)
                     if rejoin is not None:  # a continuation: in the client's stream's shape first
                         chunk = rejoin.feed(chunk)
                         if rejoin.too_large:
-                            raise Failed(E.E02.id, f"engine {e.name}: an event or line longer than upstream.max_event_bytes", engine=e)
+                            raise Failed(E.E02, f"engine {e.name}: an event or line longer than upstream.max_event_bytes", engine=e)
                         if not chunk:
                             continue
                     now = now_fn()
@@ -356,9 +356,9 @@ class Run(Migrating):
         if sink.headers_sent and step.out:
             await sink.write(step.out)
         if step.engine_error is not None and sink.headers_sent:  # migration on (core/relay.py)
-            raise Failed(row, f"engine {e.name}: {detail}", engine=e, event=step.engine_error)
+            raise Failed(E.ROWS[row], f"engine {e.name}: {detail}", engine=e, event=step.engine_error)
         log.warning("request %s: engine %s: %s %s%s", self.rid, e.name, row, detail, f": {relay.failure_detail}" if relay.failure_detail else "")
-        raise Failed(row, f"engine {e.name}: {detail}", engine=e)
+        raise Failed(E.ROWS[row], f"engine {e.name}: {detail}", engine=e)
 
     async def _relayed_error(self, e: EngineSpec, event: dict[str, Any], last: bytes) -> NoReturn:
         """The stream ended on an engine error event (E04). Before response headers, the
@@ -367,9 +367,9 @@ class Run(Migrating):
         sink = self.sink
         if not sink.headers_sent:
             log.warning("request %s: engine %s: E04 error event %r", self.rid, e.name, orjson.dumps(event)[:500])
-            raise Failed(E.E04.id, f"engine {e.name}: {err_msg(event, self.r.engine_hosts)}", engine=e)
+            raise Failed(E.E04, f"engine {e.name}: {err_msg(event, self.r.engine_hosts)}", engine=e)
         await sink.end_stream(last)
-        f = Failed(E.E04.id, "error event", engine=e)
+        f = Failed(E.E04, "error event", engine=e)
         raise Ended("failed", f)
 
     async def _respond_assembled(self, e: EngineSpec, relay: StreamRelay, assembler: Assembler, checks_ids: bool, now: float) -> None:
@@ -393,7 +393,7 @@ class Run(Migrating):
         res = assembler.finish(prompt_tokens=prompt, completion_tokens=relay.token_count if checks_ids else None)
         if isinstance(res, Failure):
             log.warning("request %s: engine %s: %s %s (%s)%s", self.rid, e.name, res.row, res.detail, res.rule, f": {res.log_detail}" if res.log_detail else "")
-            raise Failed(res.row, f"engine {e.name}: {res.detail} ({res.rule})", engine=e)
+            raise Failed(E.ROWS[res.row], f"engine {e.name}: {res.detail} ({res.rule})", engine=e)
         if self.prefill_prompt_tokens is not None:
             merge_usage(res, self.prefill_prompt_tokens)
         if self.first_token_at is None:
@@ -519,8 +519,8 @@ class Run(Migrating):
                 cls = await self.decode(e, kv, cont) if leg is None else await self._traced_decode(leg, e, kv, cont)
                 return cls
             except Failed as f:
-                row = E.ROWS[f.row]
-                if self.sink.headers_sent and f.engine is not None and f.row in MIGRATED_FAILURES:
+                row = f.row
+                if self.sink.headers_sent and f.engine is not None and row.id in MIGRATED_FAILURES:
                     moved = await self._migrate(f, g.phase)
                     if moved is None:
                         raise
@@ -531,9 +531,9 @@ class Run(Migrating):
                 retries -= 1
                 if self.rec is not None:
                     self.rec.retries += 1
-                log.info("request %s: retrying after %s on %s", self.rid, f.row, e.name)
+                log.info("request %s: retrying after %s on %s", self.rid, row.id, e.name)
                 f.reported = True  # Lease.retry tells the engine's breaker
-                nxt = await self.lease.retry(f.engine.name, E.ROWS[f.row], g.phase, r.clock.now())
+                nxt = await self.lease.retry(f.engine.name, row, g.phase, r.clock.now())
                 if nxt is None:
                     raise
                 if isinstance(nxt, Refuse):
@@ -550,10 +550,10 @@ class Run(Migrating):
             row = None
             return cls
         except Failed as f:
-            row, detail = f.row, f.detail
+            row, detail = f.row.id, f.detail
             raise
         except Ended as x:
-            row, detail, cls = x.failure.row, x.failure.detail, x.cls
+            row, detail, cls = x.failure.row.id, x.failure.detail, x.cls
             raise
         finally:
             self.leg = None

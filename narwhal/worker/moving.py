@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 
-from narwhal_generated import errors as E
 from narwhal_generated.migration import MigrationRow
 
 from ..core.dialects import DIALECTS
@@ -61,18 +60,18 @@ class Migrating:
         why = self._obstacle(rec, now)  # a G row that holds before placement, or None: place it
         if why is not None and why.outcome == FINISH:  # G13: nothing left to generate
             assert rec is not None
-            r.telemetry.migrations.labels(f.row, why.reason).inc()
+            r.telemetry.migrations.labels(f.row.id, why.reason).inc()
             prompt = rec.valid_prompt()
             await self.sink.write(migrate.finish(req, rec, r.config.serving.model, prompt_tokens=len(prompt) if prompt is not None else self.lease.prompt_tokens,
                                                  finish_sent=self.relay is not None and self.relay.finish_reason is not None))
             await self.sink.end_stream()
-            log.info("request %s: %s on %s after all %d tokens: finished (%s)", self.rid, f.row, f.engine.name, len(rec.output_ids), why.reason)
+            log.info("request %s: %s on %s after all %d tokens: finished (%s)", self.rid, f.row.id, f.engine.name, len(rec.output_ids), why.reason)
             raise Ended("completed", f)
         cont = nxt = None
         if why is None:
             assert rec is not None
             f.reported = True  # Lease.retry tells the engine's breaker
-            nxt = await self.lease.retry(f.engine.name, E.ROWS[f.row], phase, now)  # placed like a retry: another eligible engine
+            nxt = await self.lease.retry(f.engine.name, f.row, phase, now)  # placed like a retry: another eligible engine
             if isinstance(nxt, Grant) and DIALECTS[r.engines[nxt.engine].dialect].token_accounting == "token_ids":
                 e2 = r.engines[nxt.engine]
                 model = e2.model or r.config.serving.model
@@ -82,9 +81,9 @@ class Migrating:
                     cont = migrate.prepare(req, self.body, e2, model, rec, prompt, prompt_tokens=len(prompt),
                                            cached_tokens=self.cached_tokens, max_event_bytes=r.config.upstream.max_event_bytes)
             why = self._placed(rec, now, ok=cont is not None)  # the rest of the table's walk (G10, G11)
-        r.telemetry.migrations.labels(f.row, why.reason).inc()
+        r.telemetry.migrations.labels(f.row.id, why.reason).inc()
         if why.outcome != MIGRATE or cont is None or not isinstance(nxt, Grant):
-            log.info("request %s: %s on %s after response headers: not migrated (%s)", self.rid, f.row, f.engine.name, why.reason)
+            log.info("request %s: %s on %s after response headers: not migrated (%s)", self.rid, f.row.id, f.engine.name, why.reason)
             if f.event is not None:  # the engine's error event held back: the client gets it now
                 await self.sink.write(b"data: " + orjson.dumps(f.event) + b"\n\n" + _DONE)
                 await self.sink.end_stream()
@@ -93,7 +92,7 @@ class Migrating:
         self.migrations += 1  # type: ignore[misc]  # a slot of Run (the mixin has none of its own)
         if self.rec is not None:
             self.rec.migrations += 1
-        log.info("request %s: %s on %s after %d tokens: carried on by %s (migration %d)", self.rid, f.row, f.engine.name, len(rec.output_ids), nxt.engine, self.migrations)
+        log.info("request %s: %s on %s after %d tokens: carried on by %s (migration %d)", self.rid, f.row.id, f.engine.name, len(rec.output_ids), nxt.engine, self.migrations)
         return nxt, cont
 
     def _movable(self) -> bool:

@@ -75,7 +75,7 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
             return x.cls
         except Failed as f:
             failed = f
-            row = E.ROWS[f.row]
+            row = f.row
             fields = {"detail": f.detail, "limit": r.config.upstream.idle_timeout_ms}
             if sink.headers_sent:
                 await sink.write(error_event(row, param=f.param, **fields))
@@ -91,7 +91,7 @@ async def run_request(plane: DataPlane, entry: Entry, req: ParsedRequest, order:
 def _ended(rec: RequestRecord, run: Run, failed: Failed | None) -> None:
     """What the request's record learns at its end (once)."""
     if failed is not None:
-        rec.row = failed.row
+        rec.row = failed.row.id
     rec.ttft_s = None if run.first_token_at is None else run.first_token_at - run.order.arrival
     rec.tpot_s = run.tpot[1] if run.tpot else None
     rec.output_tokens = run.output_tokens
