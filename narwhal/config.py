@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from narwhal_generated.models.config import Engine, NarwhalConfig
 
-__all__ = ["ConfigError", "load_config", "parse_config", "config_from_bytes", "load_yaml", "FileRead", "read_watched", "WatchedFile", "READ_TIMEOUT_S", "parse_engines", "has_discovery", "NarwhalConfig", "EMBEDDED_FLEET"]
+__all__ = ["ConfigError", "load_config", "parse_config", "config_from_bytes", "load_yaml", "FileRead", "read_watched", "read_unless", "WatchedFile", "READ_TIMEOUT_S", "FULL_READ_BYTES", "HASH_EVERY", "parse_engines", "has_discovery", "NarwhalConfig", "EMBEDDED_FLEET"]
 
 # docs/contract.md "Commands": with no engines, the embedded simulated fleet (one prefill and one decode
 # engine of the vllm dialect) runs in-process on free loopback ports.
@@ -243,9 +243,19 @@ def load_config(path: str | Path | None) -> NarwhalConfig:
 #     no second read of the same file starts (each check is an error, counted);
 #   * the stamp a change is seen by is inode, device, size, mtime_ns, ctime_ns and the
 #     SHA-256 of the bytes: an edit that keeps size and modification time (touch -r,
-#     rsync --inplace -t) changes ctime and the bytes.
+#     rsync --inplace -t) changes ctime and the bytes;
+#   * a periodic check that is handed the stamp last taken (`WatchedFile.read(taken)`)
+#     stats the file first: a file over FULL_READ_BYTES whose inode, device, size,
+#     mtime_ns and ctime_ns are the taken stamp's is not read or hashed (a 32 MiB keys
+#     file cost ~60 ms of CPU a check, docs/operations.md), except at every
+#     HASH_EVERY-th such check: the kernel's file times tick coarsely (a jiffy, or a
+#     second on some file systems), so two writes of one size within one tick keep
+#     every stat field, and only the bytes tell; the hash then sees them within
+#     HASH_EVERY checks.
 
 READ_TIMEOUT_S = 5.0
+FULL_READ_BYTES = 1 << 20  # up to this size a check always reads and hashes (~1 ms)
+HASH_EVERY = 30  # a larger file unchanged by stat is still read and hashed at every 30th check
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +271,13 @@ class FileRead:
 def read_watched(path: str, max_bytes: int, *, setting: str = "max_file_bytes") -> FileRead:
     """Read `path` whole if it is a regular file of at most `max_bytes` (blocking only
     on the disk: call it off the event loop)."""
+    return read_unless(path, max_bytes, None, setting=setting)
+
+
+def read_unless(path: str, max_bytes: int, taken: tuple[Any, ...] | None, *, setting: str = "max_file_bytes") -> FileRead:
+    """`read_watched`, except that a regular file whose stat (inode, device, size,
+    mtime_ns, ctime_ns) is that of the stamp `taken` is not read: FileRead(taken, None)
+    says so (no error, no bytes: nothing changed)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as e:
@@ -269,6 +286,8 @@ def read_watched(path: str, max_bytes: int, *, setting: str = "max_file_bytes") 
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
             return FileRead(("error", "not regular"), None, f"{path}: not a regular file (a FIFO, device or socket is never read)")
+        if taken is not None and taken[:5] == (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            return FileRead(taken, None)
         chunks: list[bytes] = []
         size = 0
         while size <= max_bytes:
@@ -289,16 +308,28 @@ def read_watched(path: str, max_bytes: int, *, setting: str = "max_file_bytes") 
 
 class WatchedFile:
     """One watched file's reads, each in a daemon thread, awaited at most `timeout` s
-    (invariants above). `failures` counts reads that did not return in time."""
+    (invariants above). `failures` counts reads that did not return in time; `skipped`
+    the checks since the last whole read that the stat alone answered."""
 
-    __slots__ = ("path", "max_bytes", "setting", "timeout", "_busy", "failures")
+    __slots__ = ("path", "max_bytes", "setting", "timeout", "_busy", "failures", "skipped")
 
     def __init__(self, path: str, max_bytes: int, *, setting: str = "max_file_bytes", timeout: float = READ_TIMEOUT_S) -> None:
         self.path, self.max_bytes, self.setting, self.timeout = path, max_bytes, setting, timeout
         self._busy = False  # a read's thread has not returned yet
         self.failures = 0
+        self.skipped = 0
 
-    async def read(self) -> FileRead:
+    def _skippable(self, taken: Any) -> tuple[Any, ...] | None:
+        """The stamp a check may be answered by the stat against: `taken` when it is a
+        read's stamp of a file over FULL_READ_BYTES and this is not a HASH_EVERY-th check."""
+        if not isinstance(taken, tuple) or len(taken) != 6 or taken[0] == "error" or taken[2] <= FULL_READ_BYTES:
+            return None
+        return taken if self.skipped < HASH_EVERY - 1 else None
+
+    async def read(self, taken: Any = None) -> FileRead:
+        """The file's bytes and stamp; with `taken`, the stamp last taken while nothing
+        newer settles (core/settle.py `Settle.quiet`), FileRead(taken, None) when the stat
+        says the file is still that one (invariants above)."""
         if self._busy:
             self.failures += 1
             return FileRead(("error", "hung"), None, f"{self.path}: an earlier read has not returned yet (a hung mount?)")
@@ -309,8 +340,14 @@ class WatchedFile:
             if not fut.done():
                 fut.set_result(got)
 
+        unless = self._skippable(taken)
+
         def run() -> None:
-            got = read_watched(self.path, self.max_bytes, setting=self.setting)
+            if unless is None:
+                got = read_watched(self.path, self.max_bytes, setting=self.setting)
+            else:
+                got = read_unless(self.path, self.max_bytes, unless, setting=self.setting)
+            self.skipped = self.skipped + 1 if got.raw is None and got.error is None else 0
             self._busy = False
             try:
                 loop.call_soon_threadsafe(done, got)

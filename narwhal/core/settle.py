@@ -37,3 +37,10 @@ class Settle:
             return False
         self.stamp, self.settling = stamp, None
         return True
+
+    @property
+    def quiet(self) -> Hashable | None:
+        """The stamp taken while no newer one settles, else None: a check may answer
+        "unchanged" from the file's stat against it (narwhal/config.py WatchedFile.read),
+        never while a change settles (that one is read whole until it is taken)."""
+        return self.stamp if self.settling is None else None

@@ -4,7 +4,8 @@ The file holds a list of engines[] entries (or a mapping with the key `engines`)
 validated by the configuration's own schema and checks (narwhal/config.py
 `parse_engines`). It is read at start and checked every discovery.file_interval_ms; a
 file is read whole at every check (a regular file only, never blocking the event loop,
-at most narwhal/config.py READ_TIMEOUT_S: a FIFO or a hung mount is an error, not a hang)
+at most narwhal/config.py READ_TIMEOUT_S: a FIFO or a hung mount is an error, not a hang;
+one over 1 MiB whose stat is still the taken version's only at every 30th check)
 and a change of its stamp (inode, size, mtime, ctime, the bytes' SHA-256) is parsed once
 it has stood still for one check (narwhal/core/settle.py: a file rewritten in place is not read half-way), and
 emitted as one Snapshot when its engines differ: the authority applies it as one diff.
@@ -137,7 +138,7 @@ def file_source(cfg: NarwhalConfig) -> Source:
         watch = FleetFile(path)
         reader = WatchedFile(path, max_bytes, setting="discovery.max_file_bytes")
         while True:
-            read = await reader.read()
+            read = await reader.read(watch.settle.quiet if watch.started else None)
             if watch.due(read):
                 got = watch.take(await asyncio.to_thread(parse_fleet_file, path, read, d.max_engines))
                 if got is not None:

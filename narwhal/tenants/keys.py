@@ -6,7 +6,8 @@ then stops the router, naming file, line and key) and checked every
 auth.keys_interval_ms like discovery.file (narwhal/fleet/file.py: a whole, bounded read
 of a regular file only, off the event loop in a thread of its own with a timeout, and a
 change of inode, size, mtime, ctime or the bytes' hash taken once it is still there one
-check later, narwhal/core/settle.py): a changed file that reads and
+check later, narwhal/core/settle.py; a file over 1 MiB whose stat is unchanged is hashed
+only at every 30th check): a changed file that reads and
 validates replaces the table whole; one that does not leaves the table as it was, is
 logged once per distinct error with file, line and key, and counted
 (narwhal_auth_source_errors_total).
@@ -164,8 +165,10 @@ class _Watched:
         """The read to take, once per change, when the new stamp was already there one
         check before (core/settle.py): a keys file rewritten in place is not read
         half-way (an empty keys file is valid and revokes every key). The stamp has
-        ctime and the bytes' hash: an edit keeping size and mtime is seen."""
-        got = await self.file.read()
+        ctime and the bytes' hash: an edit keeping size and mtime is seen. While nothing
+        settles, a file over 1 MiB unchanged by its stat is not read (narwhal/config.py
+        WatchedFile: hashed whole at every HASH_EVERY-th check)."""
+        got = await self.file.read(self.settle.quiet)
         return got if self.settle.changed(got.stamp) else None
 
 
