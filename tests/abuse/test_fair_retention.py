@@ -1,0 +1,77 @@
+"""The router's threat model, fair retention (issue 40 item 6): a tenant that floods the
+router must not take the HTTP retention (admission.http_retention_limit, R02) from the
+others. With tenants configured and R02 the binding limit, a noisy tenant's queued
+requests held the retention and a quiet tenant at a tenth of its rate got a third of its
+answers, every refusal `http_retention_full`. The behaviour now: the tenant furthest over
+its share yields its newest request not yet granted (R02 for it, Retry-After), and the
+quiet tenant's request is held in its place and answered.
+
+The attack at small scale: one engine taking one request at a time, a retention of 6,
+12 noisy clients sending streams back to back for as long as the quiet tenant's 8
+requests, one after another, take; bounded in count and time."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from narwhal.mock import MockConfig, Timing, running_fleet
+from narwhal.upstream.engines import EngineSpec
+from tests.helpers import running_router, wait_until
+
+KEYS = {"noisy": "sk-flood-noisy-0123", "quiet": "sk-flood-quiet-0123"}
+BODY = {"model": "narwhal-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[str]:
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="m0", timing=Timing(tpot_base_ms=5.0))]) as (m,):
+        yield m.url
+
+
+def _ask(client: httpx.Client, url: str, tenant: str) -> httpx.Response:
+    return client.post(url + "/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer {KEYS[tenant]}"})
+
+
+def test_a_tenant_flooding_the_retention_leaves_a_quiet_tenant_its_answers(tmp_path: Path, engine: str) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in KEYS.items()]))
+    cfg: dict[str, Any] = {
+        "admission": {"mode": "open", "prediction": {"profile_on_start": False}, "http_retention_limit": 6, "queue_limit": 64},
+        "monitoring": {"poll_interval_ms": 100, "stale_after_ms": 60000},
+        "tenants": {"noisy": {"weight": 1}, "quiet": {"weight": 1}},
+        "auth": {"keys_file": str(keys)},
+    }
+    stop = threading.Event()
+    noisy: list[tuple[int, str]] = []
+
+    def flood(url: str) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                r = _ask(c, url, "noisy")
+                noisy.append((r.status_code, r.json()["error"]["code"] if r.status_code != 200 else ""))
+
+    with running_router(cfg, [EngineSpec("e0", engine, "unified", "vllm", None, None, max_concurrency=1)]) as rr:
+        threads = [threading.Thread(target=flood, args=(rr.url,)) for _ in range(12)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: rr.call(lambda: rr.router.held) == 6, timeout=10, what="the retention full of the noisy tenant")
+            with httpx.Client(timeout=30) as c:
+                quiet = [_ask(c, rr.url, "quiet") for _ in range(8)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert [r.status_code for r in quiet] == [200] * 8, [r.text for r in quiet if r.status_code != 200]
+        refused = [code for status, code in noisy if status != 200]
+        assert refused and set(refused) == {"http_retention_full"}, noisy  # the flood was held at R02, and only the flood
+        b = rr.balanced()
+        assert b["by_tenant"]["quiet"]["completed"] == 8 and b["by_tenant"]["quiet"].get("rejected", 0) == 0
