@@ -45,7 +45,7 @@ from .caserun import Mismatch
 from .cases import Case
 from .runner import Result
 
-__all__ = ["CASES", "POOL_OFFSETS", "pool", "picker_config", "run_epp", "EppCase"]
+__all__ = ["CASES", "POOL_OFFSETS", "Pool", "pool", "picker_config", "run_epp", "EppCase"]
 
 POOL_OFFSETS = (71, 72)  # the pool's engines: port_base + these
 MODEL = "narwhal-demo"
@@ -57,11 +57,14 @@ def pool(port_base: int) -> list[str]:
 
 
 def picker_config(port_base: int, epp: str) -> dict[str, Any]:
-    """Narwhal as the picker under test: the profile's pool, gateway.listen on --epp, and
-    limits small enough for the burst case to meet its admission (R11 at 429)."""
+    """Narwhal as the picker under test: the profile's pool, gateway.listen on --epp,
+    limits small enough for the burst case to meet its admission (R11 at 429), and health
+    polls a minute apart (the fallback case stops an engine between two of them: what a
+    picker that has not yet seen an engine go names)."""
     return {
         "serving": {"listen": f"127.0.0.1:{port_base + 79}", "model": MODEL, "workers": 1},
         "admission": {"mode": "open", "queue_limit": 2, "prediction": {"profile_on_start": False}},
+        "monitoring": {"poll_interval_ms": 60000, "stale_after_ms": 180000},
         "engines": [{"name": f"e{i}", "url": f"http://{a}", "role": "unified", "dialect": "vllm", "max_concurrency": 2} for i, a in enumerate(pool(port_base))],
         "gateway": {"listen": epp},
     }
@@ -89,8 +92,9 @@ class EppCase:
 class Ctx:
     """One run: the pool, the suite's Envoy (FailClose) and the picker's address."""
 
-    def __init__(self, gw: str, mocks: list[RunningMock], epp: str, port_base: int) -> None:
+    def __init__(self, gw: str, mocks: list[RunningMock], epp: str, port_base: int, pool_: Pool | None = None) -> None:
         self.gw, self.mocks, self.epp, self.port_base = gw, mocks, epp, port_base
+        self.pool = pool_  # the running pool, when a case may stop and restart one of its engines
         self.client = httpx.Client(timeout=60)
 
     def received(self) -> dict[str, int]:
@@ -164,12 +168,36 @@ def _stream(ctx: Ctx) -> list[Mismatch]:
 
 
 def _fallback(ctx: Ctx) -> list[Mismatch]:
-    r = ctx.chat(max_tokens=4)
-    named = [e.strip() for e in r.headers.get("x-epp-picked", "").split(",") if e.strip()]
-    if len(named) < 2:
-        raise NA("the picker names one endpoint (no fallback list)")
-    up = r.headers.get("x-epp-upstream-host", "")
-    return [] if up == named[0] else [_m("the first valid endpoint of the list used", named[0], up)]
+    """The pool's first engine stops listening (a connect failure, as between two of a
+    picker's health observations); requests follow at once. Each must be answered, by the
+    first endpoint of the picker's list that is up: a picker that names the stopped engine
+    first without a fallback fails here. N/A when the picker never named the stopped
+    engine first (it knew, or routed elsewhere): no fallback was needed."""
+    assert ctx.pool is not None
+    down = ctx.pool.address(0)
+    out: list[Mismatch] = []
+    exercised = 0
+    ctx.pool.stop(0)
+    try:
+        for _ in range(6):
+            r = ctx.chat(max_tokens=4)
+            named = [e.strip() for e in r.headers.get("x-epp-picked", "").split(",") if e.strip()]
+            if not named or named[0] != down:
+                continue
+            exercised += 1
+            live = [e for e in named if e != down]
+            if r.status_code != 200:
+                out.append(_m("the answer with the first endpoint named down", f"200 from the next endpoint named ({live or 'none named'})",
+                              f"{r.status_code} {r.text[:120]}"))
+            elif not live or r.headers.get("x-epp-upstream-host", "") != live[0]:
+                out.append(_m("the endpoint used: the list's first that is up", live[0] if live else "-", r.headers.get("x-epp-upstream-host")))
+            if exercised == 2:
+                break
+    finally:
+        ctx.pool.start(0)
+    if not exercised:
+        raise NA("the picker never named the stopped engine first (no fallback was needed)")
+    return out
 
 
 def _envelope(body: bytes) -> dict[str, Any] | None:
@@ -271,34 +299,64 @@ CASES: tuple[EppCase, ...] = (
     EppCase("epp/route/1", "interoperability", "MUST", "A request lands on the endpoint the picker named, and only there", _route_one),
     EppCase("epp/route/2", "interoperability", "MUST", "Ten requests, streaming and not, each land where named", _route_many),
     EppCase("epp/stream/1", "interoperability", "MUST", "A stream arrives whole through a picker that reads the response", _stream),
-    EppCase("epp/fallback/1", "interoperability", "SHOULD", "A fallback list's first valid endpoint is used", _fallback),
     EppCase("epp/refusal/1", "interoperability", "MUST", "An unknown model is answered 4xx with a complete OpenAI error envelope", _refusal_envelope),
     EppCase("epp/refusal/2", "interoperability", "MUST", "What is refused under a burst is 429/503 with Retry-After and an envelope", _burst),
     EppCase("epp/health/1", "interoperability", "SHOULD", "grpc.health.v1 reports the ext_proc service SERVING", _health),
     EppCase("epp/leak/1", "interoperability", "MUST", "No usage chunk or token IDs reach a client that did not ask", _no_leak),
     EppCase("epp/admission/1", "narwhal", "MUST", "The picker itself refuses an unknown model (R05), no engine sees it", _refused_by_picker),
     EppCase("epp/accounting/1", "narwhal", "MUST", "The engine is asked for token IDs and usage, which the picker strips", _asks_and_strips),
+    # last: it stops one engine of the pool for a moment
+    EppCase("epp/fallback/1", "interoperability", "SHOULD", "With the first endpoint named down, the list's next one answers", _fallback),
 )
 
 
-@contextlib.contextmanager
-def running_pool(port_base: int) -> Iterator[list[RunningMock]]:
-    socks, mocks = [], []
-    try:
-        for i, o in enumerate(POOL_OFFSETS):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
+class Pool:
+    """The pool's mock engines, each served on its own so that one can stop listening (a
+    connect failure) and start again on the same port; `mocks` is the live list."""
+
+    def __init__(self, port_base: int) -> None:
+        self.port_base = port_base
+        self.mocks: list[RunningMock] = []
+        self._stacks = [contextlib.ExitStack() for _ in POOL_OFFSETS]
+
+    def address(self, i: int) -> str:
+        return f"127.0.0.1:{self.port_base + POOL_OFFSETS[i]}"
+
+    def start(self, i: int) -> None:
+        port = self.port_base + POOL_OFFSETS[i]
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port_base + o))
+            s.bind(("127.0.0.1", port))
             s.listen(1024)
-            cfg = MockConfig(dialect="vllm", role="unified", name=f"e{i}", port=port_base + o, timing=_TIMING)
-            mocks.append(RunningMock(cfg, "127.0.0.1", port_base + o, create_mock_app(cfg)))
-    except OSError as e:
-        for s in socks:
+        except OSError as e:
             s.close()
-        raise SystemExit(f"narwhal conformance: the epp pool's port: {e}") from None
-    with serve_in_thread(lambda: [m.app for m in mocks], socks, name="narwhal-conformance-epp-pool"):
-        yield mocks
+            raise SystemExit(f"narwhal conformance: the epp pool's port: {e}") from None
+        cfg = MockConfig(dialect="vllm", role="unified", name=f"e{i}", port=port, timing=_TIMING)
+        m = RunningMock(cfg, "127.0.0.1", port, create_mock_app(cfg))
+        self._stacks[i].enter_context(serve_in_thread(lambda: [m.app], [s], name=f"narwhal-conformance-epp-pool-{i}"))
+        if i < len(self.mocks):
+            self.mocks[i] = m
+        else:
+            self.mocks.append(m)
+
+    def stop(self, i: int) -> None:
+        self._stacks[i].close()
+
+    def close(self) -> None:
+        for st in self._stacks:
+            st.close()
+
+
+@contextlib.contextmanager
+def running_pool(port_base: int) -> Iterator[Pool]:
+    p = Pool(port_base)
+    try:
+        for i in range(len(POOL_OFFSETS)):
+            p.start(i)
+        yield p
+    finally:
+        p.close()
 
 
 def run_case(c: EppCase, ctx: Ctx) -> Result:

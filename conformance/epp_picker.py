@@ -2,11 +2,12 @@
 (the `epp` profile's fixture: proof that the profile does not assume the picker is
 Narwhal).
 
-    python -m narwhal_conformance.epp_picker --listen 127.0.0.1:18290 --pool 127.0.0.1:18271 --pool 127.0.0.1:18272
+    python -m narwhal_conformance.epp_picker --listen 127.0.0.1:18290 --pool 127.0.0.1:18271 --pool 127.0.0.1:18272 [--fallbacks N]
 
 It speaks the endpoint-picker protocol and nothing more: on the request headers it names
 the next endpoint (`x-gateway-destination-endpoint` and the same value in dynamic
-metadata `envoy.lb`); every body chunk, both ways (FULL_DUPLEX_STREAMED), is answered
+metadata `envoy.lb`), followed, with `--fallbacks N`, by the N endpoints after it in the
+pool's order (a fallback list: `ip:port,ip:port,...`); every body chunk, both ways (FULL_DUPLEX_STREAMED), is answered
 unchanged; trailers are passed. gRPC health reports the ext_proc service SERVING.
 """
 
@@ -39,11 +40,14 @@ def _echo(kind: str, body: Any) -> Any:
 
 
 class RoundRobin:
-    def __init__(self, pool: list[str]) -> None:
-        self._next = itertools.cycle(pool)
+    def __init__(self, pool: list[str], fallbacks: int = 0) -> None:
+        self._pool = pool
+        self._next = itertools.cycle(range(len(pool)))
+        self._fallbacks = min(fallbacks, len(pool) - 1)
 
     def _named(self) -> Any:
-        endpoint = next(self._next)
+        i = next(self._next)
+        endpoint = ",".join(self._pool[(i + k) % len(self._pool)] for k in range(self._fallbacks + 1))
         opt = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=endpoint.encode()),
                                          append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
         meta = struct_pb2.Struct()
@@ -69,9 +73,9 @@ class RoundRobin:
                 yield pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
 
 
-async def serve(listen: str, pool: list[str], stop: asyncio.Event) -> None:
+async def serve(listen: str, pool: list[str], stop: asyncio.Event, fallbacks: int = 0) -> None:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((RoundRobin(pool).handler(),))
+    server.add_generic_rpc_handlers((RoundRobin(pool, fallbacks).handler(),))
     h = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(h, server)
     if not server.add_insecure_port(listen):
@@ -89,14 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="epp_picker", description="A round-robin endpoint picker (the epp profile's fixture).")
     p.add_argument("--listen", required=True)
     p.add_argument("--pool", action="append", required=True, metavar="IP:PORT")
+    p.add_argument("--fallbacks", type=int, default=0, metavar="N", help="name the N endpoints after the chosen one as its fallback list (default 0)")
     args = p.parse_args(argv)
+    if args.fallbacks < 0:
+        p.error("--fallbacks takes 0 or more")
 
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(args.listen, args.pool, stop)
+        await serve(args.listen, args.pool, stop, args.fallbacks)
 
     asyncio.run(run())
     return 0

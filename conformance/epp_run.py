@@ -68,7 +68,7 @@ def _picker_flags(admin: str) -> str:
 
 
 @contextlib.contextmanager
-def running_envoy(epp: str, *, failure_mode_allow: bool = False, pool_: tuple[str, ...] = (), want: str = "healthy") -> Iterator[str]:
+def running_envoy(epp: str, *, pool_: tuple[str, ...], failure_mode_allow: bool = False, want: str = "healthy") -> Iterator[str]:
     """The suite's Envoy (the reference bootstrap, observation headers on); yields its URL
     once Envoy sees the picker `want` (healthy, or failed_active_hc)."""
     binary = envoy_binary()
@@ -175,9 +175,10 @@ def run_profile(args: argparse.Namespace, out: Any, version: str) -> int:
         return not args.case or any(c.id == p or c.id.startswith(p.rstrip("/") + "/") for p in args.case)
 
     results: list[Result] = []
-    with running_pool(args.port_base) as mocks, _served(args.serve, args.port_base, epp):
-        with running_envoy(epp) as gw:
-            ctx = Ctx(gw, mocks, epp, args.port_base)
+    with running_pool(args.port_base) as running, _served(args.serve, args.port_base, epp):
+        mocks = running.mocks
+        with running_envoy(epp, pool_=tuple(pool(args.port_base))) as gw:
+            ctx = Ctx(gw, mocks, epp, args.port_base, running)
             for c in CASES:
                 if wanted(c):
                     results.append(run_case(c, ctx))

@@ -70,7 +70,7 @@ def proc(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 def _plain_envoy(listen: str, engine: str, admin: str) -> dict[str, Any]:
     """Envoy alone: the same listener, straight to the engine (no picker)."""
-    cfg = bootstrap(epp="127.0.0.1:1", listen=listen, admin=admin)
+    cfg = bootstrap(epp="127.0.0.1:1", listen=listen, admin=admin, pool=(engine,))
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = hcm["http_filters"][1:]  # the router only
     hcm["route_config"]["virtual_hosts"][0]["routes"] = [{"match": {"prefix": "/"}, "route": {"cluster": "engine", "timeout": "0s"}}]
@@ -167,7 +167,7 @@ def main() -> int:
                "engines": [{"name": "e0", "url": f"http://{engine}", "role": "unified", "dialect": "vllm"}],
                "gateway": {"listen": f"127.0.0.1:{epp_port}"}}
         (tmp / "n.yaml").write_text(yaml.safe_dump(cfg))
-        (tmp / "gw.yaml").write_text(yaml.safe_dump(bootstrap(epp=f"127.0.0.1:{epp_port}", listen=f"127.0.0.1:{gw_port}", admin=f"127.0.0.1:{free_port()}")))
+        (tmp / "gw.yaml").write_text(yaml.safe_dump(bootstrap(epp=f"127.0.0.1:{epp_port}", listen=f"127.0.0.1:{gw_port}", admin=f"127.0.0.1:{free_port()}", pool=(engine,))))
         (tmp / "plain.yaml").write_text(yaml.safe_dump(_plain_envoy(f"127.0.0.1:{plain_port}", engine, f"127.0.0.1:{free_port()}")))
         nw_argv = [sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / "n.yaml")]
         envoy_argv = [ENVOY, "--concurrency", "1", "--disable-hot-restart", "-l", "error", "-c"]

@@ -653,6 +653,14 @@ class Gateway(BaseModel):
             le=60000,
         ),
     ] = 500
+    max_fallbacks: Annotated[
+        StrictInt,
+        Field(
+            description="A grant's x-gateway-destination-endpoint (and envoy.lb) names the chosen engine and then at most this many fallbacks, in Narwhal's placement order: eligible engines of the request's subset with a free slot, where the gateway may retry after a connect failure (the reference Envoy configuration retries that many times). 0: one endpoint.",
+            ge=0,
+            le=8,
+        ),
+    ] = 2
 
 
 class Serving(BaseModel):

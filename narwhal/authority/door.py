@@ -21,6 +21,7 @@ from ..core.lease import Grant, Order, Outcome
 from ..core.placement import Placement, place
 from ..core.prefix import APPROX_BLOCK_BYTES
 from ..core.quota import DEFAULT
+from ..core.reroute import fallbacks, moved
 from ..core.tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 from .authority import Authority
 
@@ -113,6 +114,23 @@ class LocalLease:
     async def retry(self, engine: str, row: E.ErrorRow, phase: str, at: float) -> Grant | Refuse | None:
         g = self.retry_now(engine, row, phase, at)
         return await self.wait() if g is QUEUED else g  # type: ignore[return-value]
+
+    # -- a gateway's fallback list (core/reroute.py) -----------------------------------------
+
+    def fallbacks(self, n: int) -> tuple[str, ...]:
+        return fallbacks(self.a.scheduler, self.t, n)
+
+    def served(self, engine: str, at: float) -> bool:
+        """The gateway served the request on `engine` after the granted one failed to
+        connect (E06 for its breaker); False when the books cannot follow (unknown, or not
+        a unified engine)."""
+        a, old = self.a, self.t.engine
+        e = a.scheduler.engines.get(engine)
+        if old is None or engine == old or e is None or e.role != "unified" or self.t.holds_prefill != old:
+            return False
+        a.engine_failed(old, E.E06)
+        a.wake(moved(a.scheduler, self.t, engine, at))
+        return True
 
     # -- phase events --------------------------------------------------------------------
 

@@ -42,13 +42,13 @@ when a message reached it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from narwhal_generated import errors as E
 
 from .tickets import Refuse
 
-__all__ = ["Grant", "Order", "Outcome", "Lease", "Entry", "Door", "Controls"]
+__all__ = ["Grant", "Order", "Outcome", "Lease", "Rerouting", "Entry", "Door", "Controls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +108,16 @@ class Lease(Protocol):
     async def retry(self, engine: str, row: E.ErrorRow, phase: str, at: float) -> Grant | Refuse | None: ...
 
     def close(self, outcome: Outcome) -> None: ...
+
+
+@runtime_checkable
+class Rerouting(Protocol):
+    """A lease a gateway can route with fallbacks (core/reroute.py): the authority's own,
+    in process (the endpoint picker needs serving.workers: 1)."""
+
+    def fallbacks(self, n: int) -> tuple[str, ...]: ...
+
+    def served(self, engine: str, at: float) -> bool: ...
 
 
 class Entry(Protocol):

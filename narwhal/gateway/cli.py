@@ -22,7 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--listen", required=True, help="HOST:PORT Envoy listens on for clients")
     e.add_argument("--failure-mode-allow", action="store_true",
                    help="FailOpen: when the picker is down, requests go round robin to the --pool endpoints (default FailClose: 500/503 from Envoy)")
-    e.add_argument("--pool", action="append", default=[], metavar="IP:PORT", help="an engine for FailOpen (repeat)")
+    e.add_argument("--pool", action="append", default=[], metavar="IP:PORT",
+                   help="an engine's IP:PORT, as Narwhal names it (repeat for each engine): the endpoints the picker may name")
+    e.add_argument("--max-fallbacks", type=int, default=2,
+                   help="retries of a connect failure on the picker's next endpoint (default 2: Narwhal's gateway.max_fallbacks)")
     e.add_argument("--message-timeout-s", type=int, default=1000, help="ext_proc message_timeout in seconds (default 1000, the protocol's reference)")
     e.add_argument("--health-interval-ms", type=int, default=1000, help="how often Envoy checks the picker's gRPC health (default 1000)")
     e.add_argument("--admin", metavar="HOST:PORT", help="Envoy's admin listener (off by default)")
@@ -36,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.message_timeout_s <= 3600 or not 10 <= args.health_interval_ms <= 60000:
             raise ValueError("--message-timeout-s takes 1..3600, --health-interval-ms 10..60000")
         cfg = bootstrap(epp=args.epp, listen=args.listen, failure_mode_allow=args.failure_mode_allow, pool=tuple(args.pool),
-                        message_timeout_s=args.message_timeout_s, health_interval_ms=args.health_interval_ms, admin=args.admin)
+                        message_timeout_s=args.message_timeout_s, health_interval_ms=args.health_interval_ms, admin=args.admin,
+                        max_fallbacks=args.max_fallbacks)
     except ValueError as e:
         print(f"narwhal gateway envoy-config: {e}", file=sys.stderr)
         return 2

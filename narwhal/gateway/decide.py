@@ -17,9 +17,10 @@ Invariants
     body, R08-R14 at admission. A refusal is an `Immediate`: the row's status, its
     OpenAI error envelope and its headers (Retry-After) exactly as `generated/errors.py`
     renders them for the HTTP path, plus `x-request-id`.
-  * A grant names one engine: `x-gateway-destination-endpoint: ip:port` and the same
-    value in dynamic metadata `envoy.lb` (the endpoint-picker protocol: header and
-    metadata agree). The body Envoy forwards is the one Narwhal sends an engine itself
+  * A grant names the granted engine first, then its fallbacks (core/reroute.py, at most
+    gateway.max_fallbacks): `x-gateway-destination-endpoint: ip:port[,ip:port...]` and the
+    same value in dynamic metadata `envoy.lb` (the endpoint-picker protocol: header and
+    metadata agree; the gateway tries them in order). The body Envoy forwards is the one Narwhal sends an engine itself
     (core/dialects.py decode_body: streamed from the engine, usage asked for, token IDs
     asked of the vllm dialect, T01), so the response can be checked and counted.
   * The response is read with the relay step of the direct path (core/relay.py): token
@@ -86,7 +87,7 @@ class Immediate:
 class Route:
     """A grant: the request headers' answer and the body Envoy forwards to `endpoint`."""
 
-    endpoint: str  # ip:port (the value of the header and of the envoy.lb metadata)
+    endpoint: str  # ip:port[,ip:port...] (the value of the header and of the envoy.lb metadata)
     set_headers: tuple[tuple[str, bytes], ...]
     remove_headers: tuple[str, ...]
     body: bytes
@@ -179,11 +180,14 @@ class BodyReader:
         return bytes(self._buf)
 
 
-def grant(endpoint: str, body: dict[str, Any], *, dialect: str, model: str | None, rid: str) -> Route:
+def grant(endpoints: tuple[str, ...], body: dict[str, Any], *, dialect: str, model: str | None, rid: str) -> Route:
     """T01/T08: the engine's request body, as the direct path sends it (decode_body), and
-    the headers that send Envoy to `endpoint`. The body's length changed: Content-Length
-    is set anew (Envoy forwards exactly the bytes answered)."""
+    the headers that send Envoy to `endpoints` (the granted engine, then its fallbacks).
+    The body's length changed: Content-Length is set anew (Envoy forwards exactly the
+    bytes answered). The fallbacks are engines of the same dialect and model (the body is
+    theirs too)."""
     out = orjson.dumps(decode_body(body, dialect=dialect, model=model))
+    endpoint = ",".join(endpoints)
     headers: list[tuple[str, bytes]] = [(DESTINATION, endpoint.encode()), ("content-length", b"%d" % len(out))]
     if DIALECTS[dialect].propagate_request_id:
         headers.append(("x-request-id", rid.encode()))
@@ -210,7 +214,7 @@ class ResponseReader:
     bytes the client gets; a failure after the stream began ends it with an error event
     in the engine's shape, and the rest of the engine's bytes are answered empty."""
 
-    __slots__ = ("relay", "stream", "route", "checks_ids", "prompt_tokens", "status", "ended", "failure", "_rid", "_usage_source", "_extra", "_engine", "_error_body", "_max_error")
+    __slots__ = ("relay", "stream", "route", "checks_ids", "prompt_tokens", "status", "ended", "failure", "_rid", "_usage_source", "_extra", "engine", "_error_body", "_max_error")
 
     def __init__(self, *, route: str, stream: bool, client_ids: bool, client_usage: bool, dialect: str, prompt_tokens: int,
                  exact_prompt: bool, max_event_bytes: int, max_answer_bytes: int, hosts: tuple[str, ...], rid: str,
@@ -230,7 +234,7 @@ class ResponseReader:
         self.failure: tuple[str, str] | None = None
         self._rid = rid
         self._extra = extra_headers  # the response headers admission's facts add (predictive: the projection)
-        self._engine = engine  # its name, in E04/E05 words (never its address)
+        self.engine = engine  # its name (the one serving: a fallback once the gateway reports it), in E04/E05 words (never its address)
         self._error_body = bytearray()
         self._max_error = max_event_bytes
 
@@ -261,7 +265,7 @@ class ResponseReader:
             return Piece(b"", False)
         row = self._error_row()
         msg, param = engine_error_detail(self.status or 0, bytes(self._error_body), self.relay.hosts)
-        detail = f"engine {self._engine}: {msg}"
+        detail = f"engine {self.engine}: {msg}"
         self.ended = Ended("failed", row.id, detail)
         _, _, out = render(row, param=param, detail=detail)
         return Piece(out, True)

@@ -9,9 +9,16 @@ What it holds, and why:
     `message_timeout` (the endpoint-picker protocol's reference configuration), the
     route cache cleared after the picker's header mutation, `failure_mode_allow` as
     asked (`--failure-mode-allow`: FailOpen; default FailClose);
-  * route 1: a request carrying the picker's header goes to `inference_pool`, an
-    ORIGINAL_DST cluster that connects where `x-gateway-destination-endpoint` says
-    (`original_dst_lb_config: {use_http_header: true, http_header_name: ...}`);
+  * route 1: a request carrying the picker's header goes to `inference_pool`: the `--pool`
+    endpoints (the engines, IP literals) under Envoy's override-host load-balancing policy
+    (`envoy.load_balancing_policies.override_host`), which connects to the endpoints the
+    picker named in `envoy.lb` / `x-gateway-destination-endpoint`, in order: the route
+    retries a connect failure (or a reset before the request went out) up to
+    `--max-fallbacks` times, each retry on the list's next endpoint, and writes the
+    endpoint it used to `envoy.lb` / `x-gateway-destination-endpoint-served`, which the
+    ext_proc filter forwards to the picker with the response. Past the list the policy's
+    fallback is a subset load balancer that matches no endpoint: a request never goes to
+    an endpoint the picker did not name;
   * route 2, only with --failure-mode-allow: a request the picker did not answer (it is
     down) goes to `fail_open_pool`, the `--pool` endpoints round robin; without it the
     route answers 503 itself;
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .decide import DESTINATION, SERVICE
+from .decide import DESTINATION, LB_NAMESPACE, SERVED, SERVICE
 
 __all__ = ["bootstrap", "host_port", "OBSERVED_UPSTREAM", "OBSERVED_PICKED"]
 
@@ -59,7 +66,9 @@ def _ext_proc(failure_mode_allow: bool, message_timeout_s: int) -> dict[str, Any
             "route_cache_action": "CLEAR",
             # the picker's dynamic metadata (envoy.lb: the endpoint it named) is taken
             # and Envoy's subset hint, when a load balancer sets one, is sent to the picker
-            "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}, "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+            # and so is envoy.lb itself, where the load balancer wrote the endpoint it served
+            "metadata_options": {"receiving_namespaces": {"untyped": [LB_NAMESPACE]},
+                                 "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", LB_NAMESPACE]}},
         },
     }
 
@@ -74,9 +83,12 @@ _OBSERVE = [
 ]
 
 
-def _routes(failure_mode_allow: bool) -> list[dict[str, Any]]:
-    picked = {"match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
-              "route": {"cluster": "inference_pool", "timeout": "0s"}}
+def _routes(failure_mode_allow: bool, max_fallbacks: int) -> list[dict[str, Any]]:
+    route: dict[str, Any] = {"cluster": "inference_pool", "timeout": "0s"}
+    if max_fallbacks:
+        # the list's next endpoint when a connection could not be made (nothing reached the engine)
+        route["retry_policy"] = {"retry_on": "connect-failure,reset-before-request", "num_retries": max_fallbacks}
+    picked = {"match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]}, "route": route}
     if failure_mode_allow:
         rest: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": "fail_open_pool", "timeout": "0s"}}
     else:
@@ -84,7 +96,7 @@ def _routes(failure_mode_allow: bool) -> list[dict[str, Any]]:
     return [picked, rest]
 
 
-def _listener(listen: str, failure_mode_allow: bool, message_timeout_s: int, observe: bool = False) -> dict[str, Any]:
+def _listener(listen: str, failure_mode_allow: bool, message_timeout_s: int, max_fallbacks: int, observe: bool = False) -> dict[str, Any]:
     hcm = {
         "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "narwhal_gateway",
@@ -96,7 +108,7 @@ def _listener(listen: str, failure_mode_allow: bool, message_timeout_s: int, obs
                 "mutations": [{"remove": DESTINATION}],
             },
         }],
-        "route_config": {"name": "inference", "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(failure_mode_allow),
+        "route_config": {"name": "inference", "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(failure_mode_allow, max_fallbacks),
                                                                  **({"response_headers_to_add": _OBSERVE} if observe else {})}]},
         "http_filters": [
             _ext_proc(failure_mode_allow, message_timeout_s),
@@ -126,13 +138,33 @@ def _static(name: str, endpoints: list[str], *, http2: bool = False) -> dict[str
     return c
 
 
-def bootstrap(*, epp: str, listen: str, failure_mode_allow: bool = False, pool: tuple[str, ...] = (), message_timeout_s: int = 1000,
-              health_interval_ms: int = 1000, admin: str | None = None, observe: bool = False) -> dict[str, Any]:
-    """The bootstrap as a mapping (YAML or JSON to Envoy). `observe`: every response names
-    the upstream Envoy used (x-epp-upstream-host) and what the picker named
-    (x-epp-picked), for tests and the conformance suite's `epp` profile."""
-    if failure_mode_allow and not pool:
-        raise ValueError("--failure-mode-allow needs the --pool endpoints a request goes to when the picker is down")
+_LB = _T + "extensions.load_balancing_policies."
+
+
+def _override_host() -> dict[str, Any]:
+    """The endpoints the picker named, in order (one more for each retry); past them, none."""
+    nothing = {"name": "envoy.load_balancing_policies.subset", "typed_config": {
+        "@type": _LB + "subset.v3.Subset", "fallback_policy": "NO_FALLBACK", "subset_selectors": [{"keys": ["narwhal-never-set"]}],
+        "subset_lb_policy": {"policies": [{"typed_extension_config": {"name": "envoy.load_balancing_policies.round_robin",
+                                                                       "typed_config": {"@type": _LB + "round_robin.v3.RoundRobin"}}}]}}}
+    return {"policies": [{"typed_extension_config": {"name": "envoy.load_balancing_policies.override_host", "typed_config": {
+        "@type": _LB + "override_host.v3.OverrideHost",
+        "override_host_sources": [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION}]}}],
+        "selected_host_key": {"key": LB_NAMESPACE, "path": [{"key": SERVED}]},
+        "fallback_policy": {"policies": [{"typed_extension_config": nothing}]},
+    }}}]}
+
+
+def bootstrap(*, epp: str, listen: str, pool: tuple[str, ...], failure_mode_allow: bool = False, message_timeout_s: int = 1000,
+              health_interval_ms: int = 1000, admin: str | None = None, observe: bool = False, max_fallbacks: int = 2) -> dict[str, Any]:
+    """The bootstrap as a mapping (YAML or JSON to Envoy). `pool`: the engines' IP:PORT
+    (the endpoints the picker may name). `observe`: every response names the upstream
+    Envoy used (x-epp-upstream-host) and what the picker named (x-epp-picked), for tests
+    and the conformance suite's `epp` profile."""
+    if not pool:
+        raise ValueError("--pool IP:PORT (repeat) names the engines, the endpoints the picker may name")
+    if not 0 <= max_fallbacks <= 8:
+        raise ValueError("--max-fallbacks takes 0..8 (Narwhal's gateway.max_fallbacks)")
     picker = _static("narwhal_picker", [epp], http2=True)
     # a picker that is not SERVING gets nothing (Envoy's default panic threshold would send
     # to an unhealthy single host anyway): the ext_proc stream fails at once, and
@@ -147,18 +179,12 @@ def bootstrap(*, epp: str, listen: str, failure_mode_allow: bool = False, pool: 
         "grpc_health_check": {"service_name": SERVICE},
     }]
     clusters = [
-        {
-            "name": "inference_pool",
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": "5s",
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
-        },
+        {**{k: v for k, v in _static("inference_pool", list(pool)).items() if k != "lb_policy"}, "load_balancing_policy": _override_host()},
         picker,
     ]
     if failure_mode_allow:
         clusters.append(_static("fail_open_pool", list(pool)))
-    out: dict[str, Any] = {"static_resources": {"listeners": [_listener(listen, failure_mode_allow, message_timeout_s, observe)], "clusters": clusters}}
+    out: dict[str, Any] = {"static_resources": {"listeners": [_listener(listen, failure_mode_allow, message_timeout_s, max_fallbacks, observe)], "clusters": clusters}}
     if admin is not None:
         out["admin"] = {"address": _address(admin)}
     return out

@@ -24,7 +24,7 @@ from typing import Any
 
 from narwhal_generated import errors as E
 
-from ..core.lease import Entry, Grant, Lease, Order, Outcome
+from ..core.lease import Entry, Grant, Lease, Order, Outcome, Rerouting
 from ..core.prefix import rendered, text_keys
 from ..core.requests import ParsedRequest, Rejection, parse_headers, parse_request, without_fields
 from ..core.tickets import Refuse
@@ -107,11 +107,13 @@ class Exchange:
         self.idle_s = idle_s
         self.lease: Lease | None = None
         self.engine: str | None = None
-        self.endpoint: str | None = None  # what the grant named (ip:port)
+        self.endpoint: str | None = None  # the engine the books hold the request on (ip:port): the grant's first, or the one served
+        self.named: dict[str, str] = {}  # what the grant named, endpoint -> engine (the first, then the fallbacks)
         self.reader: ResponseReader | None = None
         self.first_at: float | None = None
         self.served: str | None = None
         self.arrival = 0.0
+        self.rid = ""
         self.subset: frozenset[str] | None = None
         self.rec: RequestRecord | None = None  # JSON logs or a sampled trace: the request_end line, the root span
         # the terminal class once the answer's last message is handed to gRPC: Envoy ends
@@ -138,7 +140,7 @@ class Exchange:
             return "none"
         head = first.head
         self.subset = first.subset
-        rid = _rid(head)
+        rid = self.rid = _rid(head)
         route = route_of(head)
         method = (header(head, ":method") or b"").decode("latin-1")
         if route is None:  # H01: not a completion route (neither offered nor in the books)
@@ -278,8 +280,9 @@ class Exchange:
             log.info("request %s: granted %s, outside the gateway's subset hint; answered R09", rid, g.engine)
             return await self.refuse(refusal(E.R09, rid, phase=g.phase))
         self.engine, self.endpoint = g.engine, endpoint
-        route = grant(endpoint, without_fields(parsed.body, r.strip_fields), dialect=spec.dialect, model=spec.model, rid=rid)
-        await self._say(Said("request_headers", route, {"envoy.lb": {"x-gateway-destination-endpoint": endpoint}}))
+        self.named = {endpoint: g.engine, **self._fallbacks(lease, spec)}
+        route = grant(tuple(self.named), without_fields(parsed.body, r.strip_fields), dialect=spec.dialect, model=spec.model, rid=rid)
+        await self._say(Said("request_headers", route, {"envoy.lb": {"x-gateway-destination-endpoint": route.endpoint}}))
         body = route.body
         for i in range(0, max(len(body), 1), BODY_PIECE):
             await self._say(Said("request_body", Piece(body[i:i + BODY_PIECE], i + BODY_PIECE >= len(body))))
@@ -290,6 +293,41 @@ class Exchange:
             hosts=r.engine_hosts, rid=rid, extra_headers=_projection(lease), engine=g.engine)
         return await self._response(self.reader, lease, parsed.route)
 
+    def _fallbacks(self, lease: Lease, spec: Any) -> dict[str, str]:
+        """endpoint -> engine for the grant's fallbacks (core/reroute.py), in order: engines
+        of the granted one's dialect and model (the body Envoy forwards is theirs too),
+        within the subset hint, at most gateway.max_fallbacks."""
+        n = self.r.config.gateway.max_fallbacks if self.r.config.gateway is not None else 0
+        if not n or not isinstance(lease, Rerouting):
+            return {}
+        out: dict[str, str] = {}
+        for name in lease.fallbacks(len(self.r.engines)):
+            s = self.r.engines.get(name)
+            if s is None or s.dialect != spec.dialect or s.model != spec.model:
+                continue
+            ep = endpoint_of(s.url)
+            if (self.subset is None or ep in self.subset) and ep != self.endpoint and ep not in out:
+                out[ep] = name
+                if len(out) == n:
+                    break
+        return out
+
+    def _served(self, served: str, lease: Lease) -> None:
+        """The gateway reports the endpoint it served (x-gateway-destination-endpoint-served):
+        a fallback the grant named takes the request's slot on the books (core/reroute.py);
+        one it did not name is logged (the books cannot follow)."""
+        self.served = served
+        if served == self.endpoint:
+            return
+        engine = self.named.get(served)
+        if engine is not None and self.first_at is None and isinstance(lease, Rerouting) and lease.served(engine, self.r.clock.now()):
+            log.info("request %s: served by %s (%s), a fallback; %s failed to connect", self.rid, engine, served, self.engine)
+            self.engine, self.endpoint = engine, served
+            if self.reader is not None:
+                self.reader.engine = engine
+            return
+        log.warning("the gateway reports it served %s, not %s (engine %s), the endpoint the picker named", served, self.endpoint, self.engine)
+
     async def _response(self, reader: ResponseReader, lease: Lease, route: str) -> str:
         """The response direction until Envoy's last message of it has been answered (a
         stream's failure ends it for the client first; what the engine sends after is
@@ -298,8 +336,8 @@ class Exchange:
         done = False
         while not done:
             m = await self.next()
-            if m.served is not None:
-                self.served = m.served
+            if m.served is not None and m.served != self.served:
+                self._served(m.served, lease)
             if m.kind == "response_headers" and m.head is not None:
                 await self._say(Said("response_headers", reader.headers(m.head)))
                 if m.head.end_of_stream:  # a response without a body
@@ -368,9 +406,6 @@ class Exchange:
             pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
             kw = {"tpot_s": tpot, "tpot_engine": self.engine if tpot is not None else None, "output_tokens": relay.token_count,
                   "finish_reason": relay.finish_reason, "reported_prompt_tokens": pt if type(pt) is int else None, "cached_tokens": cached(usage)}
-        if self.served is not None and self.endpoint is not None and self.served != self.endpoint:
-            # the grant names one endpoint (no fallback list): the gateway went elsewhere
-            log.warning("the gateway reports it served %s, not %s (engine %s), the endpoint the picker named", self.served, self.endpoint, self.engine)
         if cls == "completed":
             kw["ok_engine"] = self.engine
         elif ended is not None and ended.row in ("E02", "E03", "E04") and self.engine is not None:

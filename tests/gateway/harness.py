@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import yaml
 
+from narwhal.gateway.decide import endpoint_of
 from narwhal.gateway.envoy import bootstrap
 from narwhal.http.server import free_port
 from narwhal_conformance.epp_run import _stop, envoy_binary
@@ -44,8 +45,9 @@ def wait_for(pred: Any, timeout: float, what: str, interval: float = 0.05) -> An
 
 
 class Picker:
-    def __init__(self, url: str, epp: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    def __init__(self, url: str, epp: str, proc: subprocess.Popen[bytes], log: Path, pool: tuple[str, ...]) -> None:
         self.url, self.epp, self.proc, self.log = url, epp, proc, log
+        self.pool = pool  # its engines' IP:PORT, the endpoints it may name (Envoy's inference_pool)
 
     def set_state(self, state: str) -> None:
         r = httpx.post(self.url + "/admin/state", json={"state": state}, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
@@ -97,7 +99,7 @@ def picker(engines: list[dict[str, Any]], extra: dict[str, Any] | None = None, *
                 raise AssertionError(f"{e}: " + log.read_text()[-3000:]) from None
             if p.poll() is not None:
                 raise AssertionError("narwhal serve exited: " + log.read_text()[-3000:])
-            yield Picker(url, f"127.0.0.1:{epp}", p, log)
+            yield Picker(url, f"127.0.0.1:{epp}", p, log, tuple(endpoint_of(e["url"]) for e in engines))
         finally:
             _stop(p)
 
@@ -127,7 +129,7 @@ class Envoy:
 
 
 @contextlib.contextmanager
-def envoy(epp: str, *, failure_mode_allow: bool = False, pool: tuple[str, ...] = (), wait_healthy: bool = True) -> Iterator[Envoy]:
+def envoy(epp: str, *, pool: tuple[str, ...], failure_mode_allow: bool = False, wait_healthy: bool = True) -> Iterator[Envoy]:
     """A real Envoy with the reference bootstrap (`narwhal gateway envoy-config`)."""
     assert ENVOY is not None
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

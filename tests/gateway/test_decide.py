@@ -7,8 +7,14 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from narwhal.core.admission import Scheduler
+from narwhal.core.clock import ManualClock
 from narwhal.core.dialects import decode_body
+from narwhal.core.fleet import EngineState
+from narwhal.core.prediction import Margin
 from narwhal.core.refusals import render
+from narwhal.core.reroute import fallbacks, moved
+from narwhal.core.tickets import Dispatch, Work
 from narwhal.gateway.decide import (
     DESTINATION,
     BodyReader,
@@ -85,12 +91,18 @@ def test_endpoint_of(url: str, endpoint: str) -> None:
 @pytest.mark.parametrize("dialect", ["vllm", "sglang", "openai"])
 def test_T01_T08_the_grant_forwards_the_direct_paths_engine_body(dialect: str) -> None:
     client = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "return_token_ids": True}
-    r = grant("10.0.0.7:8000", client, dialect=dialect, model="served", rid="rid-1")
+    r = grant(("10.0.0.7:8000",), client, dialect=dialect, model="served", rid="rid-1")
     assert orjson.loads(r.body) == decode_body(client, dialect=dialect, model="served")
     h = dict(r.set_headers)
     assert h[DESTINATION] == b"10.0.0.7:8000"
     assert h["content-length"] == b"%d" % len(r.body)
     assert r.endpoint == "10.0.0.7:8000"
+
+
+def test_a_grant_with_fallbacks_names_them_in_order_after_the_engine() -> None:
+    r = grant(("10.0.0.7:8000", "10.0.0.9:8000", "10.0.0.8:8000"), {"model": "m", "prompt": "x"}, dialect="vllm", model=None, rid="r")
+    assert dict(r.set_headers)[DESTINATION] == b"10.0.0.7:8000,10.0.0.9:8000,10.0.0.8:8000"
+    assert r.endpoint == "10.0.0.7:8000,10.0.0.9:8000,10.0.0.8:8000"  # envoy.lb's value: the same
 
 
 def _events(*objs: dict[str, object]) -> bytes:
@@ -188,3 +200,50 @@ def test_a_stream_cut_before_done_fails_E02() -> None:
 ])
 def test_subset_of(value: str | list[str] | None, subset: frozenset[str] | None) -> None:
     assert subset_of(value) == subset
+
+
+# -- the scheduler's side of a gateway request (core/reroute.py, Work.only) -------------------
+
+
+def _engine(name: str, b0: float, *, slots: int = 2, healthy: bool = True) -> EngineState:
+    e = EngineState(name, f"http://{name}", role="unified", dialect="vllm", prefill_slots=slots, decode_slots=slots)
+    e.prefill.lin.theta = [b0, 1000.0, 0.0]  # b0 ms + 1 ms a token
+    e.start_model.theta = [5.0, 0.0]
+    e.healthy = healthy
+    return e
+
+
+def _work(clk: ManualClock) -> Work:
+    return Work(route="chat", prompt_tokens=100, max_tokens=16, budget_ms=60000.0, arrival=clk.now(), max_wait_s=10.0, deadline_s=None)
+
+
+def _sched(*es: EngineState) -> Scheduler:
+    return Scheduler(es, mode="predictive", queue_limit=8, margin=Margin(initial=1.0, adaptive=False))
+
+
+def test_fallbacks_are_free_eligible_engines_best_first() -> None:
+    clk = ManualClock()
+    es = {n: _engine(n, b0) for n, b0 in (("a", 10.0), ("b", 300.0), ("c", 100.0), ("full", 1.0), ("down", 1.0))}
+    es["full"].prefill_slots = es["full"].decode_slots = 1
+    es["down"].healthy = False
+    s = _sched(*es.values())
+    s.reserve("full", _work(clk), clk.now())  # fills `full`
+    d = s.admit(_work(clk), clk.now())
+    assert isinstance(d, Dispatch) and d.engine == "a"
+    assert fallbacks(s, d.ticket, 8) == ("c", "b")  # least projected prefill first; full and unhealthy left out
+    assert fallbacks(s, d.ticket, 1) == ("c",)
+    assert fallbacks(s, d.ticket, 0) == ()
+
+
+def test_served_elsewhere_moves_the_slot_and_the_books_balance() -> None:
+    clk = ManualClock()
+    a, b = _engine("a", 10.0), _engine("b", 20.0)
+    s = _sched(a, b)
+    d = s.admit(_work(clk), clk.now())
+    assert isinstance(d, Dispatch) and d.engine == "a" and (a.prefill_in_use, b.prefill_in_use) == (1, 0)
+    moved(s, d.ticket, "b", clk.now())
+    assert (a.prefill_in_use, a.decode_in_use, b.prefill_in_use, b.decode_in_use) == (0, 0, 1, 1)
+    assert d.ticket.engine == "b" and "a" in d.ticket.excluded and fallbacks(s, d.ticket, 8) == ()
+    s.first_token(d.ticket, clk.now())
+    s.finish(d.ticket, clk.now())
+    assert (a.prefill_in_use, a.decode_in_use, b.prefill_in_use, b.decode_in_use) == (0, 0, 0, 0)

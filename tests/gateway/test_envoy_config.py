@@ -28,9 +28,10 @@ def _filter(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("args", [
-    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080"],
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000"],
     ["--epp", "10.0.0.3:9002", "--listen", "127.0.0.1:8080", "--failure-mode-allow", "--pool", "10.0.0.7:8000", "--pool", "10.0.0.8:8000"],
-    ["--epp", "127.0.0.1:9002", "--listen", "127.0.0.1:8080", "--admin", "127.0.0.1:9901", "--message-timeout-s", "60"],
+    ["--epp", "127.0.0.1:9002", "--listen", "127.0.0.1:8080", "--pool", "10.0.0.7:8000", "--admin", "127.0.0.1:9901", "--message-timeout-s", "60"],
+    ["--epp", "127.0.0.1:9002", "--listen", "127.0.0.1:8080", "--pool", "10.0.0.7:8000", "--pool", "[::1]:8000", "--max-fallbacks", "0"],
 ])
 def test_envoy_accepts_the_bootstrap(args: list[str], tmp_path: Path) -> None:
     rc, out, err = _config(*args)
@@ -43,7 +44,7 @@ def test_envoy_accepts_the_bootstrap(args: list[str], tmp_path: Path) -> None:
 
 
 def test_the_reference_shape() -> None:
-    rc, out, _ = _config("--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080")
+    rc, out, _ = _config("--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000", "--pool", "10.0.0.8:8000")
     assert rc == 0
     cfg = yaml.safe_load(out)
     f = _filter(cfg)
@@ -53,9 +54,19 @@ def test_the_reference_shape() -> None:
         "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
     }
     assert f["message_timeout"] == "1000s" and f["failure_mode_allow"] is False
+    # the picker's list in envoy.lb, tried in order on a connect failure (retries), the one
+    # served written back and forwarded to the picker
+    assert set(f["metadata_options"]["forwarding_namespaces"]["untyped"]) == {"envoy.lb", "envoy.lb.subset_hint"}
     pool = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "inference_pool")
-    assert pool["type"] == "ORIGINAL_DST"
-    assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-gateway-destination-endpoint"}
+    assert pool["type"] == "STATIC" and "lb_policy" not in pool
+    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]] == ["10.0.0.7", "10.0.0.8"]
+    oh = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert oh["name"] == "envoy.load_balancing_policies.override_host"
+    assert oh["typed_config"]["override_host_sources"] == [{"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}]
+    assert oh["typed_config"]["selected_host_key"] == {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint-served"}]}
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    picked = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert picked["retry_policy"] == {"retry_on": "connect-failure,reset-before-request", "num_retries": 2}
     picker = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "narwhal_picker")
     assert picker["health_checks"][0]["grpc_health_check"] == {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
     rc, out, _ = _config("--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--failure-mode-allow", "--pool", "10.0.0.7:8000")
@@ -63,10 +74,12 @@ def test_the_reference_shape() -> None:
 
 
 @pytest.mark.parametrize("args", [
-    ["--epp", "nowhere", "--listen", "0.0.0.0:8080"],
-    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:99999"],
-    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--failure-mode-allow"],  # FailOpen needs a pool
-    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--message-timeout-s", "0"],
+    ["--epp", "nowhere", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000"],
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:99999", "--pool", "10.0.0.7:8000"],
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080"],  # the pool is needed (the endpoints the picker may name)
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--failure-mode-allow"],
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000", "--message-timeout-s", "0"],
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000", "--max-fallbacks", "9"],
 ])
 def test_bad_arguments_are_refused(args: list[str]) -> None:
     rc, out, err = _config(*args)

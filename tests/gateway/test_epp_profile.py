@@ -37,11 +37,12 @@ def _port_base() -> int:
     raise AssertionError("no free port base")
 
 
-def _run(serve: str, tmp_path: Path) -> tuple[int, str, dict[str, Any], ET.Element]:
+def _run(serve: str, tmp_path: Path, *cases: str) -> tuple[int, str, dict[str, Any], ET.Element]:
     base, epp = _port_base(), f"127.0.0.1:{free_port()}"
     report, junit = tmp_path / "report.yaml", tmp_path / "junit.xml"
+    only = [a for c in cases for a in ("--case", c)]
     p = subprocess.run([sys.executable, "-m", "narwhal.cli", "conformance", "--profile", "epp", "--epp", epp, "--port-base", str(base),
-                        "--serve", serve, "--report-output", str(report), "--junit", str(junit)], capture_output=True, text=True, timeout=200)
+                        "--serve", serve, "--report-output", str(report), "--junit", str(junit), *only], capture_output=True, text=True, timeout=200)
     return p.returncode, p.stdout, yaml.safe_load(report.read_text()), ET.parse(junit).getroot()
 
 
@@ -49,16 +50,28 @@ def _verdicts(rep: dict[str, Any], section: str) -> dict[str, str]:
     return {t["id"]: t["verdict"] for t in rep["profiles"][0][section]["tests"]}
 
 
+_ROUND_ROBIN = f"{sys.executable} -m narwhal_conformance.epp_picker --listen {{epp}} {{pool}}"
+
+
 def test_a_round_robin_picker_passes_interoperability_and_fails_the_narwhal_profile(tmp_path: Path) -> None:
-    rc, out, rep, junit = _run(f"{sys.executable} -m narwhal_conformance.epp_picker --listen {{epp}} {{pool}}", tmp_path)
+    rc, out, rep, junit = _run(_ROUND_ROBIN + " --fallbacks 1", tmp_path)
     assert rc == 1, out  # the Narwhal-profile cases fail: it has no admission of its own
     assert rep["kind"] == "ConformanceReport" and rep["apiVersion"] == "gateway.networking.k8s.io/v1"
     core, extended = _verdicts(rep, "core"), _verdicts(rep, "extended")
     assert set(core.values()) <= {"Pass", "N/A"} and rep["profiles"][0]["core"]["result"] == "success", out
-    assert core["epp/fallback/1"] == "N/A" and core["epp/refusal/2"] == "N/A"  # one endpoint named; nothing refused
+    assert core["epp/fallback/1"] == "Pass"  # its list's second endpoint answered while the first was down
+    assert core["epp/refusal/2"] == "N/A"  # nothing refused
     assert extended == {"epp/admission/1": "Fail", "epp/accounting/1": "Fail"}
-    assert "interoperability 8/8" in out and "Narwhal profile 0/2" in out
+    assert "interoperability 9/9" in out and "Narwhal profile 0/2" in out
     assert len(junit.findall(".//testcase")) == len(CASES) + 2
+
+
+def test_the_fallback_case_fails_a_picker_that_names_a_dead_endpoint_alone(tmp_path: Path) -> None:
+    """The check can fail: round robin without fallbacks names the stopped engine first,
+    alone, every other request; Envoy answers those 503."""
+    rc, out, rep, _ = _run(_ROUND_ROBIN, tmp_path, "epp/fallback/1")
+    assert rc == 0, out  # a SHOULD: Non-Strict, not a failed run
+    assert _verdicts(rep, "core") == {"epp/fallback/1": "Non-Strict"}, out
 
 
 def test_narwhal_as_picker_passes_the_whole_profile(tmp_path: Path) -> None:
@@ -66,9 +79,10 @@ def test_narwhal_as_picker_passes_the_whole_profile(tmp_path: Path) -> None:
     assert rc == 0, out
     core, extended = _verdicts(rep, "core"), _verdicts(rep, "extended")
     assert core["epp/refusal/2"] == "Pass"  # its admission refuses part of the burst, 429 with Retry-After
-    assert {v for k, v in core.items() if k != "epp/fallback/1"} == {"Pass"}
+    assert core["epp/fallback/1"] == "Pass"  # its grant names a fallback; the books follow the one served
+    assert set(core.values()) == {"Pass"}
     assert set(extended.values()) == {"Pass"}
-    assert "interoperability 9/9" in out and "Narwhal profile 2/2" in out
+    assert "interoperability 10/10" in out and "Narwhal profile 2/2" in out
 
 
 def test_print_config_names_the_pool_and_gateway_listen() -> None:

