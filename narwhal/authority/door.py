@@ -360,6 +360,7 @@ class LocalEntry:
                 token_prefix=order.token_prefix if a.scheduler.prefix else (),
                 block_tokens=APPROX_BLOCK_BYTES / a.sizer.bytes_per_token,
                 tenant=order.tenant,
+                only=order.only,
             )
         return self.work
 

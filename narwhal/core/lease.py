@@ -30,6 +30,10 @@ objects per request, and these are their whole vocabulary:
                            failure is the engine's, and another engine, if any, is granted,
       close(outcome)       the request ended: free its slots and learn from the outcome.
 
+A gateway's picker (narwhal/gateway) also uses `Rerouting`, the in-process lease's
+fallback list and its move to the engine the gateway served (core/reroute.py); an
+`Order.only` restricts a request's placement to a gateway's subset hint.
+
 Implementations: `narwhal.authority.door` in one process (the authority's objects, called
 directly) and `narwhal.worker.remote` over the IPC channel (narwhal/ipc.py) to the
 authority process, with the same semantics: one code path.
@@ -74,6 +78,9 @@ class Order:
     token_prefix: tuple[int, ...] = ()  # the same over its token IDs, for engines with KV events
     tenant: str | None = None  # auth: the tenant the request acts for (narwhal/tenants); None without auth
     key_id: str | None = None  # auth: the id of its key (never the key)
+    # the engines it may be placed on (a gateway's subset hint, x-gateway-destination-endpoint-subset);
+    # None: any
+    only: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

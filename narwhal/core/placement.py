@@ -254,7 +254,10 @@ def place(s: Scheduler, work: Work, now: float) -> Placement:
     tenant = work.tenant
     wt = s.weights(tenant) if tenant is not None else 1.0
     behind = -1.0  # 1 + mean depth: counted once, when a cache first saves something
+    only = work.only  # a gateway's subset hint: this request's eligibility restricted to it
     for e in s._phase1:
+        if only is not None and e.name not in only:
+            continue
         if not e.healthy or e.draining or e.breaker.opened_at is not None or (e.wave is not None and e.wave in waves):
             continue
         if e.role == "prefill":

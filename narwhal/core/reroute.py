@@ -9,7 +9,7 @@ granted engine, the request's slot moves there.
 Invariants
   * A fallback is an engine the request could be placed on now without waiting: phase 1,
     role unified, eligible (healthy, not draining, breaker closed, not in a maintenance
-    wave), not the granted engine nor one
+    wave), within the request's `only` (the subset hint), not the granted engine nor one
     it already failed on, with a free slot and nobody queued for it. Their order is
     Narwhal's choice of another engine for a request whose first failed (T05,
     Scheduler.retry_unified): least projected prefill counting what its prefix cache is
@@ -35,10 +35,11 @@ def fallbacks(s: Scheduler, t: Ticket, n: int) -> tuple[str, ...]:
     if n <= 0:
         return ()
     work = t.work
+    only = work.only
     tokens = float(work.prompt_tokens)
     ranked: list[tuple[tuple[float, int, float], str]] = []
     for e in s._phase1:
-        if e.role != "unified" or e.name == t.engine or e.name in t.excluded:
+        if e.role != "unified" or e.name == t.engine or e.name in t.excluded or (only is not None and e.name not in only):
             continue
         if not s.eligible(e) or not e.phase1_free() or e.queue:
             continue

@@ -32,6 +32,7 @@ class Work:
     block_tokens: float = 0.0
     token_prefix: tuple[int, ...] = ()  # the same over the prompt's token IDs (engines with KV events)
     tenant: str | None = None  # who it is for (auth; None: no identity): fair queueing, tenant rows
+    only: frozenset[str] | None = None  # the engines it may be placed on (a gateway's subset hint); None: any
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from narwhal_generated import errors as E
@@ -226,9 +226,11 @@ class Exchange:
         if isinstance(parsed, Rejection):  # R04-R07
             return await self.refuse(refusal(parsed.row, rid, param=parsed.param, **parsed.fields))
         assert order is not None
-        if self.subset is not None and not any(endpoint_of(s.url) in self.subset for s in r.engines.values()):
-            # the subset hint names no engine this router places on: R09 before any slot
-            return await self.refuse(refusal(E.R09, rid, phase="unified"))
+        if self.subset is not None:
+            only = frozenset(n for n, s in r.engines.items() if endpoint_of(s.url) in self.subset)
+            if not only:  # the subset hint names no engine this router places on: R09 before any slot
+                return await self.refuse(refusal(E.R09, rid, phase="unified"))
+            order = replace(order, only=only)  # admission places on the subset's engines alone
         lease = await entry.admit(order)
         if isinstance(lease, Refuse):  # R08-R11, R14 (and R17-R20 with tenants)
             return await self.refuse(refusal(lease.row, rid, overrun_s=lease.overrun_s, **lease.fields))
@@ -275,8 +277,8 @@ class Exchange:
             return await self.refuse(refusal(E.H06, rid, request_id=rid))
         endpoint = endpoint_of(spec.url)
         if self.subset is not None and endpoint not in self.subset:
-            # the picker names only endpoints of Envoy's subset hint; admission placed this
-            # one elsewhere (it does not yet prefer the subset): R09, the slot freed
+            # the picker names only endpoints of Envoy's subset hint (admission placed within
+            # it: Order.only; an engine's address changed meanwhile): R09, the slot freed
             log.info("request %s: granted %s, outside the gateway's subset hint; answered R09", rid, g.engine)
             return await self.refuse(refusal(E.R09, rid, phase=g.phase))
         self.engine, self.endpoint = g.engine, endpoint

@@ -129,11 +129,16 @@ class Envoy:
 
 
 @contextlib.contextmanager
-def envoy(epp: str, *, pool: tuple[str, ...], failure_mode_allow: bool = False, wait_healthy: bool = True) -> Iterator[Envoy]:
-    """A real Envoy with the reference bootstrap (`narwhal gateway envoy-config`)."""
+def envoy(epp: str, *, pool: tuple[str, ...], failure_mode_allow: bool = False, wait_healthy: bool = True,
+          filters_before: tuple[dict[str, Any], ...] = ()) -> Iterator[Envoy]:
+    """A real Envoy with the reference bootstrap (`narwhal gateway envoy-config`);
+    `filters_before`: HTTP filters ahead of the ext_proc filter (what a gateway in front
+    adds, e.g. a subset hint)."""
     assert ENVOY is not None
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     cfg = bootstrap(epp=epp, listen=listen, failure_mode_allow=failure_mode_allow, pool=pool, admin=admin, health_interval_ms=200)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"][:0] = list(filters_before)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "envoy.yaml"
         path.write_text(yaml.safe_dump(cfg))

@@ -14,7 +14,7 @@ from narwhal.core.fleet import EngineState
 from narwhal.core.prediction import Margin
 from narwhal.core.refusals import render
 from narwhal.core.reroute import fallbacks, moved
-from narwhal.core.tickets import Dispatch, Work
+from narwhal.core.tickets import Dispatch, Enqueued, Refuse, Work
 from narwhal.gateway.decide import (
     DESTINATION,
     BodyReader,
@@ -213,15 +213,40 @@ def _engine(name: str, b0: float, *, slots: int = 2, healthy: bool = True) -> En
     return e
 
 
-def _work(clk: ManualClock) -> Work:
-    return Work(route="chat", prompt_tokens=100, max_tokens=16, budget_ms=60000.0, arrival=clk.now(), max_wait_s=10.0, deadline_s=None)
+def _work(clk: ManualClock, only: frozenset[str] | None = None) -> Work:
+    return Work(route="chat", prompt_tokens=100, max_tokens=16, budget_ms=60000.0, arrival=clk.now(), max_wait_s=10.0, deadline_s=None, only=only)
 
 
 def _sched(*es: EngineState) -> Scheduler:
     return Scheduler(es, mode="predictive", queue_limit=8, margin=Margin(initial=1.0, adaptive=False))
 
 
-def test_fallbacks_are_free_eligible_engines_best_first() -> None:
+@pytest.mark.parametrize(("only", "placed"), [
+    (None, "fast"),  # the best projection of the fleet
+    (frozenset({"slow"}), "slow"),  # the subset's engine, though another is better: never refused while it has room
+    (frozenset({"slow", "fast"}), "fast"),
+    (frozenset({"down"}), None),  # none of the subset eligible: R09
+    (frozenset(), None),
+])
+def test_subset_hint_restricts_placement_to_its_engines(only: frozenset[str] | None, placed: str | None) -> None:
+    clk = ManualClock()
+    s = _sched(_engine("slow", 400.0), _engine("fast", 10.0), _engine("down", 1.0, healthy=False))
+    got = s.admit(_work(clk, only), clk.now())
+    if placed is None:
+        assert isinstance(got, Refuse) and got.row is E.R09
+    else:
+        assert isinstance(got, Dispatch) and got.engine == placed
+
+
+def test_subset_hint_waits_on_its_own_engine_rather_than_refuse_or_leave_it() -> None:
+    clk = ManualClock()
+    s = _sched(_engine("a", 10.0, slots=1), _engine("b", 10.0, slots=1))
+    assert isinstance(s.admit(_work(clk, frozenset({"a"})), clk.now()), Dispatch)
+    got = s.admit(_work(clk, frozenset({"a"})), clk.now())  # a is full, b free: queued on a, never placed on b
+    assert isinstance(got, Enqueued) and got.engine == "a"
+
+
+def test_fallbacks_are_free_eligible_engines_of_the_subset_best_first() -> None:
     clk = ManualClock()
     es = {n: _engine(n, b0) for n, b0 in (("a", 10.0), ("b", 300.0), ("c", 100.0), ("full", 1.0), ("down", 1.0))}
     es["full"].prefill_slots = es["full"].decode_slots = 1
@@ -233,6 +258,8 @@ def test_fallbacks_are_free_eligible_engines_best_first() -> None:
     assert fallbacks(s, d.ticket, 8) == ("c", "b")  # least projected prefill first; full and unhealthy left out
     assert fallbacks(s, d.ticket, 1) == ("c",)
     assert fallbacks(s, d.ticket, 0) == ()
+    sub = s.admit(_work(clk, frozenset({"a", "b"})), clk.now())
+    assert isinstance(sub, Dispatch) and fallbacks(s, sub.ticket, 8) == ("b",)  # within the subset only
 
 
 def test_served_elsewhere_moves_the_slot_and_the_books_balance() -> None:

@@ -13,6 +13,7 @@ import socket
 import httpx
 import pytest
 
+from narwhal.gateway.decide import SUBSET, SUBSET_NAMESPACE
 from narwhal.mock import MockConfig, Timing, expected_content, running_fleet
 from tests.gateway.harness import ENVOY, envoy, picker, wait_for
 from tests.helpers import accumulate, sse
@@ -63,3 +64,28 @@ def test_the_first_endpoint_down_the_next_one_answers_and_the_books_follow() -> 
             assert log.count("a fallback; dead failed to connect") == 3, log[-3000:]
             view = {e["name"]: e for e in narwhal.engines()["data"]}
             assert view["dead"]["circuit_breaker"]["consecutive_failures"] >= 3, view["dead"]["circuit_breaker"]
+
+
+def _subset_hint(endpoints: list[str]) -> dict[str, object]:
+    """What a gateway in front of the picker sets: envoy.lb.subset_hint (forwarded to the picker)."""
+    return {"name": "envoy.filters.http.set_metadata", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+        "metadata": [{"metadata_namespace": SUBSET_NAMESPACE, "value": {SUBSET: endpoints}}]}}
+
+
+def test_a_subset_hint_through_envoy_places_on_its_engine_only() -> None:
+    """`a` is where open-mode placement would put every request (listed first, both idle);
+    with the subset naming `b` alone, admission places on `b` and the grant names it
+    alone (its fallbacks too stay inside the subset)."""
+    cfgs = [MockConfig(dialect="vllm", role="unified", name=n, timing=FAST) for n in ("a", "b")]
+    with running_fleet(cfgs) as (a, b):
+        engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in (a, b)]
+        b_at = b.url.split("://", 1)[1]
+        with picker(engines) as narwhal, envoy(narwhal.epp, pool=narwhal.pool, filters_before=(_subset_hint([b_at]),)) as gw:
+            before = narwhal.at_rest()
+            for _ in range(3):
+                r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(mock={"tokens": 3}), timeout=30)
+                assert r.status_code == 200, r.text
+            assert (len(a.requests()), len(b.requests())) == (0, 3)
+            after = narwhal.at_rest()
+            assert after["terminal"]["completed"] - before["terminal"]["completed"] == 3
