@@ -1,24 +1,35 @@
 """deploy/kubernetes/gateway: the Service validates against the Kubernetes 1.37 schemas
-(kubernetes-validate, strict), the patched configuration loads with narwhal's own loader
-and names the picker's port, and the pieces agree: the pool's endpointPickerRef is the
-picker Service, whose port reaches gateway.listen through the container's named port;
-the route's backend is the pool; kustomization.yaml lists every file.
-
-Not checked here: InferencePool, Gateway and HTTPRoute against the CRDs' own schemas
-(the Gateway API and inference-extension CRD YAMLs are not in this repository); their
-fields are checked by name below."""
+(kubernetes-validate, strict); the InferencePool, Gateway and HTTPRoute against their
+CRDs' own openAPIV3Schema (tests/gateway/crds/: extracted from the inference extension's
+and the Gateway API's repositories, README there), offline with jsonschema, and a broken
+manifest of each kind is refused; the patched configuration loads with narwhal's own
+loader and names the picker's port, and the pieces agree: the pool's endpointPickerRef
+is the picker Service, whose port reaches gateway.listen through the container's named
+port; the route's backend is the pool; kustomization.yaml lists every file."""
 
 from __future__ import annotations
 
+import copy
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
+import pytest
 import yaml
 
 from narwhal.config import parse_config
 
 DIR = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "gateway"
+CRDS = Path(__file__).resolve().parent / "crds"
+# kind -> (apiVersion it serves, its schema's file)
+CRD = {
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepool-v1.json"),
+    "Gateway": ("gateway.networking.k8s.io/v1", "gateway-v1.json"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproute-v1.json"),
+}
 
 
 def _docs() -> dict[tuple[str, str], dict[str, Any]]:
@@ -70,3 +81,52 @@ def test_the_route_sends_completions_to_the_pool() -> None:
     rule = route["spec"]["rules"][0]
     assert {m["path"]["value"] for m in rule["matches"]} == {"/v1/chat/completions", "/v1/completions"}
     assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "narwhal-pool"}]
+
+
+def _validator(kind: str) -> jsonschema.protocols.Validator:
+    schema = json.loads((CRDS / CRD[kind][1]).read_text())
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def test_every_custom_resource_has_its_crd_and_validates() -> None:
+    custom = {k: d for k, d in DOCS.items() if k[0] in CRD}
+    assert {k[0] for k in custom} == set(CRD)  # each kind is there (and nothing escapes the check)
+    for (kind, name), doc in custom.items():
+        assert doc["apiVersion"] == CRD[kind][0], (kind, name)
+        _validator(kind).validate(doc)
+
+
+def _set(path: str, value: object) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        *head, last = path.split(".")
+        node: Any = doc
+        for k in head:
+            node = node[int(k)] if k.isdigit() else node[k]
+        if value is _DROP:
+            del node[int(last) if last.isdigit() else last]
+        else:
+            node[int(last) if last.isdigit() else last] = value
+    return edit
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(("key", "edit", "why"), [
+    (("InferencePool", "narwhal-pool"), _set("spec.selector", _DROP), "selector is required"),
+    (("InferencePool", "narwhal-pool"), _set("spec.targetPorts.0.number", "8000"), "a port number is an integer"),
+    (("InferencePool", "narwhal-pool"), _set("spec.targetPorts.0.number", 70000), "a port number is at most 65535"),
+    (("InferencePool", "narwhal-pool"), _set("spec.endpointPickerRef.failureMode", "FailSometimes"), "failureMode is an enum"),
+    (("Gateway", "inference-gateway"), _set("spec.gatewayClassName", _DROP), "gatewayClassName is required"),
+    (("Gateway", "inference-gateway"), _set("spec.listeners.0.port", 0), "a listener port is 1..65535"),
+    (("HTTPRoute", "narwhal-completions"), _set("spec.rules.0.matches.0.path.type", "Glob"), "a path match type is an enum"),
+    (("HTTPRoute", "narwhal-completions"), _set("spec.rules.0.timeouts.request", "forever"), "a timeout is a duration"),
+])
+def test_a_broken_manifest_is_refused(key: tuple[str, str], edit: Callable[[dict[str, Any]], None], why: str) -> None:
+    doc = copy.deepcopy(DOCS[key])
+    _validator(key[0]).validate(doc)  # as committed: valid
+    edit(doc)
+    with pytest.raises(jsonschema.ValidationError):
+        _validator(key[0]).validate(doc)
