@@ -286,6 +286,9 @@ def _base(router: str) -> str:
     return router.removesuffix("-pd")
 
 
+EPP_SECTION = "## Endpoint pickers (`--profile epp`)"
+
+
 def write_doc(runs: list[Run], out: Path, raw: Path, argv: list[str]) -> None:
     titles = _titles()
     rel = os.path.relpath(raw, out.parent)
@@ -386,7 +389,10 @@ def write_doc(runs: list[Run], out: Path, raw: Path, argv: list[str]) -> None:
         differ = [c["id"] for c in r.cases if c["class"] == "narwhal" and c["verdict"] in ("FAIL", "NON-STRICT")]
         if r.cases and differ:
             lines.append(f"* **{r.router}** ({r.profile}, {len(differ)}): " + ", ".join(f"`{b}`" for b in differ))
-    out.write_text("\n".join(lines) + "\n")
+    # the endpoint-picker section (the epp profile's scores, not this script's runs) is kept as it is
+    old = out.read_text() if out.exists() else ""
+    keep = old[old.index(EPP_SECTION):] if EPP_SECTION in old else ""
+    out.write_text("\n".join(lines) + "\n" + ("\n" + keep if keep else ""))
 
 
 def main() -> int:
