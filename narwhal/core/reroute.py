@@ -8,7 +8,8 @@ granted engine, the request's slot moves there.
 
 Invariants
   * A fallback is an engine the request could be placed on now without waiting: phase 1,
-    role unified, eligible (healthy, not draining, breaker closed, not in a maintenance
+    role unified, of the granted engine's dialect and model (the body the gateway forwards
+    is the one built for it), eligible (healthy, not draining, breaker closed, not in a maintenance
     wave), within the request's `only` (the subset hint), not the granted engine nor one
     it already failed on, with a free slot and nobody queued for it. Their order is
     Narwhal's choice of another engine for a request whose first failed (T05,
@@ -23,6 +24,8 @@ Invariants
 
 from __future__ import annotations
 
+import heapq
+
 from .admission import Scheduler
 from .placement import expected_cached
 from .tickets import Dispatch, Ticket
@@ -36,10 +39,15 @@ def fallbacks(s: Scheduler, t: Ticket, n: int) -> tuple[str, ...]:
         return ()
     work = t.work
     only = work.only
+    granted = s.engines.get(t.engine) if t.engine is not None else None
+    if granted is None:
+        return ()
     tokens = float(work.prompt_tokens)
     ranked: list[tuple[tuple[float, int, float], str]] = []
     for e in s._phase1:
         if e.role != "unified" or e.name == t.engine or e.name in t.excluded or (only is not None and e.name not in only):
+            continue
+        if e.dialect != granted.dialect or e.model != granted.model:
             continue
         if not s.eligible(e) or not e.phase1_free() or e.queue:
             continue
@@ -47,8 +55,7 @@ def fallbacks(s: Scheduler, t: Ticket, n: int) -> tuple[str, ...]:
         cached = expected_cached(idx, work, tokens) if idx is not None and idx.trusted else 0.0
         ms = e.prefill.predict_ms(tokens - cached)
         ranked.append(((round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms), e.name))
-    ranked.sort()
-    return tuple(name for _, name in ranked[:n])
+    return tuple(name for _, name in heapq.nsmallest(n, ranked))
 
 
 def moved(s: Scheduler, t: Ticket, engine: str, now: float) -> list[Dispatch]:

@@ -282,7 +282,7 @@ class Exchange:
             log.info("request %s: granted %s, outside the gateway's subset hint; answered R09", rid, g.engine)
             return await self.refuse(refusal(E.R09, rid, phase=g.phase))
         self.engine, self.endpoint = g.engine, endpoint
-        self.named = {endpoint: g.engine, **self._fallbacks(lease, spec)}
+        self.named = {endpoint: g.engine, **self._fallbacks(lease)}
         route = grant(tuple(self.named), without_fields(parsed.body, r.strip_fields), dialect=spec.dialect, model=spec.model, rid=rid)
         await self._say(Said("request_headers", route, {"envoy.lb": {"x-gateway-destination-endpoint": route.endpoint}}))
         body = route.body
@@ -295,23 +295,19 @@ class Exchange:
             hosts=r.engine_hosts, rid=rid, extra_headers=_projection(lease), engine=g.engine)
         return await self._response(self.reader, lease, parsed.route)
 
-    def _fallbacks(self, lease: Lease, spec: Any) -> dict[str, str]:
-        """endpoint -> engine for the grant's fallbacks (core/reroute.py), in order: engines
-        of the granted one's dialect and model (the body Envoy forwards is theirs too),
-        within the subset hint, at most gateway.max_fallbacks."""
+    def _fallbacks(self, lease: Lease) -> dict[str, str]:
+        """endpoint -> engine for the grant's fallbacks (core/reroute.py: of the granted
+        engine's dialect and model, inside the subset hint), in order, at most
+        gateway.max_fallbacks."""
         n = self.r.config.gateway.max_fallbacks if self.r.config.gateway is not None else 0
         if not n or not isinstance(lease, Rerouting):
             return {}
         out: dict[str, str] = {}
-        for name in lease.fallbacks(len(self.r.engines)):
+        for name in lease.fallbacks(n):
             s = self.r.engines.get(name)
-            if s is None or s.dialect != spec.dialect or s.model != spec.model:
-                continue
-            ep = endpoint_of(s.url)
-            if (self.subset is None or ep in self.subset) and ep != self.endpoint and ep not in out:
-                out[ep] = name
-                if len(out) == n:
-                    break
+            ep = endpoint_of(s.url) if s is not None else None
+            if ep is not None and ep != self.endpoint and (self.subset is None or ep in self.subset):
+                out.setdefault(ep, name)
         return out
 
     def _served(self, served: str, lease: Lease) -> None:

@@ -76,17 +76,18 @@ def _subset(req: Any) -> frozenset[str] | None:
 
 
 def to_heard(req: Any) -> Heard:
-    """An Envoy ProcessingRequest as a `Heard`."""
+    """An Envoy ProcessingRequest as a `Heard`. The served endpoint is read where the
+    response begins (its headers, or trailers without them): it is known from then on, and
+    a body chunk, the hot path, is not searched for it."""
     kind = req.WhichOneof("request")
-    served = _served(req)
-    if kind == "request_headers":
-        return Heard(kind, head=_head(req.request_headers), served=served, subset=_subset(req))
-    if kind == "response_headers":
-        return Heard(kind, head=_head(getattr(req, kind)), served=served)
     if kind in ("request_body", "response_body"):
         b = getattr(req, kind)
-        return Heard(kind, body=b.body, end=b.end_of_stream, served=served)
-    return Heard(kind or "unknown", served=served)
+        return Heard(kind, body=b.body, end=b.end_of_stream)
+    if kind == "request_headers":
+        return Heard(kind, head=_head(req.request_headers), subset=_subset(req))
+    if kind == "response_headers":
+        return Heard(kind, head=_head(req.response_headers), served=_served(req))
+    return Heard(kind or "unknown", served=_served(req))
 
 
 def _mutation(set_headers: tuple[tuple[str, bytes], ...] | tuple[tuple[bytes, bytes], ...], remove: tuple[str, ...] = ()) -> Any:

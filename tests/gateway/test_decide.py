@@ -251,11 +251,13 @@ def test_fallbacks_are_free_eligible_engines_of_the_subset_best_first() -> None:
     es = {n: _engine(n, b0) for n, b0 in (("a", 10.0), ("b", 300.0), ("c", 100.0), ("full", 1.0), ("down", 1.0))}
     es["full"].prefill_slots = es["full"].decode_slots = 1
     es["down"].healthy = False
-    s = _sched(*es.values())
+    other = _engine("other", 500.0)
+    other.dialect = "sglang"  # the forwarded body is built for a's dialect: never a fallback
+    s = _sched(*es.values(), other)
     s.reserve("full", _work(clk), clk.now())  # fills `full`
     d = s.admit(_work(clk), clk.now())
     assert isinstance(d, Dispatch) and d.engine == "a"
-    assert fallbacks(s, d.ticket, 8) == ("c", "b")  # least projected prefill first; full and unhealthy left out
+    assert fallbacks(s, d.ticket, 8) == ("c", "b")  # least projected prefill first; full, unhealthy, another dialect left out
     assert fallbacks(s, d.ticket, 1) == ("c",)
     assert fallbacks(s, d.ticket, 0) == ()
     sub = s.admit(_work(clk, frozenset({"a", "b"})), clk.now())
