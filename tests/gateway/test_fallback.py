@@ -89,3 +89,22 @@ def test_a_subset_hint_through_envoy_places_on_its_engine_only() -> None:
             assert (len(a.requests()), len(b.requests())) == (0, 3)
             after = narwhal.at_rest()
             assert after["terminal"]["completed"] - before["terminal"]["completed"] == 3
+
+
+def test_max_fallbacks_0_names_one_endpoint_and_a_dead_one_fails_the_request() -> None:
+    """gateway.max_fallbacks: 0: the grant names the engine alone; with it down Envoy has
+    nowhere else to go (its local 503 reaches the picker as the response: E04, class
+    failed, the engine's breaker told) and the live engine never sees the request."""
+    with contextlib.ExitStack() as gone, running_fleet([MockConfig(dialect="vllm", role="unified", name="live", timing=FAST)]) as live:
+        dead = gone.enter_context(running_fleet([MockConfig(dialect="vllm", role="unified", name="dead", timing=FAST)]))
+        engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in (*dead, *live)]
+        with picker(engines, {**SLOW_POLLS, "gateway": {"max_fallbacks": 0}}) as narwhal, envoy(narwhal.epp, pool=narwhal.pool) as gw:
+            wait_for(lambda: all(e["eligible"] for e in narwhal.engines()["data"]), 30, "both engines eligible")
+            gone.close()
+            before = narwhal.at_rest()
+            r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(mock={"tokens": 5}), timeout=30)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "engine_error", r.text
+            assert live[0].requests() == []
+            after = narwhal.at_rest()
+            assert after["terminal"]["failed"] - before["terminal"]["failed"] == 1
+            assert "a fallback" not in narwhal.log.read_text()
