@@ -23,9 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--failure-mode-allow", action="store_true",
                    help="FailOpen: when the picker is down, requests go round robin to the --pool endpoints (default FailClose: 500/503 from Envoy)")
     e.add_argument("--pool", action="append", default=[], metavar="IP:PORT",
-                   help="an engine's IP:PORT, as Narwhal names it (repeat for each engine): the endpoints the picker may name")
-    e.add_argument("--max-fallbacks", type=int, default=2,
-                   help="retries of a connect failure on the picker's next endpoint (default 2: Narwhal's gateway.max_fallbacks)")
+                   help="an engine's IP:PORT, as Narwhal names it (repeat for each engine): the endpoints the picker may name, "
+                        "tried in the picker's order (override-host). Without it: an ORIGINAL_DST cluster on the picker's header, "
+                        "one endpoint (set gateway.max_fallbacks: 0)")
+    e.add_argument("--max-fallbacks", type=int, default=None,
+                   help="retries of a connect failure on the picker's next endpoint (default 2 with --pool: Narwhal's "
+                        "gateway.max_fallbacks; 0 without)")
     e.add_argument("--message-timeout-s", type=int, default=1000, help="ext_proc message_timeout in seconds (default 1000, the protocol's reference)")
     e.add_argument("--health-interval-ms", type=int, default=1000, help="how often Envoy checks the picker's gRPC health (default 1000)")
     e.add_argument("--admin", metavar="HOST:PORT", help="Envoy's admin listener (off by default)")

@@ -9,8 +9,12 @@ What it holds, and why:
     `message_timeout` (the endpoint-picker protocol's reference configuration), the
     route cache cleared after the picker's header mutation, `failure_mode_allow` as
     asked (`--failure-mode-allow`: FailOpen; default FailClose);
-  * route 1: a request carrying the picker's header goes to `inference_pool`: the `--pool`
-    endpoints (the engines, IP literals) under Envoy's override-host load-balancing policy
+  * route 1: a request carrying the picker's header goes to `inference_pool`. Without
+    `--pool` (the protocol's reference shape), an ORIGINAL_DST cluster that connects where
+    `x-gateway-destination-endpoint` says (`original_dst_lb_config: {use_http_header:
+    true}`): one endpoint, no fallback, so the picker must name one
+    (`gateway.max_fallbacks: 0`: a list is not an address to ORIGINAL_DST). With `--pool`,
+    the `--pool` endpoints (the engines, IP literals) under Envoy's override-host load-balancing policy
     (`envoy.load_balancing_policies.override_host`), which connects to the endpoints the
     picker named in `envoy.lb` / `x-gateway-destination-endpoint`, in order: the route
     retries a connect failure (or a reset before the request went out) up to
@@ -155,14 +159,28 @@ def _override_host() -> dict[str, Any]:
     }}}]}
 
 
-def bootstrap(*, epp: str, listen: str, pool: tuple[str, ...], failure_mode_allow: bool = False, message_timeout_s: int = 1000,
-              health_interval_ms: int = 1000, admin: str | None = None, observe: bool = False, max_fallbacks: int = 2) -> dict[str, Any]:
+def _pool(pool: tuple[str, ...]) -> dict[str, Any]:
+    """`inference_pool` (module docstring, route 1): the named endpoints of `pool` in order,
+    or, with no pool, wherever the picker's header says."""
+    if pool:
+        return {**{k: v for k, v in _static("inference_pool", list(pool)).items() if k != "lb_policy"}, "load_balancing_policy": _override_host()}
+    return {"name": "inference_pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "5s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION}}
+
+
+def bootstrap(*, epp: str, listen: str, pool: tuple[str, ...] = (), failure_mode_allow: bool = False, message_timeout_s: int = 1000,
+              health_interval_ms: int = 1000, admin: str | None = None, observe: bool = False, max_fallbacks: int | None = None) -> dict[str, Any]:
     """The bootstrap as a mapping (YAML or JSON to Envoy). `pool`: the engines' IP:PORT
-    (the endpoints the picker may name). `observe`: every response names the upstream
-    Envoy used (x-epp-upstream-host) and what the picker named (x-epp-picked), for tests
-    and the conformance suite's `epp` profile."""
-    if not pool:
-        raise ValueError("--pool IP:PORT (repeat) names the engines, the endpoints the picker may name")
+    (the endpoints the picker may name; none: the ORIGINAL_DST shape, one endpoint, no
+    fallback). `max_fallbacks`: 2 with a pool, 0 without. `observe`: every response names
+    the upstream Envoy used (x-epp-upstream-host) and what the picker named (x-epp-picked),
+    for tests and the conformance suite's `epp` profile."""
+    if max_fallbacks is None:
+        max_fallbacks = 2 if pool else 0
+    if not pool and max_fallbacks:
+        raise ValueError("--max-fallbacks needs the --pool endpoints: ORIGINAL_DST follows one endpoint, and retries nowhere else")
+    if failure_mode_allow and not pool:
+        raise ValueError("--failure-mode-allow needs the --pool endpoints a request goes to when the picker is down")
     if not 0 <= max_fallbacks <= 8:
         raise ValueError("--max-fallbacks takes 0..8 (Narwhal's gateway.max_fallbacks)")
     picker = _static("narwhal_picker", [epp], http2=True)
@@ -178,10 +196,7 @@ def bootstrap(*, epp: str, listen: str, pool: tuple[str, ...], failure_mode_allo
         "unhealthy_threshold": 1, "healthy_threshold": 1,
         "grpc_health_check": {"service_name": SERVICE},
     }]
-    clusters = [
-        {**{k: v for k, v in _static("inference_pool", list(pool)).items() if k != "lb_policy"}, "load_balancing_policy": _override_host()},
-        picker,
-    ]
+    clusters = [_pool(pool), picker]
     if failure_mode_allow:
         clusters.append(_static("fail_open_pool", list(pool)))
     out: dict[str, Any] = {"static_resources": {"listeners": [_listener(listen, failure_mode_allow, message_timeout_s, max_fallbacks, observe)], "clusters": clusters}}

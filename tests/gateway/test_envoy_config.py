@@ -32,6 +32,7 @@ def _filter(cfg: dict[str, Any]) -> dict[str, Any]:
     ["--epp", "10.0.0.3:9002", "--listen", "127.0.0.1:8080", "--failure-mode-allow", "--pool", "10.0.0.7:8000", "--pool", "10.0.0.8:8000"],
     ["--epp", "127.0.0.1:9002", "--listen", "127.0.0.1:8080", "--pool", "10.0.0.7:8000", "--admin", "127.0.0.1:9901", "--message-timeout-s", "60"],
     ["--epp", "127.0.0.1:9002", "--listen", "127.0.0.1:8080", "--pool", "10.0.0.7:8000", "--pool", "[::1]:8000", "--max-fallbacks", "0"],
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080"],  # the protocol's reference shape: ORIGINAL_DST
 ])
 def test_envoy_accepts_the_bootstrap(args: list[str], tmp_path: Path) -> None:
     rc, out, err = _config(*args)
@@ -73,10 +74,23 @@ def test_the_reference_shape() -> None:
     assert rc == 0 and _filter(yaml.safe_load(out))["failure_mode_allow"] is True
 
 
+def test_without_a_pool_the_original_dst_shape() -> None:
+    """The protocol's reference upstream: an ORIGINAL_DST cluster on the picker's header,
+    one endpoint, no retry elsewhere (the picker must name one: gateway.max_fallbacks 0)."""
+    rc, out, _ = _config("--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080")
+    assert rc == 0
+    cfg = yaml.safe_load(out)
+    pool = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "inference_pool")
+    assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
+    assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-gateway-destination-endpoint"}
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert "retry_policy" not in hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+
+
 @pytest.mark.parametrize("args", [
     ["--epp", "nowhere", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000"],
     ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:99999", "--pool", "10.0.0.7:8000"],
-    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080"],  # the pool is needed (the endpoints the picker may name)
+    ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--max-fallbacks", "1"],  # fallbacks need the pool
     ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--failure-mode-allow"],
     ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000", "--message-timeout-s", "0"],
     ["--epp", "127.0.0.1:9002", "--listen", "0.0.0.0:8080", "--pool", "10.0.0.7:8000", "--max-fallbacks", "9"],

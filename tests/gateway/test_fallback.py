@@ -108,3 +108,24 @@ def test_max_fallbacks_0_names_one_endpoint_and_a_dead_one_fails_the_request() -
             after = narwhal.at_rest()
             assert after["terminal"]["failed"] - before["terminal"]["failed"] == 1
             assert "a fallback" not in narwhal.log.read_text()
+
+
+def test_the_original_dst_shape_through_envoy_with_one_endpoint_named() -> None:
+    """`narwhal gateway envoy-config` without --pool (ORIGINAL_DST on the picker's header)
+    and gateway.max_fallbacks 0: every request lands where the picker named, streaming and
+    not, and the books balance."""
+    cfgs = [MockConfig(dialect="vllm", role="unified", name=n, timing=FAST) for n in ("a", "b")]
+    with running_fleet(cfgs) as (a, b):
+        engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in (a, b)]
+        with picker(engines, {"gateway": {"max_fallbacks": 0}}) as narwhal, envoy(narwhal.epp, pool=()) as gw:
+            before = narwhal.at_rest()
+            for stream in (False, True, False, True):
+                if stream:
+                    s = sse(gw.url, _chat(stream=True, mock={"tokens": 4}))
+                    assert s.status == 200 and s.done and accumulate(s.chunks)["content"] == expected_content(4)
+                else:
+                    r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(mock={"tokens": 4}), timeout=30)
+                    assert r.status_code == 200, r.text
+            assert len(a.requests()) + len(b.requests()) == 4
+            after = narwhal.at_rest()
+            assert after["terminal"]["completed"] - before["terminal"]["completed"] == 4
