@@ -105,6 +105,7 @@ class Authority:
         self.sizer = PromptSizer()
         self.client = engine_client(config, engines)  # health polls and profiling only
         self.held = 0  # R02: client requests held
+        self.retained: dict[int, Any] = {}  # R02: an admitted request's ticket id -> its entry holding a place (door.py)
         self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
         self.profiling: dict[str, asyncio.Task[Any]] = {}
         # engines whose streams carry no usage but which can count prompts exactly
@@ -238,20 +239,24 @@ class Authority:
             if f is not None and not f.done():
                 f.set_result(r)
 
-    def yield_retention(self, tenant: str, *, act: bool = True) -> bool:
+    def yield_retention(self, tenant: str, *, act: bool = True, arriving: int = 0) -> Ticket | None:
         """R02 with tenants (core/fairness.py retention_victim): the tenant furthest over
         its share of the retention yields its newest request not yet granted (queued),
         refused R02 (Retry-After) in its books, and `tenant`'s arrival is held in its
         place. False when nobody is over `tenant`'s share or the one over it has nothing
-        queued (then R02 stands). The yielded request leaves the retention when its data
-        plane ends it: until then `held` is one over the limit. With `act` false it only
-        looks (R02's fact): whether a request would yield, nothing taken."""
+        queued (then R02 stands). The ticket that yields (door.py hands its place in the
+        retention to the arrival at once: `held` never exceeds the limit), or None. With
+        `act` false it only looks (R02's fact): which would yield, nothing taken.
+        `arriving`: the arrival, when its tenant's book does not count it yet (R02's fact is
+        asked before R17 takes its place: the fact and the take must agree)."""
         q = self.quotas
         if q is None:
-            return False
-        victim = retention_victim({n: b.in_flight for n, b in q.books.items()}, q.weight, tenant)
+            return None
+        held = {n: b.in_flight for n, b in q.books.items()}
+        held[tenant] = held.get(tenant, 0) + arriving
+        victim = retention_victim(held, q.weight, tenant)
         if victim is None:
-            return False
+            return None
         keys = (None, DEFAULT) if victim == DEFAULT else (victim,)  # a request without identity queues as None
         best: tuple[float, EngineState, Ticket] | None = None
         for e in self.engines.values():
@@ -260,7 +265,7 @@ class Authority:
                 if t is not None and (best is None or (t.enqueued_at or 0.0) >= best[0]):
                     best = (t.enqueued_at or 0.0, e, t)
         if best is None or not act:
-            return best is not None
+            return None if best is None else best[2]
         _, e, t = best
         e.queue.remove(t)
         e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
@@ -268,7 +273,7 @@ class Authority:
         t.state = "done"
         self.scheduler.evicted.append((t, Refuse(E.R02, fields={"limit": self.config.admission.http_retention_limit})))
         self.settle_evicted()
-        return True
+        return t
 
     def settle_evicted(self) -> None:
         """Queued tickets that yielded their place (admission.py `_yield_to`): their

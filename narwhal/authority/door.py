@@ -263,14 +263,21 @@ class LocalEntry:
         its share of it has a queued request to yield (core/fairness.py retention_victim)."""
         a = self.a
         limit = a.config.admission.http_retention_limit
-        if a.held < limit or (self.tenant is not None and a.yield_retention(self.tenant, act=False)):
+        if a.held < limit or (self.tenant is not None and a.yield_retention(self.tenant, act=False, arriving=0 if self.counted else 1)):
             return None
         return Refuse(row, fields={"limit": limit})
 
     def take_http_retention_full(self) -> None:
+        """R02's place. Full (tenants configured): the request that yields (refused R02 in
+        its books) gives its place to this arrival at once, so `held` never exceeds
+        admission.http_retention_limit (it was one over until the yielded request ended)."""
         a = self.a
         if a.held >= a.config.admission.http_retention_limit and self.tenant is not None:
-            a.yield_retention(self.tenant)  # the yielded request is refused R02 in its books
+            t = a.yield_retention(self.tenant)
+            yielded = a.retained.pop(t.id, None) if t else None
+            if yielded is not None and yielded.held:
+                yielded.held = False
+                a.held -= 1
         a.held += 1
         self.held = True
 
@@ -394,6 +401,8 @@ class LocalEntry:
                 a.settle_evicted()
         assert order is not None
         self.lease = LocalLease(a, d, order)
+        if self.held:  # its place may be handed on while it waits (take_http_retention_full)
+            a.retained[d.ticket.id] = self
         return self.lease
 
     def end(self, cls: str) -> None:
@@ -405,6 +414,8 @@ class LocalEntry:
             self.lease.close(Outcome(at=a.clock.now()))
         if self.held:
             a.held -= 1
+            if self.lease is not None:
+                a.retained.pop(self.lease.t.id, None)
         a.books.end(self.books, cls)
         if self.counted:  # its output charged as counted; nothing produced: the prompt refunded
             out = self.lease.output_tokens if self.lease is not None else None

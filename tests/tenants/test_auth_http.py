@@ -250,7 +250,7 @@ def door(*, ready: bool, full: bool, quotas: Any = None) -> tuple[LocalDoor, Any
         config=SimpleNamespace(admission=SimpleNamespace(http_retention_limit=1)),
         held=1 if full else 0,
         quotas=quotas,
-        yield_retention=lambda tenant, act=True: False,  # nobody over its share (fair retention: tests/tenants/test_quota_http.py)
+        yield_retention=lambda tenant, act=True, arriving=0: None,  # nobody over its share (fair retention: tests/tenants/test_quota_http.py)
     )
     return LocalDoor(a), a  # type: ignore[arg-type]
 
