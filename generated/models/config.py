@@ -797,6 +797,14 @@ class Admission(BaseModel):
     mode: Literal['predictive', 'open'] = 'predictive'
     http_retention_limit: Annotated[StrictInt, Field(ge=1, le=1000000)] = 1024
     queue_limit: Annotated[StrictInt, Field(ge=0, le=1000000)] = 256
+    fair_reserve: Annotated[
+        float,
+        Field(
+            description="Tenants configured: the fraction of each engine's phase-1 slots (k = max(1, floor(slots x fair_reserve)), engines of 2 slots or more) that the tenant holding the most of them per weight may not take; they are kept for a tenant holding fewer. 0: none kept (work-conserving). No tenants: not used.",
+            ge=0.0,
+            le=0.5,
+        ),
+    ] = 0.25
     max_wait_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 10000
     ttft_budget_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 2000
     max_ttft_target_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 30000

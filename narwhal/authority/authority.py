@@ -98,6 +98,7 @@ class Authority:
             prefix=_prefix_indexes(p.prefix_cache, p.prefix_cache_tokens, engines),
             weights=self.weight_of,
             tenant_queue_limit=self.tenant_queue_limit,
+            fair_reserve=a.fair_reserve if self.quotas is not None else None,  # R02/R11 fairness
         )
         self._prefix_covered = len(self.scheduler.prefix)
         # the learned bytes-per-token estimate (an exact count, when the data plane has

@@ -170,6 +170,8 @@ def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str
     a, m = cfg.admission, cfg.monitoring
     s = c.scheduler
     s.mode, s.queue_limit, s.tpot_budget_ms = a.mode, a.queue_limit, a.prediction.tpot_budget_ms
+    if s.fair is not None:
+        s.fair.fraction = a.fair_reserve
     for e in c.engines.values():
         e.prefill_slots = _cap(a.phase_concurrency.prefill, e.max_concurrency)
         e.decode_slots = _cap(a.phase_concurrency.decode, e.max_concurrency)

@@ -20,6 +20,10 @@ Rules
     queue, bounded by R11 and R12, so no prefill is spent on a request that would then
     expire waiting for a decode slot; the reserve keeps a prefilled request ready for
     every decode slot that frees.
+  * Fair reserve (tenants configured; core/fairness.py FairReserve, R02/R11 fairness,
+    issue 40 item 6): the tenant holding the most phase-1 slots per weight on an engine
+    may not take its last k free ones; a request that may not queues, and a grant pass
+    serves the best eligible tenant by start tag. None (no tenants): work-conserving.
   * Queue limit: admission.queue_limit counts requests waiting for their first phase.
     Requests waiting for a decode slot after prefill are already admitted; they are
     counted (queue depth gauge) but never refused for it.
@@ -39,18 +43,15 @@ from typing import Any
 from narwhal_generated import errors as E
 
 from . import refusals as answers
-from .fairness import Weights
+from .fairness import FairReserve, Weights
 from .fleet import PHASE1_ROLES, EngineState
-from .placement import Placement, expected_cached, place
+from .placement import Placement, place, retry_place
 from .prediction import Margin, OutputLengthLearner
 from .prefix import PrefixIndex
 from .refusals import ADMISSION, WAIT
 from .tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 
 __all__ = ["Scheduler"]
-
-
-
 
 
 class _Waiting:
@@ -83,6 +84,7 @@ class Scheduler:
         prefix: dict[str, PrefixIndex] | None = None,
         weights: Weights | None = None,
         tenant_queue_limit: Callable[[str | None], int | None] | None = None,
+        fair_reserve: float | None = None,
     ) -> None:
         self.engines: dict[str, EngineState] = {e.name: e for e in engines}
         # phase-1 engines' prefix caches as the router knows them (core/prefix.py); empty:
@@ -99,6 +101,8 @@ class Scheduler:
         # waits behind in that order
         self.weights: Weights = weights or (lambda tenant: 1.0)
         self.tenant_queue_limit = tenant_queue_limit  # R20: tenants.NAME.queue_limit, None: no such limits
+        # the fair reserve (admission.fair_reserve, tenants configured): None, no count kept
+        self.fair = FairReserve(self.weights, fair_reserve) if fair_reserve is not None else None
         self.evicted: list[tuple[Ticket, Refuse]] = []  # R11: queued tickets that yielded to a tenant under its share
         self.decode_queue: deque[Ticket] = deque()
         self.queued = 0  # phase-1 waiters over all engines
@@ -133,6 +137,8 @@ class Scheduler:
         e = self.engines[name]
         if not e.holds_nothing():
             raise ValueError(f"engine {name!r} still holds requests")
+        if self.fair is not None and self.fair.held(name):  # pragma: no cover - its slots are all free
+            raise AssertionError(f"engine {name!r}: the fair reserve counts slots it does not hold")
         del self.engines[name]
         self.prefix.pop(name, None)
         self._roles()
@@ -153,6 +159,14 @@ class Scheduler:
 
     def _phase1_free(self, e: EngineState) -> bool:
         return e.phase1_free() and (e.role != "prefill" or self.decode_room())
+
+    def may_take(self, e: EngineState, tenant: str | None) -> bool:
+        """The fair reserve lets `tenant` take a free phase-1 slot of `e` (module rules)."""
+        return self.fair is None or self.fair.may_take(e, tenant)
+
+    def _let_go(self, t: Ticket) -> None:
+        if self.fair is not None:  # the fair reserve's count follows the slots it held
+            self.fair.settle(t)
 
     def _decode_candidates(self, exclude: AbstractSet[str]) -> list[EngineState]:
         return [d for d in self._decoders if d.name not in exclude and self.eligible(d)]
@@ -244,7 +258,7 @@ class Scheduler:
         t = Ticket(self._next_id, work)
         self._next_id += 1
         t.pred_prefill_ms = e.prefill.predict_ms(work.prompt_tokens)
-        if self._phase1_free(e) and not e.queue:
+        if self._phase1_free(e) and not e.queue and self.may_take(e, work.tenant):
             return self._dispatch1(t, e, now)
         return self._enqueue(t, e, now)
 
@@ -256,6 +270,8 @@ class Scheduler:
         t.state = "unified" if e.role == "unified" else "prefill"
         e.prefill_in_use += 1
         t.holds_prefill = e.name
+        if self.fair is not None:
+            self.fair.took(t, e.name)
         if e.role == "unified":
             e.decode_moved(now, 1)
             t.holds_decode = e.name
@@ -339,6 +355,7 @@ class Scheduler:
         self._prefill_measured(t, e, now, ok)
         e.prefill_in_use -= 1
         t.holds_prefill = None
+        self._let_go(t)
         return self._grant_phase1(e, now)
 
     def want_decode(self, t: Ticket, now: float) -> Dispatch | Enqueued | Refuse:
@@ -393,6 +410,7 @@ class Scheduler:
             grants += self._grant_decode(now)
             if d.role == "unified" and d not in freed:
                 freed.append(d)
+        self._let_go(t)
         for e in freed:
             grants += self._grant_phase1(e, now)
         return grants + self._grant_prefill(now)
@@ -409,25 +427,7 @@ class Scheduler:
         free slot: it waits in the queue of the eligible engine with the least queued work
         (a slot frees at every first token; R12/R13 still bound the wait, the time it
         waited before counted). None: no other eligible unified engine at all."""
-        best: tuple[tuple[float, int, float], EngineState] | None = None
-        n = float(t.work.prompt_tokens)
-        for e in self._phase1:
-            if e.role == "unified" and e.name not in t.excluded and self.eligible(e) and e.phase1_free():
-                idx = self.prefix.get(e.name) if (t.work.prefix or t.work.token_prefix) else None
-                cached = expected_cached(idx, t.work, n) if idx is not None and idx.trusted else 0.0
-                ms = e.prefill.predict_ms(n - cached)
-                key = (round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms)  # within 10 ms: a tie
-                if best is None or key < best[0]:
-                    best = (key, e)
-        if best is None:
-            cands = [e for e in self._phase1 if e.role == "unified" and e.name not in t.excluded and self.eligible(e)]
-            if not cands:
-                return None
-            e = min(cands, key=lambda c: (c.queued_work_ms, len(c.queue)))
-            t.pred_prefill_ms = e.prefill.predict_ms(n)
-            return self._enqueue(t, e, now)
-        t.pred_prefill_ms = best[0][2]
-        return self._dispatch1(t, best[1], now)
+        return retry_place(self, t, now)
 
     def finish(self, t: Ticket, now: float) -> list[Dispatch]:
         """The request ended (any way): free everything it holds, leave every queue."""
@@ -451,6 +451,7 @@ class Scheduler:
             e.busy_until = min(e.busy_until, now + sum(e.inflight_prefill.values()) / 1000.0)
             e.prefill_in_use -= 1
             t.holds_prefill = None
+            self._let_go(t)
             grants += self._grant_phase1(e, now)
         if t.pd_pending:
             t.pd_pending = False
@@ -459,6 +460,7 @@ class Scheduler:
             d = self.engines[t.holds_decode]
             d.decode_moved(now, -1)
             t.holds_decode = None
+            self._let_go(t)
             grants += self._grant_decode(now)
             if d.role == "unified":
                 grants += self._grant_phase1(d, now)
@@ -471,8 +473,14 @@ class Scheduler:
 
     def _grant_phase1(self, e: EngineState, now: float) -> list[Dispatch]:
         grants = []
+        fair = self.fair if self.fair is not None and self.fair.fraction > 0 else None
         while e.queue and self._phase1_free(e) and self.eligible(e):
-            t = e.queue.popleft()
+            if fair is None:
+                t = e.queue.popleft()
+            else:  # the best tenant by start tag that the fair reserve lets take the slot
+                t = e.queue.pop_eligible(lambda u: fair.may_take(e, u))  # noqa: B023 - used in this turn
+                if t is None:
+                    break
             e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
             self.queued -= 1
             grants.append(self._dispatch1(t, e, now))

@@ -35,8 +35,34 @@ Invariants
     start tags come before the newcomer's): what the projection of R10 counts instead of
     the whole queue, so one tenant's backlog is not another's TTFT.
 
+  * `pop_eligible(may)`: `popleft` among the tenants `may` lets take the slot (the fair
+    reserve below): the smallest start tag of those, ties to the tenant queued first. A
+    tenant passed over keeps its tag, so it is served first once it may; `_v` moves only
+    to the smallest start tag still backlogged or served, so it never passes a tenant's
+    tag (every backlogged tag stays >= `_v`) and a tenant passed over is never charged.
+
 A ticket's tenant is `ticket.work.tenant` (None: the default tenant); weights come from a
 function of the tenant name (`tenants.NAME.weight`, else `tenants.default`, else 1).
+
+`FairReserve` (rows R02 and R11, issue 40 item 6): fair queueing orders the queue, but a
+request first in it still waits for a slot that another tenant's running request holds
+(no preemption). With tenants configured, the tenant holding the most phase-1 slots per
+weight on an engine (ties count as most; a tenant not there holds 0) may not take that
+engine's last k free phase-1 slots: they are kept for a tenant holding fewer per weight
+(the borrowing limit of Kubernetes API Priority and Fairness, in miniature).
+k = max(1, floor(slots x admission.fair_reserve)) for an engine of 2 slots or more, 0 when
+the knob is 0. A tenant holding nothing may always take a free slot (so a slot another
+router's requests hold, `external`, never stalls a queue: someone always may).
+
+Invariants
+  * `held(engine)[tenant]` is exactly the tenant's tickets dispatched to a phase-1 slot
+    of that engine (`took`, at phase-1 dispatch) that still hold a slot there: the prefill
+    slot, or, on a unified engine, the decode slot taken with it (`settle` after every
+    release: first token, prefill done, a failed attempt, the end, a migration's retry).
+    Summed over tenants it equals the engine's `prefill_in_use` (prefill role) or
+    `decode_in_use` (unified role); zero when the engine holds nothing.
+  * Progress: a tenant refused a reserved slot holds one there, so a release comes, and
+    every release runs a grant pass over the queue.
 """
 
 from __future__ import annotations
@@ -46,7 +72,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["FairQueue", "Weights", "retention_victim"]
+__all__ = ["FairQueue", "FairReserve", "Weights", "retention_victim"]
 
 Weights = Callable[[str | None], float]
 
@@ -107,13 +133,33 @@ class FairQueue:
             if best is None or f.vt < best_key:
                 best, best_key, best_tenant = f, f.vt, tenant
         assert best is not None
+        return self._serve(best, best_tenant, best_key, best_key)
+
+    def pop_eligible(self, may: Callable[[str | None], bool]) -> Any:
+        """The next request of the tenants `may` admits, in SFQ order (module docstring);
+        None when no queued tenant may take the slot."""
+        best: _Flow | None = None
+        best_key = passed = math.inf
+        best_tenant: str | None = None
+        for tenant, f in self._flows.items():
+            if f.vt >= best_key:
+                continue  # ties go to the tenant queued first
+            if may(tenant):
+                best, best_key, best_tenant = f, f.vt, tenant
+            elif f.vt < passed:
+                passed = f.vt
+        if best is None:
+            return None
+        # _v: SFQ's virtual time, never past a tag still backlogged (a tenant passed over)
+        return self._serve(best, best_tenant, best_key, min(best_key, passed))
+
+    def _serve(self, best: _Flow, best_tenant: str | None, best_key: float, v: float) -> Any:
         t = best.q.popleft()
-        self._v = best_key
+        self._v = v
         best.vt = best_key + 1.0 / self.weights(best_tenant)
         best.work -= t.pred_prefill_ms
         self._len -= 1
         if self._left:
-            v = self._v
             for u in [u for u, ft in self._left.items() if ft <= v]:
                 del self._left[u]
         if not best.q:
@@ -229,3 +275,78 @@ def retention_victim(held: dict[str, int], weight: Weights, tenant: str) -> str 
     if over is None or held.get(tenant, 0) / weight(tenant) >= over_load:
         return None
     return over
+
+
+class FairReserve:
+    """The fair reserve of an engine's phase-1 slots (module docstring; rows R02/R11
+    fairness, issue 40 item 6). Engines are read, never written: `role`, the slots and
+    what is in use (core/fleet.py EngineState)."""
+
+    __slots__ = ("weights", "fraction", "_held", "_tickets")
+
+    def __init__(self, weights: Weights, fraction: float) -> None:
+        self.weights = weights
+        self.fraction = fraction  # admission.fair_reserve; 0: counted, nothing reserved
+        self._held: dict[str, dict[str | None, int]] = {}  # engine -> tenant -> phase-1 slots held
+        self._tickets: dict[int, tuple[str, str | None]] = {}  # ticket id -> (engine, tenant), while it holds
+
+    def took(self, t: Any, engine: str) -> None:
+        """`t` was dispatched to a phase-1 slot of `engine`."""
+        if t.id in self._tickets:
+            raise ValueError(f"ticket {t.id} already holds a phase-1 slot")
+        tenant = t.work.tenant
+        self._tickets[t.id] = (engine, tenant)
+        h = self._held.setdefault(engine, {})
+        h[tenant] = h.get(tenant, 0) + 1
+
+    def settle(self, t: Any) -> None:
+        """After one of `t`'s slots was released: it leaves the count once it holds no slot
+        of the engine it was dispatched to (a unified engine's decode slot counts)."""
+        got = self._tickets.get(t.id)
+        if got is None or t.holds_prefill == got[0] or t.holds_decode == got[0]:
+            return
+        del self._tickets[t.id]
+        engine, tenant = got
+        h = self._held[engine]
+        n = h[tenant] - 1
+        if n:
+            h[tenant] = n
+        else:
+            del h[tenant]
+            if not h:
+                del self._held[engine]
+
+    def held(self, engine: str) -> dict[str | None, int]:
+        """Phase-1 slots held on `engine`, by tenant (a copy; tenants holding none absent)."""
+        return dict(self._held.get(engine, ()))
+
+    def holding(self) -> int:
+        """Tickets counted, over all engines."""
+        return len(self._tickets)
+
+    def reserved(self, slots: int) -> int:
+        """k: the last free slots kept for a tenant holding fewer per weight."""
+        if slots < 2 or self.fraction <= 0:
+            return 0
+        return max(1, math.floor(slots * self.fraction))
+
+    def may_take(self, e: Any, tenant: str | None) -> bool:
+        """Whether a request of `tenant` may take a free phase-1 slot of engine `e` (free
+        slots are the caller's to check first)."""
+        if self.fraction <= 0:
+            return True
+        if e.role == "unified":
+            slots = min(e.prefill_slots, e.decode_slots)
+            free = min(e.prefill_slots - e.prefill_in_use, e.decode_slots - e.decode_in_use - e.external)
+        else:
+            slots = e.prefill_slots
+            free = e.prefill_slots - e.prefill_in_use - (e.external if e.role == "prefill" else 0)
+        if free > self.reserved(slots):
+            return True
+        h = self._held.get(e.name)
+        mine = h.get(tenant, 0) if h else 0
+        if not mine:
+            return True
+        load = mine / self.weights(tenant)
+        w = self.weights
+        return any(u != tenant and n / w(u) > load for u, n in h.items())  # type: ignore[union-attr]

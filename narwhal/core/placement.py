@@ -34,7 +34,7 @@ from .tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 # (it imports this module: naming its class here would close an import circle)
 Scheduler = Any
 
-__all__ = ["Placement", "place", "expected_cached", "project_tpot"]
+__all__ = ["Placement", "place", "expected_cached", "project_tpot", "retry_place"]
 
 _BUCKET = DEPTH_BUCKET_OF  # queue depth -> margin bucket, for depths below _NB
 _NB = len(DEPTH_BUCKET_OF)
@@ -67,12 +67,19 @@ class Placement:
 
     @property
     def free(self) -> bool:
-        """Its engine has a free phase-1 slot and no queue (looked at once: nothing
-        changes the engine until `commit`)."""
+        """Its engine has a free phase-1 slot for it: no queue, or (the fair reserve on)
+        one this request may take (looked at once: nothing changes the engine until
+        `commit`)."""
         f = self._free
         if f is None:
             e = self.engine
-            f = self._free = e is not None and self.s._phase1_free(e) and not e.queue
+            s = self.s
+            # with the fair reserve on, a queued tenant that may not take a free slot does
+            # not keep it from a newcomer who may (every grant pass leaves no queued ticket
+            # that may take a free slot: core/fairness.py FairReserve; R02/R11 fairness,
+            # issue 40 item 6); off, the queue goes first as before
+            f = self._free = e is not None and s._phase1_free(e) and (
+                not e.queue if s.fair is None or s.fair.fraction <= 0 else s.fair.may_take(e, self.work.tenant))
         return f
 
     # -- facts (spec/tables/refusals.yaml, stage admission) ------------------------------
@@ -207,6 +214,30 @@ def project_tpot(s: Scheduler, engine: EngineState) -> tuple[float, float, Engin
         if best is None or tp < best[0]:
             best = (tp, b, d)
     return best
+
+
+def retry_place(s: Scheduler, t: Ticket, now: float) -> Dispatch | Enqueued | None:
+    """`Scheduler.retry_unified` (its doc): a free slot this request may take (the fair
+    reserve counts a retry like any request), else the shortest queue, else None."""
+    best: tuple[tuple[float, int, float], EngineState] | None = None
+    n = float(t.work.prompt_tokens)
+    for e in s._phase1:
+        if e.role == "unified" and e.name not in t.excluded and s.eligible(e) and e.phase1_free() and s.may_take(e, t.work.tenant):
+            idx = s.prefix.get(e.name) if (t.work.prefix or t.work.token_prefix) else None
+            cached = expected_cached(idx, t.work, n) if idx is not None and idx.trusted else 0.0
+            ms = e.prefill.predict_ms(n - cached)
+            key = (round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms)  # within 10 ms: a tie
+            if best is None or key < best[0]:
+                best = (key, e)
+    if best is None:
+        cands = [e for e in s._phase1 if e.role == "unified" and e.name not in t.excluded and s.eligible(e)]
+        if not cands:
+            return None
+        e = min(cands, key=lambda c: (c.queued_work_ms, len(c.queue)))
+        t.pred_prefill_ms = e.prefill.predict_ms(n)
+        return s._enqueue(t, e, now)  # type: ignore[no-any-return]
+    t.pred_prefill_ms = best[0][2]
+    return s._dispatch1(t, best[1], now)  # type: ignore[no-any-return]
 
 
 def _victim(s: Scheduler, tenant: str | None, weight: float) -> tuple[EngineState, Ticket] | None:

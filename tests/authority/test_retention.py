@@ -13,7 +13,6 @@ from narwhal.core.clock import ManualClock
 from narwhal.core.lease import Order
 from narwhal.core.tickets import Refuse
 from narwhal.upstream.engines import EngineSpec
-from narwhal_generated import errors as E
 
 LIMIT = 3
 

@@ -473,6 +473,7 @@ def test_R14_unified_counts_the_engine_queue() -> None:
     assert kinds[:4] == ["Dispatch", "Enqueued", "Enqueued", "Enqueued"] and isinstance(results[4], Refuse) and results[4].row is E.R14
 
 
+@pytest.mark.load_by_hand
 def test_open_mode_breaks_ties_on_decode_load() -> None:
     clk = ManualClock()
     a, b = engine("a", prefill=4, decode=8), engine("b", prefill=4, decode=8)
@@ -482,6 +483,7 @@ def test_open_mode_breaks_ties_on_decode_load() -> None:
     assert isinstance(r, Dispatch) and r.engine == "b"
 
 
+@pytest.mark.load_by_hand
 def test_R14_places_on_the_lowest_projected_tpot_among_engines_that_fit() -> None:
     clk = ManualClock()
     a, b = engine("a", prefill=4, decode=64, b0=10, b1=0.0), engine("b", prefill=4, decode=64, b0=12, b1=0.0)
