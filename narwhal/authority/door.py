@@ -107,6 +107,7 @@ class LocalLease:
                 return None
             return self.decode_now()
         d = a.scheduler.retry_unified(self.t, at)
+        _wake_granted(a)
         if d is None:
             return None
         return QUEUED if isinstance(d, Enqueued) else Grant(d.engine, d.phase)
@@ -167,6 +168,13 @@ class LocalLease:
         a.wake(a.scheduler.finish(self.t, o.at))
         if a.leaving:  # lifecycle M29: the last lease on a leaving engine releases it
             a.released()
+
+
+def _wake_granted(a: Authority) -> None:
+    """The fair reserve: waiters a placement past them let take a slot (core/fairness.py)."""
+    if a.scheduler.granted:
+        granted, a.scheduler.granted = a.scheduler.granted, []
+        a.wake(granted)
 
 
 def _on_placement(fact: Callable[[Placement, E.ErrorRow], Refuse | None]) -> Callable[[LocalEntry, E.ErrorRow], Refuse | None]:
@@ -399,6 +407,7 @@ class LocalEntry:
         finally:
             if a.scheduler.evicted:  # R11 with tenants: a queued request yielded its place
                 a.settle_evicted()
+            _wake_granted(a)
         assert order is not None
         self.lease = LocalLease(a, d, order)
         if self.held:  # its place may be handed on while it waits (take_http_retention_full)

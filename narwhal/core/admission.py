@@ -21,9 +21,10 @@ Rules
     expire waiting for a decode slot; the reserve keeps a prefilled request ready for
     every decode slot that frees.
   * Fair reserve (tenants configured; core/fairness.py FairReserve, R02/R11 fairness,
-    issue 40 item 6): the tenant holding the most phase-1 slots per weight on an engine
-    may not take its last k free ones; a request that may not queues, and a grant pass
-    serves the best eligible tenant by start tag. None (no tenants): work-conserving.
+    issue 40 item 6): the heaviest tenant on an engine (its recent dispatches per weight)
+    may not take its last k free phase-1 slots while another tenant is active; a request
+    that may not queues, and a grant pass serves the best eligible tenant by start tag.
+    None (no tenants): nothing counted, work-conserving as before.
   * Queue limit: admission.queue_limit counts requests waiting for their first phase.
     Requests waiting for a decode slot after prefill are already admitted; they are
     counted (queue depth gauge) but never refused for it.
@@ -103,6 +104,7 @@ class Scheduler:
         self.tenant_queue_limit = tenant_queue_limit  # R20: tenants.NAME.queue_limit, None: no such limits
         # the fair reserve (admission.fair_reserve, tenants configured): None, no count kept
         self.fair = FairReserve(self.weights, fair_reserve) if fair_reserve is not None else None
+        self.granted: list[Dispatch] = []  # grants a placement made to waiters (the fair reserve): the caller wakes them
         self.evicted: list[tuple[Ticket, Refuse]] = []  # R11: queued tickets that yielded to a tenant under its share
         self.decode_queue: deque[Ticket] = deque()
         self.queued = 0  # phase-1 waiters over all engines
@@ -160,9 +162,9 @@ class Scheduler:
     def _phase1_free(self, e: EngineState) -> bool:
         return e.phase1_free() and (e.role != "prefill" or self.decode_room())
 
-    def may_take(self, e: EngineState, tenant: str | None) -> bool:
+    def may_take(self, e: EngineState, tenant: str | None, now: float) -> bool:
         """The fair reserve lets `tenant` take a free phase-1 slot of `e` (module rules)."""
-        return self.fair is None or self.fair.may_take(e, tenant)
+        return self.fair is None or self.fair.may_take(e, tenant, now)
 
     def _let_go(self, t: Ticket) -> None:
         if self.fair is not None:  # the fair reserve's count follows the slots it held
@@ -258,7 +260,7 @@ class Scheduler:
         t = Ticket(self._next_id, work)
         self._next_id += 1
         t.pred_prefill_ms = e.prefill.predict_ms(work.prompt_tokens)
-        if self._phase1_free(e) and not e.queue and self.may_take(e, work.tenant):
+        if self._phase1_free(e) and not e.queue and self.may_take(e, work.tenant, now):
             return self._dispatch1(t, e, now)
         return self._enqueue(t, e, now)
 
@@ -271,7 +273,7 @@ class Scheduler:
         e.prefill_in_use += 1
         t.holds_prefill = e.name
         if self.fair is not None:
-            self.fair.took(t, e.name)
+            self.fair.took(t, e.name, now)
         if e.role == "unified":
             e.decode_moved(now, 1)
             t.holds_decode = e.name
@@ -478,7 +480,7 @@ class Scheduler:
             if fair is None:
                 t = e.queue.popleft()
             else:  # the best tenant by start tag that the fair reserve lets take the slot
-                t = e.queue.pop_eligible(lambda u: fair.may_take(e, u))  # noqa: B023 - used in this turn
+                t = e.queue.pop_eligible(lambda u: fair.may_take(e, u, now))  # noqa: B023 - used in this turn
                 if t is None:
                     break
             e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)

@@ -34,7 +34,6 @@ Invariants
     tenant, under this order (its own queue, and of every other tenant the requests whose
     start tags come before the newcomer's): what the projection of R10 counts instead of
     the whole queue, so one tenant's backlog is not another's TTFT.
-
   * `pop_eligible(may)`: `popleft` among the tenants `may` lets take the slot (the fair
     reserve below): the smallest start tag of those, ties to the tenant queued first. A
     tenant passed over keeps its tag, so it is served first once it may; `_v` moves only
@@ -46,13 +45,21 @@ function of the tenant name (`tenants.NAME.weight`, else `tenants.default`, else
 
 `FairReserve` (rows R02 and R11, issue 40 item 6): fair queueing orders the queue, but a
 request first in it still waits for a slot that another tenant's running request holds
-(no preemption). With tenants configured, the tenant holding the most phase-1 slots per
-weight on an engine (ties count as most; a tenant not there holds 0) may not take that
-engine's last k free phase-1 slots: they are kept for a tenant holding fewer per weight
-(the borrowing limit of Kubernetes API Priority and Fairness, in miniature).
+(no preemption). With tenants configured, the heaviest tenant on an engine may not take
+that engine's last k free phase-1 slots: they are kept for the other tenants (the
+borrowing limit of Kubernetes API Priority and Fairness, in miniature).
 k = max(1, floor(slots x admission.fair_reserve)) for an engine of 2 slots or more, 0 when
-the knob is 0. A tenant holding nothing may always take a free slot (so a slot another
-router's requests hold, `external`, never stalls a queue: someone always may).
+the knob is 0.
+  * Heaviest: the most phase-1 dispatches on this engine lately per weight (a count
+    decaying with time constant `USAGE_TAU_S`), ties counting as heaviest, among the
+    tenants active there: holding one of its slots, or admitted within `RECENT_S`.
+    Usage, not the slots held this instant: a quiet tenant whose two requests overlap
+    holds as many slots as the noisy one for a moment, and by slots held it would then
+    wait for its own request while the noisy one took the slot kept for it.
+  * A tenant alone (no other active tenant) may take every slot: a tenant idle for
+    RECENT_S is not waited for, so a tenant by itself is served work-conserving.
+  * A tenant holding no slot of the engine may always take a free one (so a slot held by
+    requests another router placed, `external`, never stalls a queue).
 
 Invariants
   * `held(engine)[tenant]` is exactly the tenant's tickets dispatched to a phase-1 slot
@@ -61,8 +68,16 @@ Invariants
     release: first token, prefill done, a failed attempt, the end, a migration's retry).
     Summed over tenants it equals the engine's `prefill_in_use` (prefill role) or
     `decode_in_use` (unified role); zero when the engine holds nothing.
+  * After every grant pass no waiter may take a free slot of its engine (so a newcomer
+    who may takes one though others wait: `Placement.free`). Usage decays by the same
+    factor for every tenant, so who is heaviest changes only at a dispatch (a dispatch
+    past waiters, a newcomer's or a retry's, runs a grant pass: `Scheduler.granted`);
+    only RECENT_S passing, or a tenant becoming active, can let a waiter take a slot
+    with no grant pass, and then:
   * Progress: a tenant refused a reserved slot holds one there, so a release comes, and
     every release runs a grant pass over the queue.
+  * Memory: `_seen` and each engine's `_usage` are pruned past 64 tenants (entries idle
+    past RECENT_S, usage below 1e-3); `_held` and `_tickets` hold only what holds a slot.
 """
 
 from __future__ import annotations
@@ -72,9 +87,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["FairQueue", "FairReserve", "Weights", "retention_victim"]
+__all__ = ["FairQueue", "FairReserve", "Weights", "retention_victim", "RECENT_S", "USAGE_TAU_S"]
 
 Weights = Callable[[str | None], float]
+
+# FairReserve (module docstring): slots are kept for a tenant holding one or admitted this
+# recently; usage decays with this time constant
+RECENT_S = 10.0
+USAGE_TAU_S = 5.0
 
 
 def _one(_: str | None) -> float:
@@ -282,22 +302,46 @@ class FairReserve:
     fairness, issue 40 item 6). Engines are read, never written: `role`, the slots and
     what is in use (core/fleet.py EngineState)."""
 
-    __slots__ = ("weights", "fraction", "_held", "_tickets")
+    __slots__ = ("weights", "fraction", "_held", "_tickets", "_seen", "_usage")
 
     def __init__(self, weights: Weights, fraction: float) -> None:
         self.weights = weights
         self.fraction = fraction  # admission.fair_reserve; 0: counted, nothing reserved
         self._held: dict[str, dict[str | None, int]] = {}  # engine -> tenant -> phase-1 slots held
         self._tickets: dict[int, tuple[str, str | None]] = {}  # ticket id -> (engine, tenant), while it holds
+        self._seen: dict[str | None, float] = {}  # tenant -> when it was last admitted
+        # engine -> tenant -> (dispatches decayed to `at`, at): pruned once negligible
+        self._usage: dict[str, dict[str | None, tuple[float, float]]] = {}
 
-    def took(self, t: Any, engine: str) -> None:
-        """`t` was dispatched to a phase-1 slot of `engine`."""
+    def seen(self, tenant: str | None, now: float) -> None:
+        """A request of `tenant` was admitted at `now` (bounded: entries past RECENT_S
+        are pruned once there are many)."""
+        self._seen[tenant] = now
+        if len(self._seen) > 64:
+            for u in [u for u, at in self._seen.items() if now - at > RECENT_S]:
+                del self._seen[u]
+
+    def took(self, t: Any, engine: str, now: float) -> None:
+        """`t` was dispatched to a phase-1 slot of `engine` at `now`."""
         if t.id in self._tickets:
             raise ValueError(f"ticket {t.id} already holds a phase-1 slot")
         tenant = t.work.tenant
         self._tickets[t.id] = (engine, tenant)
         h = self._held.setdefault(engine, {})
         h[tenant] = h.get(tenant, 0) + 1
+        u = self._usage.setdefault(engine, {})
+        u[tenant] = (self.usage(engine, tenant, now) + 1.0, now)
+        if len(u) > 64:
+            for v in [v for v in u if self.usage(engine, v, now) < 1e-3]:
+                del u[v]
+
+    def usage(self, engine: str, tenant: str | None, now: float) -> float:
+        """`tenant`'s phase-1 dispatches on `engine`, each decayed by exp(-age / USAGE_TAU_S)."""
+        got = self._usage.get(engine, {}).get(tenant)
+        if got is None:
+            return 0.0
+        n, at = got
+        return n * math.exp(-max(0.0, now - at) / USAGE_TAU_S)
 
     def settle(self, t: Any) -> None:
         """After one of `t`'s slots was released: it leaves the count once it holds no slot
@@ -330,9 +374,9 @@ class FairReserve:
             return 0
         return max(1, math.floor(slots * self.fraction))
 
-    def may_take(self, e: Any, tenant: str | None) -> bool:
-        """Whether a request of `tenant` may take a free phase-1 slot of engine `e` (free
-        slots are the caller's to check first)."""
+    def may_take(self, e: Any, tenant: str | None, now: float) -> bool:
+        """Whether a request of `tenant` may take a free phase-1 slot of engine `e` at
+        `now` (free slots are the caller's to check first)."""
         if self.fraction <= 0:
             return True
         if e.role == "unified":
@@ -344,9 +388,11 @@ class FairReserve:
         if free > self.reserved(slots):
             return True
         h = self._held.get(e.name)
-        mine = h.get(tenant, 0) if h else 0
-        if not mine:
+        if not h or not h.get(tenant):
             return True
-        load = mine / self.weights(tenant)
+        others = {u for u in h if u != tenant} | {u for u, at in self._seen.items() if u != tenant and now - at <= RECENT_S}
+        if not others:
+            return True  # alone: work-conserving
         w = self.weights
-        return any(u != tenant and n / w(u) > load for u, n in h.items())  # type: ignore[union-attr]
+        mine = self.usage(e.name, tenant, now) / w(tenant)
+        return any(self.usage(e.name, u, now) / w(u) > mine for u in others)  # ties count as heaviest

@@ -79,7 +79,7 @@ class Placement:
             # that may take a free slot: core/fairness.py FairReserve; R02/R11 fairness,
             # issue 40 item 6); off, the queue goes first as before
             f = self._free = e is not None and s._phase1_free(e) and (
-                not e.queue if s.fair is None or s.fair.fraction <= 0 else s.fair.may_take(e, self.work.tenant))
+                not e.queue if s.fair is None or s.fair.fraction <= 0 else s.fair.may_take(e, self.work.tenant, self.now))
         return f
 
     # -- facts (spec/tables/refusals.yaml, stage admission) ------------------------------
@@ -191,7 +191,14 @@ class Placement:
         t.depth = engine.depth()
         t.expected_cached = self.cached
         t.pred_prefill_ms = engine.prefill.predict_ms(work.prompt_tokens - self.cached)
+        if s.fair is not None:  # the fair reserve keeps slots for the tenants active lately
+            s.fair.seen(work.tenant, self.now)
         got: Dispatch | Enqueued = s._dispatch1(t, engine, self.now) if free else s._enqueue(t, engine, self.now)
+        if free and engine.queue and s.fair is not None:
+            # a newcomer took a slot past waiters that may not (the fair reserve): its use
+            # may make one of them no longer the heaviest, with a slot still free; the grant
+            # pass keeps core/fairness.py's invariant, its grants woken by the caller
+            s.granted += s._grant_phase1(engine, self.now)
         return got
 
 
@@ -222,7 +229,7 @@ def retry_place(s: Scheduler, t: Ticket, now: float) -> Dispatch | Enqueued | No
     best: tuple[tuple[float, int, float], EngineState] | None = None
     n = float(t.work.prompt_tokens)
     for e in s._phase1:
-        if e.role == "unified" and e.name not in t.excluded and s.eligible(e) and e.phase1_free() and s.may_take(e, t.work.tenant):
+        if e.role == "unified" and e.name not in t.excluded and s.eligible(e) and e.phase1_free() and s.may_take(e, t.work.tenant, now):
             idx = s.prefix.get(e.name) if (t.work.prefix or t.work.token_prefix) else None
             cached = expected_cached(idx, t.work, n) if idx is not None and idx.trusted else 0.0
             ms = e.prefill.predict_ms(n - cached)
@@ -237,7 +244,10 @@ def retry_place(s: Scheduler, t: Ticket, now: float) -> Dispatch | Enqueued | No
         t.pred_prefill_ms = e.prefill.predict_ms(n)
         return s._enqueue(t, e, now)  # type: ignore[no-any-return]
     t.pred_prefill_ms = best[0][2]
-    return s._dispatch1(t, best[1], now)  # type: ignore[no-any-return]
+    d: Dispatch = s._dispatch1(t, best[1], now)
+    if best[1].queue and s.fair is not None:  # past waiters, as Placement.commit: the invariant kept
+        s.granted += s._grant_phase1(best[1], now)
+    return d
 
 
 def _victim(s: Scheduler, tenant: str | None, weight: float) -> tuple[EngineState, Ticket] | None:

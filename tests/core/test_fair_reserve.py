@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from narwhal.core.admission import Scheduler
 from narwhal.core.clock import ManualClock
-from narwhal.core.fairness import FairQueue, FairReserve
+from narwhal.core.fairness import RECENT_S, FairQueue, FairReserve
 from narwhal.core.fleet import EngineState
 from narwhal.core.prediction import Margin
 from narwhal.core.tickets import Dispatch, Enqueued, Ticket, Work
@@ -68,37 +68,63 @@ def test_k_is_max_1_floor_slots_times_the_fraction(n: int, fraction: float, k: i
 # -- who may take a reserved slot ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n", "running", "external", "weights", "asks", "may"), [
-    # one noisy request runs on two slots: the last is kept for a tenant holding fewer
-    (2, ["noisy"], 0, {}, "noisy", False),
-    (2, ["noisy"], 0, {}, "quiet", True),
-    (2, ["noisy"], 0, {}, None, True),  # the default tenant holds none too
+def ran(s: Scheduler, clk: ManualClock, tenants: list[str]) -> None:
+    """Requests of `tenants` admitted, run and ended (each marks its tenant active, and used)."""
+    for u in tenants:
+        end(s, admit(s, clk, u).ticket, clk)
+
+
+@pytest.mark.parametrize(("n", "before", "running", "external", "weights", "asks", "may"), [
+    # one noisy request runs on two slots, quiet active lately: the last slot is kept for quiet
+    (2, ["quiet"], ["noisy"], 0, {}, "noisy", False),
+    (2, ["quiet"], ["noisy"], 0, {}, "quiet", True),
+    (2, ["quiet"], ["noisy"], 0, {}, None, True),  # a tenant holding no slot may
+    # a tenant alone (nobody else active): work-conserving
+    (2, [], ["noisy"], 0, {}, "noisy", True),
     # free slots above k: anyone
-    (4, ["noisy"], 0, {}, "noisy", True),
-    (4, ["noisy", "noisy"], 0, {}, "noisy", True),
-    # the last one of four
-    (4, ["noisy", "noisy", "quiet"], 0, {}, "noisy", False),
-    (4, ["noisy", "noisy", "quiet"], 0, {}, "quiet", True),
-    # ties count as most: neither of two equal holders takes the last
-    (4, ["noisy", "quiet"], 1, {}, "noisy", False),
-    (4, ["noisy", "quiet"], 1, {}, "quiet", False),
-    # per weight: noisy of weight 3 holding 2 holds less per weight than quiet holding 1
-    (4, ["noisy", "noisy", "quiet"], 0, {"noisy": 3.0}, "noisy", True),
-    (4, ["noisy", "noisy", "quiet"], 0, {"noisy": 3.0}, "quiet", False),
+    (4, ["quiet"], ["noisy"], 0, {}, "noisy", True),
+    (4, ["quiet"], ["noisy", "noisy"], 0, {}, "noisy", True),
+    # the last one of four: the heavier lately may not, the lighter may
+    (4, [], ["noisy", "noisy", "quiet"], 0, {}, "noisy", False),
+    (4, [], ["noisy", "noisy", "quiet"], 0, {}, "quiet", True),
+    # heaviest by use lately, not by slots held now: quiet's two requests overlap, noisy used more
+    (2, ["noisy", "noisy", "noisy"], ["quiet"], 0, {}, "quiet", True),
+    (4, ["noisy", "noisy", "noisy"], ["quiet", "quiet", "noisy"], 0, {}, "quiet", True),
+    (4, ["noisy", "noisy", "noisy"], ["quiet", "quiet", "noisy"], 0, {}, "noisy", False),
+    # ties count as heaviest: neither of two equal tenants takes the last
+    (4, [], ["noisy", "quiet"], 1, {}, "noisy", False),
+    (4, [], ["noisy", "quiet"], 1, {}, "quiet", False),
+    # per weight: noisy of weight 3 with two dispatches is lighter than quiet with one
+    (4, [], ["noisy", "noisy", "quiet"], 0, {"noisy": 3.0}, "noisy", True),
+    (4, [], ["noisy", "noisy", "quiet"], 0, {"noisy": 3.0}, "quiet", False),
     # a slot held by requests this router did not place (external): a tenant holding none may
-    (2, [], 1, {}, "noisy", True),
+    (2, ["quiet"], [], 1, {}, "noisy", True),
 ])
-def test_who_may_take_the_last_free_slots(n: int, running: list[str], external: int, weights: dict[str, float], asks: str | None, may: bool) -> None:
+def test_who_may_take_the_last_free_slots(n: int, before: list[str], running: list[str], external: int, weights: dict[str, float], asks: str | None,
+                                          may: bool) -> None:
     clk = ManualClock()
     e = slots(n)
     s = sched(e, weights=weights)
+    ran(s, clk, before)
     for tenant in running:
         assert isinstance(admit(s, clk, tenant), Dispatch)
     e.external = external
     assert e.phase1_free()
-    assert s.may_take(e, asks) is may
+    assert s.may_take(e, asks, clk.now()) is may
     got = admit(s, clk, asks)
     assert isinstance(got, Dispatch if may else Enqueued)
+
+
+def test_a_tenant_idle_longer_than_recent_s_is_not_waited_for() -> None:
+    clk = ManualClock()
+    e = slots(2)
+    s = sched(e)
+    ran(s, clk, ["quiet"])
+    assert isinstance(admit(s, clk, "noisy"), Dispatch)
+    assert not s.may_take(e, "noisy", clk.now())
+    clk.advance(RECENT_S + 0.1)
+    assert s.may_take(e, "noisy", clk.now())
+    assert isinstance(admit(s, clk, "noisy"), Dispatch)
 
 
 # -- the issue's case in miniature -----------------------------------------------------------------
@@ -112,9 +138,11 @@ def test_who_may_take_the_last_free_slots(n: int, running: list[str], external: 
 def test_two_slots_a_noisy_backlog_and_a_quiet_arrival(reserve: float | None, noisy_second: type, quiet: type) -> None:
     clk = ManualClock()
     e = slots(2)
-    s = Scheduler([e], mode="open", queue_limit=64, weights=lambda t: 1.0, fair_reserve=reserve) if reserve is None else sched(e, reserve=reserve)
+    s = sched(e, reserve=reserve if reserve is not None else 0.0)
     if reserve is None:
         s.fair = None  # the scheduler the router builds without tenants (the test fixture counts by default)
+    ran(s, clk, ["quiet"])  # the quiet tenant has been here lately
+    clk.advance(1.0)
     assert isinstance(admit(s, clk, "noisy"), Dispatch)
     assert isinstance(admit(s, clk, "noisy"), noisy_second)
     for _ in range(3):
@@ -123,16 +151,17 @@ def test_two_slots_a_noisy_backlog_and_a_quiet_arrival(reserve: float | None, no
     assert isinstance(q, quiet)  # first in the fair queue either way, but with the reserve on a slot at once
 
 
-def test_a_reserved_slot_waits_idle_for_the_tenant_holding_fewer_then_goes_to_the_queue() -> None:
+def test_a_reserved_slot_waits_idle_for_the_lighter_tenant_then_goes_to_the_queue() -> None:
     clk = ManualClock()
     e = slots(2)
     s = sched(e)
+    ran(s, clk, ["noisy", "noisy", "quiet"])
     a = admit(s, clk, "noisy")
     b = admit(s, clk, "noisy")
     assert isinstance(a, Dispatch) and isinstance(b, Enqueued)
     q = admit(s, clk, "quiet")
     assert isinstance(q, Dispatch)
-    # quiet's request ends: its slot is the last free one, noisy holds the most: it stays free
+    # quiet's request ends: its slot is the last free one, noisy is the heavier: it stays free
     assert end(s, q.ticket, clk) == []
     assert len(e.queue) == 1 and e.phase1_free()
     # noisy's running request ends: noisy holds none, its queued request takes a slot
@@ -145,27 +174,44 @@ def test_the_grant_pass_serves_the_eligible_tenant_first_and_the_passed_over_kee
     clk = ManualClock()
     e = slots(4)
     s = sched(e)
-    run = [admit(s, clk, "noisy") for _ in range(3)]  # noisy 3 of 4: the last is kept
+    run = [admit(s, clk, "noisy") for _ in range(3)]  # noisy 3 of 4, nobody else yet: it may
     q0 = admit(s, clk, "quiet")
     assert all(isinstance(r, Dispatch) for r in run) and isinstance(q0, Dispatch)
     n1 = admit(s, clk, "noisy")  # queued first: the smaller start tag
     q1 = admit(s, clk, "quiet")
     assert isinstance(n1, Enqueued) and isinstance(q1, Enqueued)
-    # one noisy request ends: one slot free, the last: noisy (2) holds more than quiet (1)
+    # one noisy request ends: one slot free, the last: noisy (3 dispatched) is the heavier
     grants = end(s, run[0].ticket, clk)
     assert [g.ticket for g in grants] == [q1.ticket]
-    # a noisy one ends again: noisy 1, quiet 2; the free slot goes to the noisy request passed over
-    grants = end(s, run[1].ticket, clk)
+    # again: noisy still the heavier (3 to 2) and holding two: the slot is kept
+    assert end(s, run[1].ticket, clk) == []
+    # noisy's last running request ends: holding none it may; its request passed over goes first
+    grants = end(s, run[2].ticket, clk)
     assert [g.ticket for g in grants] == [n1.ticket]
 
 
-def test_with_weights_the_heavier_tenant_takes_more_slots() -> None:
+def test_a_newcomer_taking_a_slot_past_waiters_grants_the_one_it_made_lighter() -> None:
+    """The grant invariant after a placement: the newcomer's use can make a waiter no
+    longer the heaviest with a slot still free; that waiter is granted at once, in
+    `Scheduler.granted` for the caller to wake (authority/door.py)."""
+    clk = ManualClock()
+    e = slots(4)  # fair_reserve 0.5: k = 2
+    s = sched(e, reserve=0.5, weights={"c": 0.4})
+    ran(s, clk, ["c", "b", "b"])  # c: 1 / 0.4 = 2.5 per weight; b: 2
+    assert [type(admit(s, clk, "b")) for _ in range(3)] == [Dispatch, Dispatch, Enqueued]  # b: 4 > 2.5, two free: kept
+    waiting = e.queue[0]
+    got = admit(s, clk, "c")  # c holds none: it may; then 2 / 0.4 = 5 > b's 4
+    assert isinstance(got, Dispatch) and [g.ticket for g in s.granted] == [waiting]
+    assert not e.queue
+
+
+def test_with_weights_the_heavier_weight_takes_more_slots() -> None:
     clk = ManualClock()
     e = slots(4)
     s = sched(e, weights={"big": 3.0})
     assert isinstance(admit(s, clk, "small"), Dispatch)
     got = [admit(s, clk, "big") for _ in range(3)]
-    assert [type(g) for g in got] == [Dispatch, Dispatch, Dispatch]  # 3/3 per weight = 1, not over small's 1: a tie would stop it
+    assert [type(g) for g in got] == [Dispatch, Dispatch, Dispatch]  # 2/3 per weight before its third: lighter than small's 1
 
 
 # -- FairQueue.pop_eligible keeps SFQ's invariants -------------------------------------------------
@@ -359,7 +405,7 @@ def test_a_random_walk_keeps_the_counts_and_the_grant_invariant(ops: list[tuple[
         held_agrees_with_slots(s)
         for e in s.engines.values():  # every grant pass leaves no waiter that may take a free slot
             if e.queue and e.phase1_free():
-                assert not any(s.may_take(e, u) for u in {t.work.tenant for t in e.queue}), (e.name, s.fair.held(e.name) if s.fair else None)
+                assert not any(s.may_take(e, u, clk.now()) for u in {t.work.tenant for t in e.queue}), (e.name, s.fair.held(e.name) if s.fair else None)
     for t in live:
         s.finish(t, clk.now())
     held_agrees_with_slots(s)
