@@ -69,11 +69,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import sys
-import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,20 +78,22 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 
 from . import harness as H
+from . import tenants_retention as retention
 from .harness import options as O
 from .harness.client import make_client
 from .harness.load import Arrival, RequestShape, fixed_rate, run_loop, run_open_loop
 from .harness.options import opt
 from .harness.processes import Proc, command_line, free_port, layout, log_dir, pin_self, run_bench
 from .harness.report import pinning_note, save
-from .harness.stats import Result, fmt_ms, markdown_table, percentile
+from .harness.stats import Result, fmt_ms, markdown_table
 from .overload import burst, capacity, prefill_ms
+from .tenants_books import KEYS, keys_file, narwhal_books, outcome, tenant_summary
 
-__all__ = ["add_arguments", "run", "main", "tenant_summary", "narwhal_books", "ARMS"]
+__all__ = ["add_arguments", "run", "main", "outcome", "tenant_summary", "narwhal_books", "ARMS"]
 
 MODEL = "narwhal-demo"
-KEYS = {"quiet": "sk-bench-quiet-0123456789abcdef", "noisy": "sk-bench-noisy-0123456789abcdef"}
 ARMS = ("narwhal-alone", "narwhal", "smg-alone", "smg", "smg-priority", "litellm-alone", "litellm", "litellm-parallel")
+ALL_ARMS = ARMS + retention.ARMS  # engine-bound, then retention-bound (tenants_retention.py)
 TERMINAL = ("completed", "rejected", "refused", "invalid_requests", "expired", "unavailable", "failed", "cancelled")
 
 
@@ -102,7 +101,7 @@ TERMINAL = ("completed", "rejected", "refused", "invalid_requests", "expired", "
 
 
 OPTIONS = (
-    opt("--arms", default=",".join(ARMS), help=f"comma-separated (default all): {', '.join(ARMS)}"),
+    opt("--arms", default=",".join(ALL_ARMS), help=f"comma-separated (default all): {', '.join(ALL_ARMS)}"),
     opt("--duration", type=float, default=None, help="seconds of arrivals per arm (default 90; --quick 4)"),
     O.drain(15.0),
     opt("--engines", type=int, default=4, help="unified mock engines (default 4)"),
@@ -116,6 +115,7 @@ OPTIONS = (
     O.quick("4 s per arm, 2 engines"),
     O.out("tenants"),
     O.from_json("tenants"),
+    *retention.OPTIONS,
 )
 
 
@@ -130,97 +130,13 @@ def _defaults(args: argparse.Namespace) -> None:
         args.drain = min(args.drain, 8.0)
 
 
-# -- results -----------------------------------------------------------------------------------
-
-
-def outcome(r: Result) -> tuple[str, str]:
-    """(class, detail) of one request: ok | refused (detail 'STATUS code', '+RA' when it
-    carried Retry-After) | cancelled (still open at the end) | failed (anything else)."""
-    if r.ok:
-        return "ok", "200"
-    if r.refused:
-        return "refused", f"{r.status} {r.code or '?'}" + (" +RA" if r.retry_after is not None else " -RA")
-    if r.error and r.error.startswith("cut at end of run"):
-        return "cancelled", "cut at end of run"
-    return "failed", r.error or f"HTTP {r.status} {r.code or ''}".strip()
-
-
-def tenant_summary(results: Sequence[Result], budget_s: float) -> dict[str, Any]:
-    """What one tenant saw in one arm (module docstring: goodput over offered)."""
-    kinds: Counter[str] = Counter()
-    refusals: Counter[str] = Counter()
-    failures: Counter[str] = Counter()
-    for r in results:
-        k, d = outcome(r)
-        kinds[k] += 1
-        if k == "refused":
-            refusals[d] += 1
-        elif k == "failed":
-            failures[d[:80]] += 1
-    ttft = [r.ttft for r in results if r.ok and r.ttft is not None]
-    good = sum(1 for r in results if r.ok and r.ttft is not None and r.ttft <= budget_s)
-    n = len(results)
-    refused = kinds["refused"]
-    with_ra = sum(v for k, v in refusals.items() if k.endswith("+RA"))
-    return {
-        "offered": n, "ok": kinds["ok"], "refused": refused, "refused_with_retry_after": with_ra, "failed": kinds["failed"], "cancelled": kinds["cancelled"],
-        "refusals": dict(refusals.most_common()), "failures": dict(failures.most_common(5)),
-        "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99), "ttft_max": max(ttft) if ttft else None,
-        "goodput": good / n if n else None, "good": good,
-        "send_lag_p99": percentile([r.lag for r in results if r.sent], 99),
-    }
-
-
-def narwhal_books(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
-    """Narwhal's books at rest from /metrics: the fleet's and each tenant's offered and
-    terminal classes, and whether each balances (offered == sum of terminal classes).
-    Waits (bounded) until nothing is open."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    end = time.monotonic() + timeout_s
-    while True:
-        text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).text
-        fleet: dict[str, Any] = {"offered": 0, "terminal": {}}
-        tenants: dict[str, dict[str, Any]] = {}
-        open_ = None
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                v = int(s.value)
-                if s.name == "narwhal_requests_offered_total":
-                    fleet["offered"] = v
-                elif s.name == "narwhal_requests_terminal_total":
-                    fleet["terminal"][s.labels["class"]] = v
-                elif s.name == "narwhal_requests_open":
-                    open_ = v
-                elif s.name == "narwhal_tenant_requests_offered_total":
-                    tenants.setdefault(s.labels["tenant"], {"offered": 0, "terminal": {}})["offered"] = v
-                elif s.name == "narwhal_tenant_requests_terminal_total":
-                    tenants.setdefault(s.labels["tenant"], {"offered": 0, "terminal": {}})["terminal"][s.labels["class"]] = v
-        if open_ in (0, None) or time.monotonic() > end:
-            break
-        time.sleep(0.2)
-    for b in (fleet, *tenants.values()):
-        b["terminal"] = {k: v for k, v in b["terminal"].items() if v}
-        b["balanced"] = b["offered"] == sum(b["terminal"].values())
-    tenant_sum = sum(b["offered"] for b in tenants.values())
-    return {"fleet": fleet, "tenants": tenants, "open": open_, "tenants_sum_to_fleet": tenant_sum == fleet["offered"],
-            "balanced": fleet["balanced"] and all(b["balanced"] for b in tenants.values()) and tenant_sum == fleet["offered"]}
-
-
 # -- the routers -------------------------------------------------------------------------------
-
-
-def _keys_file() -> Path:
-    p = log_dir() / "tenants-keys.yaml"
-    p.write_text(yaml.safe_dump([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in KEYS.items()]))
-    return p
 
 
 def _start_narwhal(fleet: list[H.Engine], budget_ms: float, cpus: set[int] | None) -> tuple[H.Started, dict[str, Any]]:
     cfg = H.narwhal_config(fleet, model=MODEL, admission={"mode": "predictive", "ttft_budget_ms": int(budget_ms), "queue_limit": 256, "http_retention_limit": 4096,
                                                           "phase_concurrency": {"prefill": 1, "decode": 64}})
-    cfg["auth"] = {"keys_file": str(_keys_file())}
+    cfg["auth"] = {"keys_file": str(keys_file())}
     cfg["tenants"] = {t: {"weight": 1, "ttft_budget_ms": int(budget_ms)} for t in KEYS}
     return H.start_narwhal(cfg, cpus=cpus, name="narwhal-tenants"), cfg
 
@@ -333,10 +249,23 @@ def tenants(args: argparse.Namespace) -> dict[str, Any]:
     _defaults(args)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     for a in arms:
-        if a not in ARMS:
-            raise ValueError(f"unknown arm {a!r} (known: {', '.join(ARMS)})")
+        if a not in ALL_ARMS:
+            raise ValueError(f"unknown arm {a!r} (known: {', '.join(ALL_ARMS)})")
     rcpu, lcpu = layout()
     pin_self(lcpu)
+    data: dict[str, Any] = {"command": command_line("narwhal_bench.tenants"), "pinning": pinning_note(rcpu, lcpu), "arms": [], "unavailable": {}}
+    engine_bound = [a for a in arms if a in ARMS]
+    if engine_bound:
+        _engine_bound(args, engine_bound, data, rcpu, lcpu)
+    retention_bound = [a for a in retention.ARMS if a in arms]  # alone first: the ratio's denominator
+    if retention_bound:
+        data["retention"] = retention.retention_bound(args, retention_bound, rcpu, lcpu)
+    verdict(data)
+    return data
+
+
+def _engine_bound(args: argparse.Namespace, arms: list[str], data: dict[str, Any], rcpu: set[int] | None, lcpu: set[int] | None) -> None:
+    """The engine-bound arms (the module's doc): a fleet of mock engines, the routers."""
     timing = {"time_scale": args.time_scale, "noise_sigma": 0.1}
     probe = [Arrival(0.0, args.prompt_tokens, args.output_tokens)]
     cap = capacity(probe, timing, args.engines, None)
@@ -348,13 +277,12 @@ def tenants(args: argparse.Namespace) -> dict[str, Any]:
         "quiet": fixed_rate(quiet_rps, args.duration, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, seed=args.seed),
         "noisy": fixed_rate(noisy_rps, args.duration, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, seed=args.seed + 1),
     }
-    data: dict[str, Any] = {
-        "command": command_line("narwhal_bench.tenants"), "engines": args.engines, "timing": timing, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+    data.update({
+        "engines": args.engines, "timing": timing, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
         "prefill_ms": prefill_ms(args.prompt_tokens, timing), "capacity": cap, "load": args.load, "noisy_factor": args.noisy_factor,
         "rates": {"quiet": quiet_rps, "noisy": noisy_rps, "total": total}, "offered": {t: len(a) for t, a in loads_both.items()},
         "ttft_budget_ms": args.ttft_budget_ms, "duration_s": args.duration, "drain_s": args.drain, "equal_share_rps": share_rps,
-        "pinning": pinning_note(rcpu, lcpu), "arms": [], "unavailable": {},
-    }
+    })
     print(f"capacity: {cap['capacity_req_s']:.2f} req/s = {args.engines} engines / T({args.prompt_tokens}) = {data['prefill_ms']:.0f} ms; offered {total:.2f} req/s "
           f"({args.load:g}x): quiet {quiet_rps:.2f}/s ({quiet_rps / cap['capacity_req_s']:.3f}x), noisy {noisy_rps:.2f}/s ({noisy_rps / cap['capacity_req_s']:.3f}x)", flush=True)
     with H.stopping() as things:
@@ -386,8 +314,6 @@ def tenants(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {name}: quiet goodput {q['goodput']:.3f} TTFT p50/p99 {fmt_ms(q['ttft_p50'], 0)}/{fmt_ms(q['ttft_p99'], 0)} ms failed {q['failed']}"
                   + (f"; noisy ok {nz['ok']} refused {nz['refused']} ({nz['refused_with_retry_after']} with Retry-After) failed {nz['failed']}" if nz else "")
                   + (f"; books balanced {a['books']['balanced']}" if "books" in a else ""), flush=True)
-    verdict(data)
-    return data
 
 
 def verdict(data: dict[str, Any]) -> None:
@@ -416,6 +342,14 @@ def verdict(data: dict[str, Any]) -> None:
 
 
 def tables(data: dict[str, Any]) -> str:
+    lines = _engine_tables(data) if "capacity" in data else []
+    if "retention" in data:
+        lines += [retention.tables(data["retention"]), ""]
+    lines += [f"Reproduce: `{data['command']}`"]
+    return "\n".join(lines)
+
+
+def _engine_tables(data: dict[str, Any]) -> list[str]:
     cap = data["capacity"]
     lines = [
         f"Fleet: {data['engines']} unified mock vLLM engines (`narwhal mock-engine`, time scale {data['timing']['time_scale']:g}, noise σ {data['timing']['noise_sigma']:g}); "
@@ -454,8 +388,7 @@ def tables(data: dict[str, Any]) -> str:
         lines.append(markdown_table(["router", "quiet goodput", "quiet TTFT p99 / alone", "noisy refusals with Retry-After", "failed", "cut (open at the end)", "books balanced"], vrows))
     for name, why in data["unavailable"].items():
         lines.append(f"- **{name}** did not run: {why}")
-    lines += ["", f"Reproduce: `{data['command']}`"]
-    return "\n".join(lines)
+    return [*lines, ""]
 
 
 def run(args: argparse.Namespace) -> int:

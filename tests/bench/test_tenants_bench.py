@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from narwhal_bench import tenants_retention as retention
 from narwhal_bench.harness.stats import Result
-from narwhal_bench.tenants import add_arguments, outcome, run, tenant_summary
+from narwhal_bench.tenants import add_arguments, outcome, run, tenant_summary, tenants
 
 
 def _r(status: int, *, ttft: float | None = None, code: str | None = None, retry_after: str | None = None, error: str | None = None) -> Result:
@@ -61,3 +62,62 @@ def test_the_narwhal_arms_run_and_balance_their_books(tmp_path: Path) -> None:
             assert b["tenants"][t]["offered"] == s["offered"]
             assert b["tenants"][t]["terminal"].get("completed", 0) == s["ok"]
     assert "narwhal" in data["verdict"] and data["verdict"]["narwhal"]["books_balanced"]
+
+
+# -- the retention-bound arms (narwhal_bench/tenants_retention.py) ------------------------------------
+
+
+def _arm(name: str, rnd: int, quiet_ttfts: list[float], noisy: tuple[int, int] | None = None) -> dict[str, object]:
+    rs = [_r(200, ttft=t) for t in quiet_ttfts]
+    tenants_ = {"quiet": tenant_summary(rs, 1.0)}
+    if noisy is not None:
+        ok, refused = noisy
+        tenants_["noisy"] = tenant_summary([_r(200, ttft=0.1)] * ok + [_r(429, code="http_retention_full", retry_after="1")] * refused, 1.0)
+    return {"arm": name, "round": rnd, "tenants": tenants_, "books": {"balanced": True}}
+
+
+def test_retention_summary_is_the_median_over_rounds_and_the_ratio_is_per_round() -> None:
+    rounds = [
+        _arm("retention-alone", 1, [0.05] * 99 + [0.1]), _arm("retention", 1, [0.05] * 99 + [0.2], (10, 5)),
+        _arm("retention-alone", 2, [0.05] * 99 + [0.2]), _arm("retention", 2, [0.05] * 99 + [0.2], (12, 3)),
+        _arm("retention-alone", 3, [0.05] * 99 + [0.1]), _arm("retention", 3, [0.05] * 99 + [0.12], (11, 4)),
+    ]
+    s = retention.summarise(rounds)
+    p99 = [r["tenants"]["quiet"]["ttft_p99"] for r in rounds]
+    ratios = sorted(p99[i + 1] / p99[i] for i in (0, 2, 4))
+    assert s["p99_vs_alone"]["median"] == pytest.approx(ratios[1]) and s["p99_vs_alone"]["min"] == pytest.approx(ratios[0])
+    assert s["retention"]["answered"]["median"] == 1.0 and s["retention"]["noisy_ok"]["median"] == 11
+    assert s["verdict"] == {"answered_ok": True, "p99_ok": ratios[1] <= 1.5}
+    data = {"timing": retention.TIMING, "prompt_tokens": 100, "output_tokens": 8, "duration_s": 25.0, "retention_limit": 24, "max_concurrency": 2,
+            "fair_reserve": None, "rates": {"quiet": 4.0, "noisy": 40.0}, "offered": {"quiet": 100, "noisy": 15}, "tree": "this tree",
+            "rounds": rounds, "summary": s}
+    md = retention.tables(data)
+    assert "| retention | 2 | 100/100 |" in md and "429 http_retention_full +RA ×3" in md
+    assert f"{ratios[1]:.2f} ({ratios[0]:.2f}–{ratios[2]:.2f})" in md
+
+
+def test_an_unknown_arm_is_refused_before_anything_starts() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--quick", "--arms", "retention,nonsense"])
+    with pytest.raises(ValueError, match="nonsense"):
+        tenants(args)
+
+
+@pytest.mark.skipif(os.environ.get("NARWHAL_BENCH_SMOKE") != "1", reason="the retention arms (~25 s: two routers, 3 s of load each): NARWHAL_BENCH_SMOKE=1")
+def test_the_retention_arms_run_and_balance_their_books(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--quick", "--arms", "retention-alone,retention", "--out", str(tmp_path)])
+    cpus = os.sched_getaffinity(0)
+    try:
+        assert run(args) == 0
+    finally:
+        os.sched_setaffinity(0, cpus)
+    data = json.loads((tmp_path / "tenants.json").read_text())["retention"]
+    assert [(a["arm"], a["round"]) for a in data["rounds"]] == [("retention-alone", 1), ("retention", 1)]
+    for a in data["rounds"]:
+        assert a["books"]["balanced"] and a["books"]["open"] == 0
+        for t, s in a["tenants"].items():
+            assert s["offered"] == data["offered"][t] and s["ok"] + s["refused"] + s["failed"] + s["cancelled"] == s["offered"]
+    assert "p99_vs_alone" in data["summary"] and "verdict" in data["summary"]
