@@ -800,7 +800,7 @@ class Admission(BaseModel):
     fair_reserve: Annotated[
         float,
         Field(
-            description="Tenants configured: the fraction of each engine's phase-1 slots (k = max(1, floor(slots x fair_reserve)), engines of 2 slots or more) that the tenant holding the most of them per weight may not take; they are kept for a tenant holding fewer. 0: none kept (work-conserving). No tenants: not used.",
+            description="Tenants configured: the fraction of each engine's phase-1 slots (its last k = max(1, floor(slots x fair_reserve)) free ones, engines of 2 slots or more) that the heaviest tenant there (the most dispatches lately per weight) may not take while another tenant is active; they are kept for the others. 0: none kept (work-conserving). No tenants: not used.",
             ge=0.0,
             le=0.5,
         ),
