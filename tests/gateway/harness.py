@@ -76,7 +76,9 @@ def picker(engines: list[dict[str, Any]], extra: dict[str, Any] | None = None, *
     """`narwhal serve` with `gateway.listen` over `engines` (a subprocess)."""
     port, epp = free_port(), epp_port or free_port()
     cfg: dict[str, Any] = {
-        "serving": {"listen": f"127.0.0.1:{port}"},
+        # no drain delay at the stop (5 s by default, for load balancers): test equipment
+        # that a test wanting one sets (`extra`)
+        "serving": {"listen": f"127.0.0.1:{port}", "shutdown_delay_ms": 0},
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
         "monitoring": {"poll_interval_ms": 200, "stale_after_ms": 60000, "breaker_failures": 1000},
         "engines": engines,
