@@ -141,6 +141,8 @@ class Scheduler:
             raise ValueError(f"engine {name!r} still holds requests")
         if self.fair is not None and self.fair.held(name):  # pragma: no cover - its slots are all free
             raise AssertionError(f"engine {name!r}: the fair reserve counts slots it does not hold")
+        if self.fair is not None:
+            self.fair.forget(name)
         del self.engines[name]
         self.prefix.pop(name, None)
         self._roles()

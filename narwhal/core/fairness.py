@@ -360,6 +360,11 @@ class FairReserve:
             if not h:
                 del self._held[engine]
 
+    def forget(self, engine: str) -> None:
+        """`engine` left the scheduler (holding nothing): its recent use goes with it, so
+        a fleet whose engines come and go keeps no entry for one that left."""
+        self._usage.pop(engine, None)
+
     def held(self, engine: str) -> dict[str | None, int]:
         """Phase-1 slots held on `engine`, by tenant (a copy; tenants holding none absent)."""
         return dict(self._held.get(engine, ()))

@@ -376,6 +376,7 @@ def test_the_counts_return_to_zero_after_every_path(fleet: Callable[[], list[Eng
     assert s.fair is not None and s.fair.holding() == 0
     for name in list(s.engines):  # and every engine leaves (M29: it holds nothing)
         s.remove(name)
+    assert s.fair._usage == {}  # nothing kept of an engine that left (a fleet that churns)
 
 
 # -- a random walk: the counts agree with the slots and no waiter may take a free slot ----------------
