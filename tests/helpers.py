@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -235,3 +241,37 @@ def relay_serving(path: str) -> dict[str, Any]:
     if path == "direct-python":
         return {"relay_path": "direct", "relay_native": False}
     return {"relay_path": path}
+
+
+@contextlib.contextmanager
+def serve_logging(tmp: Path, engine_url: str, log_format: str, log_level: str) -> Iterator[tuple[str, Path, Path]]:
+    """`narwhal serve` in a subprocess over one vllm engine, its standard output and error
+    written to files: yields (its URL, out, err) once ready; at the exit, stopped by SIGTERM
+    (killed by PID if it does not end)."""
+    port = free_port()
+    cfg = {"engines": [{"name": "u0", "url": engine_url, "role": "unified", "dialect": "vllm"}],
+           "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
+           "serving": {"shutdown_delay_ms": 0, "shutdown_grace_ms": 500}}
+    path = tmp / "narwhal.yaml"
+    path.write_text(json.dumps(cfg))
+    out, err = tmp / "out.log", tmp / "err.log"
+    url = f"http://127.0.0.1:{port}"
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(path), "--listen", f"127.0.0.1:{port}",
+                                 "--log-format", log_format, "--log-level", log_level],
+                                stdout=o, stderr=e, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, err.read_text()[-2000:]
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(url + "/ready", timeout=1).status_code == 200
+            return False
+
+        wait_until(up, timeout=45, interval=0.1, what="narwhal serve ready")
+        yield url, out, err
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -12,61 +12,29 @@ router's own."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 
-from narwhal.http.server import free_port
 from narwhal.mock import MockConfig, running_fleet
-from tests.helpers import wait_until
+from tests.helpers import serve_logging
 
 FORGED = '{"event": "config_reload", "path": "/etc/evil", "changed": ["auth"]}'
 
 
 def test_no_client_shapes_a_line_of_the_json_log(tmp_path: Path) -> None:
-    with running_fleet([MockConfig(dialect="vllm", role="unified", name="u0")]) as (m,):
-        port = free_port()
-        cfg = {"engines": [{"name": "u0", "url": m.url, "role": "unified", "dialect": "vllm"}],
-               "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
-               "serving": {"shutdown_delay_ms": 0, "shutdown_grace_ms": 500}}
-        path = tmp_path / "narwhal.yaml"
-        path.write_text(json.dumps(cfg))
-        out, err = tmp_path / "out.log", tmp_path / "err.log"
-        url = f"http://127.0.0.1:{port}"
-        with out.open("wb") as o, err.open("wb") as e:
-            proc = subprocess.Popen([sys.executable, "-m", "narwhal.cli", "serve", "--config", str(path), "--listen", f"127.0.0.1:{port}",
-                                     "--log-format", "json", "--log-level", "info"],
-                                    stdout=o, stderr=e, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            def up() -> bool:
-                assert proc.poll() is None, err.read_text()[-2000:]
-                with contextlib.suppress(httpx.HTTPError):
-                    return httpx.get(url + "/ready", timeout=1).status_code == 200
-                return False
-
-            wait_until(up, timeout=45, interval=0.1, what="narwhal serve ready")
-            chat = {"model": "narwhal-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-            with httpx.Client(base_url=url, timeout=10) as c:
-                sent = [
-                    c.post("/v1/chat/completions", json=chat, headers={"x-request-id": 'a"}\\' + FORGED}),
-                    c.post("/v1/chat/completions", json={**chat, "model": "m\n" + FORGED}),
-                    c.post("/v1/chat/completions", content=b'{"model": "\\u0000' + FORGED.encode() + b"\n"),
-                    c.post("/v1/completions%0a%22%7d", json=chat),
-                    c.post("/v1/chat/completions", json=chat, headers={"x-request-id": "plain-id-1"}),
-                ]
-            assert [r.status_code for r in sent] == [200, 404, 400, 404, 200], [r.text for r in sent]
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(20)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="u0")]) as (m,), serve_logging(tmp_path, m.url, "json", "info") as (url, out, err):
+        chat = {"model": "narwhal-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        with httpx.Client(base_url=url, timeout=10) as c:
+            sent = [
+                c.post("/v1/chat/completions", json=chat, headers={"x-request-id": 'a"}\\' + FORGED}),
+                c.post("/v1/chat/completions", json={**chat, "model": "m\n" + FORGED}),
+                c.post("/v1/chat/completions", content=b'{"model": "\\u0000' + FORGED.encode() + b"\n"),
+                c.post("/v1/completions%0a%22%7d", json=chat),
+                c.post("/v1/chat/completions", json=chat, headers={"x-request-id": "plain-id-1"}),
+            ]
+        assert [r.status_code for r in sent] == [200, 404, 400, 404, 200], [r.text for r in sent]
     lines = [ln for ln in (out.read_text() + err.read_text()).splitlines() if ln.strip()]
     objs = [json.loads(ln) for ln in lines]  # every line: one JSON object (a plain line raises here)
     assert all(isinstance(x, dict) for x in objs), lines

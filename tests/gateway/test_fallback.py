@@ -32,6 +32,18 @@ def _chat(**kw: object) -> dict[str, object]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], **kw}
 
 
+def _answered(url: str, streams: tuple[bool, ...], tokens: int) -> None:
+    """One request per entry of `streams` through the gateway at `url`, each answered whole."""
+    for stream in streams:
+        if stream:
+            s = sse(url, _chat(stream=True, mock={"tokens": tokens}))
+            assert s.status == 200 and s.done and accumulate(s.chunks)["content"] == expected_content(tokens)
+        else:
+            r = httpx.post(url + "/v1/chat/completions", json=_chat(mock={"tokens": tokens}), timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == expected_content(tokens)
+
+
 def _refused(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
@@ -48,14 +60,7 @@ def test_the_first_endpoint_down_the_next_one_answers_and_the_books_follow() -> 
             gone.close()  # the first engine's port now refuses connections; Narwhal has not polled since
             assert _refused(dead_port)
             before = narwhal.at_rest()
-            for stream in (False, True, False):
-                if stream:
-                    s = sse(gw.url, _chat(stream=True, mock={"tokens": 5}))
-                    assert s.status == 200 and s.done and accumulate(s.chunks)["content"] == expected_content(5)
-                else:
-                    r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(mock={"tokens": 5}), timeout=30)
-                    assert r.status_code == 200, r.text
-                    assert r.json()["choices"][0]["message"]["content"] == expected_content(5)
+            _answered(gw.url, (False, True, False), 5)
             assert len(live[0].requests()) == 3
             after = narwhal.at_rest()  # balanced, every slot free (the moved ones too)
             assert after["offered"] - before["offered"] == 3
@@ -119,13 +124,7 @@ def test_the_original_dst_shape_through_envoy_with_one_endpoint_named() -> None:
         engines = [{"name": m.name, "url": m.url, "role": "unified", "dialect": "vllm"} for m in (a, b)]
         with picker(engines, {"gateway": {"max_fallbacks": 0}}) as narwhal, envoy(narwhal.epp, pool=()) as gw:
             before = narwhal.at_rest()
-            for stream in (False, True, False, True):
-                if stream:
-                    s = sse(gw.url, _chat(stream=True, mock={"tokens": 4}))
-                    assert s.status == 200 and s.done and accumulate(s.chunks)["content"] == expected_content(4)
-                else:
-                    r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(mock={"tokens": 4}), timeout=30)
-                    assert r.status_code == 200, r.text
+            _answered(gw.url, (False, True, False, True), 4)
             assert len(a.requests()) + len(b.requests()) == 4
             after = narwhal.at_rest()
             assert after["terminal"]["completed"] - before["terminal"]["completed"] == 4
