@@ -42,8 +42,7 @@ from hypercorn.events import Closed, RawData, Updated
 
 from . import hyper
 from .h1fast import CLOSE, CloseHook
-from .lean import LeanQueue
-from .scope import http_scope
+from .scope import ServerSide, http_scope, response_headers, tell_disconnect
 
 __all__ = ["H2Server", "H2Stream", "FEED_BYTES", "RAPID_RESET_COST"]
 
@@ -77,19 +76,11 @@ class _Bucket:
         return self.tokens >= 0.0
 
 
-class H2Server:
+class H2Server(ServerSide):
     """One client connection's HTTP/2 (module docstring). `lean` is the conn.LeanConnection."""
 
     def __init__(self, app: Any, config: Any, context: Any, group: Any, state: Any, ssl: bool, client: Any, server: Any, lean: Any) -> None:
-        self.app = app
-        self.config = config
-        self.context = context
-        self.group = group
-        self.state = state
-        self.ssl = ssl
-        self.client = client
-        self.server = server
-        self.send = lean.protocol_send
+        super().__init__(app, config, context, group, state, ssl, client, server, lean)
         self.conn = c = _Connection(config=h2.config.H2Configuration(client_side=False, header_encoding=None))
         c.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.h2_max_concurrent_streams,
@@ -314,16 +305,8 @@ class H2Stream:
             self.hook.fire()
         if self.state != "closed":
             await self.proto.config.log.access(self.scope, None, time.time() - self.start_time)
-        put = self.app_put
-        if put is None:
-            return
-        q = getattr(put, "__self__", None)
-        if type(q) is LeanQueue and q.full():  # D10
-            while not q.empty():
-                q.get_nowait()
-            q.put_nowait({"type": "http.disconnect"})
-            return
-        await put({"type": "http.disconnect"})
+        if self.app_put is not None:
+            await tell_disconnect(self.app_put)  # D10
 
     async def _head(self, status: int, headers: list[tuple[bytes, bytes]], *, end: bool = False) -> None:
         p = self.proto
@@ -382,11 +365,7 @@ class H2Stream:
         kind = message["type"]
         if kind == "http.response.start" and self.state == "request":
             self.response = message
-            headers = []
-            for name, value in message.get("headers", []):
-                if name[:1] == b":":
-                    raise ValueError("Pseudo headers are not valid")
-                headers.append((bytes(name).strip().lower(), bytes(value).strip()))
+            headers = response_headers(message)
             status = int(message["status"])
             await self._head(status, headers)
             self.state = "response"

@@ -39,8 +39,8 @@ from narwhal_generated import errors as E
 
 from ...core.refusals import render
 from ..h1fast import CLOSE, DIRECT, DIRECT_BUFFER, CloseHook, PreparedHead
-from ..lean import LeanEvent, LeanQueue
-from ..scope import http_scope
+from ..lean import LeanEvent
+from ..scope import ServerSide, http_scope, response_headers, tell_disconnect
 from .connection import Connection
 from .events import (
     NEED_DATA,
@@ -65,23 +65,15 @@ _STARTED: dict[int, Any] = {}  # status -> the shared http.response.start kept w
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\n"
 
 
-class H1Server:
+class H1Server(ServerSide):
     """One client connection's HTTP/1.1 (rules A1-A8). `lean` is the conn.LeanConnection:
     its protocol_send, transport, send lock and switch to HTTP/2."""
 
-    __slots__ = ("app", "config", "context", "group", "state", "ssl", "client", "server", "send", "lean", "h1", "stream", "requests", "can_read", "switched")
+    __slots__ = ("lean", "h1", "stream", "requests", "can_read", "switched")
 
     def __init__(self, app: Any, config: Any, context: Any, group: Any, state: Any, ssl: bool, client: Any, server: Any, lean: Any) -> None:
-        self.app = app
-        self.config = config
-        self.context = context
-        self.group = group
-        self.state = state
-        self.ssl = ssl
-        self.client = client
-        self.server = server
+        super().__init__(app, config, context, group, state, ssl, client, server, lean)
         self.lean = lean
-        self.send = lean.protocol_send
         self.h1 = Connection(config.h11_max_incomplete_size)
         self.stream: H1Stream | None = None
         self.requests = 0  # requests begun on this connection (keep_alive_max_requests)
@@ -276,16 +268,8 @@ class H1Stream:
         config = self.proto.config
         if self.state is not CLOSED:
             await config.log.access(self.scope, None, _time() - self.start_time)
-        put = self.app_put
-        if put is None:
-            return
-        q = getattr(put, "__self__", None)
-        if type(q) is LeanQueue and q.full():  # A5
-            while not q.empty():
-                q.get_nowait()
-            q.put_nowait({"type": "http.disconnect"})
-            return
-        await put({"type": "http.disconnect"})
+        if self.app_put is not None:
+            await tell_disconnect(self.app_put)  # A5
 
     async def app_send(self, message: Any) -> None:
         """ASGI send (A8)."""
@@ -302,11 +286,7 @@ class H1Stream:
         kind = message["type"]
         if kind == "http.response.start" and self.state is REQUEST:
             self.response = message
-            headers = []
-            for name, value in message.get("headers", []):
-                if name[:1] == b":":
-                    raise ValueError("Pseudo headers are not valid")
-                headers.append((bytes(name).strip().lower(), bytes(value).strip()))
+            headers = response_headers(message)
             await p.respond(int(message["status"]), headers)
             self.state = RESPONSE
         elif kind == "http.response.body" and self.state is RESPONSE:
