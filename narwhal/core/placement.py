@@ -34,7 +34,7 @@ from .tickets import Dispatch, Enqueued, Refuse, Ticket, Work
 # (it imports this module: naming its class here would close an import circle)
 Scheduler = Any
 
-__all__ = ["Placement", "place", "expected_cached", "project_tpot", "retry_place"]
+__all__ = ["Placement", "place", "expected_cached", "project_tpot", "retry_place", "retry_rank"]
 
 _BUCKET = DEPTH_BUCKET_OF  # queue depth -> margin bucket, for depths below _NB
 _NB = len(DEPTH_BUCKET_OF)
@@ -223,6 +223,17 @@ def project_tpot(s: Scheduler, engine: EngineState) -> tuple[float, float, Engin
     return best
 
 
+def retry_rank(s: Scheduler, e: EngineState, work: Work, n: float) -> tuple[float, int, float]:
+    """Where a request goes when its engine failed it (T05; a gateway's fallbacks too,
+    core/reroute.py), smallest first: the projected prefill counting what `e`'s prefix
+    cache is expected to hold of the prompt, within 10 ms a tie broken by the fewest
+    requests on it; the exact projection last (what the ticket's prediction takes)."""
+    idx = s.prefix.get(e.name) if (work.prefix or work.token_prefix) else None
+    cached = expected_cached(idx, work, n) if idx is not None and idx.trusted else 0.0
+    ms = e.prefill.predict_ms(n - cached)
+    return (round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms)
+
+
 def retry_place(s: Scheduler, t: Ticket, now: float) -> Dispatch | Enqueued | None:
     """`Scheduler.retry_unified` (its doc): a free slot this request may take (the fair
     reserve counts a retry like any request), else the shortest queue, else None."""
@@ -230,10 +241,7 @@ def retry_place(s: Scheduler, t: Ticket, now: float) -> Dispatch | Enqueued | No
     n = float(t.work.prompt_tokens)
     for e in s._phase1:
         if e.role == "unified" and e.name not in t.excluded and s.eligible(e) and e.phase1_free() and s.may_take(e, t.work.tenant, now):
-            idx = s.prefix.get(e.name) if (t.work.prefix or t.work.token_prefix) else None
-            cached = expected_cached(idx, t.work, n) if idx is not None and idx.trusted else 0.0
-            ms = e.prefill.predict_ms(n - cached)
-            key = (round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms)  # within 10 ms: a tie
+            key = retry_rank(s, e, t.work, n)
             if best is None or key < best[0]:
                 best = (key, e)
     if best is None:

@@ -13,8 +13,9 @@ Invariants
     wave), within the request's `only` (the subset hint), not the granted engine nor one
     it already failed on, with a free slot and nobody queued for it. Their order is
     Narwhal's choice of another engine for a request whose first failed (T05,
-    Scheduler.retry_unified): least projected prefill counting what its prefix cache is
-    expected to hold of the prompt, within 10 ms a tie broken by the fewest requests on it.
+    Scheduler.retry_unified; placement.retry_rank): least projected prefill counting what
+    its prefix cache is expected to hold of the prompt, within 10 ms a tie broken by the
+    fewest requests on it.
   * Served elsewhere: the granted engine failed before the response began (the gateway
     moves on only after a connect failure): its slots are freed as for T05's failed
     attempt (it is excluded from the ticket's retries), and the served engine holds the
@@ -27,7 +28,7 @@ from __future__ import annotations
 import heapq
 
 from .admission import Scheduler
-from .placement import expected_cached
+from .placement import retry_rank
 from .tickets import Dispatch, Ticket
 
 __all__ = ["fallbacks", "moved"]
@@ -51,10 +52,7 @@ def fallbacks(s: Scheduler, t: Ticket, n: int) -> tuple[str, ...]:
             continue
         if not s.eligible(e) or not e.phase1_free() or e.queue:
             continue
-        idx = s.prefix.get(e.name) if (work.prefix or work.token_prefix) else None
-        cached = expected_cached(idx, work, tokens) if idx is not None and idx.trusted else 0.0
-        ms = e.prefill.predict_ms(tokens - cached)
-        ranked.append(((round(ms, -1), e.prefill_in_use + e.decode_in_use + e.external, ms), e.name))
+        ranked.append((retry_rank(s, e, work, tokens), e.name))
     return tuple(name for _, name in heapq.nsmallest(n, ranked))
 
 
