@@ -78,6 +78,7 @@ def narwhal_books(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
         fleet: dict[str, Any] = {"offered": 0, "terminal": {}}
         tenants: dict[str, dict[str, Any]] = {}
         open_ = None
+        moved = {"preemptions": 0, "migrations": 0}  # fair preemptions, and stream migrations carried on
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 v = int(s.value)
@@ -87,6 +88,10 @@ def narwhal_books(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
                     fleet["terminal"][s.labels["class"]] = v
                 elif s.name == "narwhal_requests_open":
                     open_ = v
+                elif s.name == "narwhal_fair_preemptions_total":
+                    moved["preemptions"] = v
+                elif s.name == "narwhal_migrations_total" and s.labels.get("decision") == "carry_on":
+                    moved["migrations"] += v
                 elif s.name == "narwhal_tenant_requests_offered_total":
                     tenants.setdefault(s.labels["tenant"], {"offered": 0, "terminal": {}})["offered"] = v
                 elif s.name == "narwhal_tenant_requests_terminal_total":
@@ -98,5 +103,5 @@ def narwhal_books(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
         b["terminal"] = {k: v for k, v in b["terminal"].items() if v}
         b["balanced"] = b["offered"] == sum(b["terminal"].values())
     tenant_sum = sum(b["offered"] for b in tenants.values())
-    return {"fleet": fleet, "tenants": tenants, "open": open_, "tenants_sum_to_fleet": tenant_sum == fleet["offered"],
+    return {"fleet": fleet, "tenants": tenants, "open": open_, "tenants_sum_to_fleet": tenant_sum == fleet["offered"], **moved,
             "balanced": fleet["balanced"] and all(b["balanced"] for b in tenants.values()) and tenant_sum == fleet["offered"]}

@@ -55,6 +55,8 @@ OPTIONS = (
     opt("--noisy-rps", type=float, default=40.0, help="retention arms: the noisy tenant's rate (default 40)"),
     opt("--max-concurrency", type=int, default=2, help="retention arms: the engine's engines[].max_concurrency (default 2; 0: unset)"),
     opt("--fair-reserve", type=float, default=None, help="retention arms: admission.fair_reserve (default: the router's own)"),
+    opt("--migration", type=int, default=None, help="retention arms: upstream.migration.max_attempts (default: the router's own, 0); fair preemption needs > 0"),
+    opt("--fair-preempt", choices=("on", "off"), default=None, help="retention arms: admission.fair_preempt (default: the router's own)"),
     opt("--rounds", type=int, default=1, help="retention arms: rounds of alone-then-shared (default 1): median and spread"),
     opt("--tree", default=None, help="retention arms: run the narwhal package of this source tree (a git worktree of another commit)"),
 )
@@ -71,7 +73,11 @@ def _config(engine: H.Engine, args: argparse.Namespace) -> dict[str, Any]:
     adm: dict[str, Any] = {"mode": "open", "prediction": {"profile_on_start": False}, "http_retention_limit": args.retention_limit, "queue_limit": 1024}
     if args.fair_reserve is not None:
         adm["fair_reserve"] = args.fair_reserve
+    if args.fair_preempt is not None:
+        adm["fair_preempt"] = args.fair_preempt == "on"
     cfg = H.narwhal_config([engine], model=MODEL, admission=adm, monitoring={"poll_interval_ms": 500})
+    if args.migration is not None:
+        cfg.setdefault("upstream", {})["migration"] = {"max_attempts": args.migration}
     cfg["admission"].pop("phase_concurrency")  # the router's defaults: max_concurrency caps them
     cfg["engines"][0]["max_concurrency"] = args.max_concurrency or None
     cfg["auth"] = {"keys_file": str(keys_file())}
@@ -111,6 +117,7 @@ def retention_bound(args: argparse.Namespace, arms: list[str], rcpu: set[int] | 
     data: dict[str, Any] = {
         "timing": TIMING, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "duration_s": args.retention_duration,
         "retention_limit": args.retention_limit, "max_concurrency": args.max_concurrency or None, "fair_reserve": args.fair_reserve,
+        "migration": args.migration, "fair_preempt": args.fair_preempt,
         "rates": {"quiet": args.quiet_rps, "noisy": args.noisy_rps}, "offered": {t: len(a) for t, a in loads_both.items()},
         "tree": args.tree or "this tree", "rounds": [],
     }
@@ -127,7 +134,7 @@ def retention_bound(args: argparse.Namespace, arms: list[str], rcpu: set[int] | 
                 q = a["tenants"]["quiet"]
                 nz = a["tenants"].get("noisy")
                 print(f"  {name} (round {rnd + 1}): quiet {q['ok']}/{q['offered']} TTFT p50/p99 {fmt_ms(q['ttft_p50'], 0)}/{fmt_ms(q['ttft_p99'], 0)} ms"
-                      + (f"; noisy ok {nz['ok']} refused {nz['refused']}" if nz else "") + f"; books balanced {a['books']['balanced']}", flush=True)
+                      + (f"; noisy ok {nz['ok']} refused {nz['refused']}" if nz else "") + f"; preempted {a['books'].get('preemptions', 0)}, carried on {a['books'].get('migrations', 0)}; books balanced {a['books']['balanced']}", flush=True)
     data["summary"] = summarise(data["rounds"])
     return data
 
@@ -178,7 +185,8 @@ def tables(data: dict[str, Any]) -> str:
     lines = [
         f"Retention-bound: one unified mock vLLM engine (prefill base {data['timing']['prefill_base_ms']} ms, TPOT base {data['timing']['tpot_base_ms']} ms), "
         f"max_concurrency {data['max_concurrency']}, {data['prompt_tokens']} prompt and {data['output_tokens']} output tokens, streaming; "
-        f"http_retention_limit {data['retention_limit']} (R02 binds), queue_limit 1024, admission.fair_reserve {fr}; "
+        f"http_retention_limit {data['retention_limit']} (R02 binds), queue_limit 1024, admission.fair_reserve {fr}, "
+        f"fair_preempt {data.get('fair_preempt') or 'default'}, upstream.migration.max_attempts {data.get('migration') if data.get('migration') is not None else 'default'}; "
         f"quiet {data['rates']['quiet']:g}/s ({data['offered']['quiet']} requests), noisy {data['rates']['noisy']:g}/s ({data['offered']['noisy']}), "
         f"Poisson, {data['duration_s']:g} s per arm; router: {data['tree']}.",
         "",
@@ -188,8 +196,9 @@ def tables(data: dict[str, Any]) -> str:
         q, nz = a["tenants"]["quiet"], a["tenants"].get("noisy")
         ref = ", ".join(f"{k} ×{v}" for k, v in nz["refusals"].items()) if nz and nz["refusals"] else "—"
         rows.append([a["arm"], a["round"], f"{q['ok']}/{q['offered']}", fmt_ms(q["ttft_p50"], 0), fmt_ms(q["ttft_p99"], 0),
-                     f"{nz['ok']}/{nz['offered']}" if nz else "", ref, "yes" if a["books"]["balanced"] else "NO"])
-    lines.append(markdown_table(["arm", "round", "quiet 200", "quiet TTFT p50 ms", "quiet TTFT p99 ms", "noisy 200", "noisy refused (status code)", "books balanced"], rows))
+                     f"{nz['ok']}/{nz['offered']}" if nz else "", ref, a["books"].get("preemptions", 0), "yes" if a["books"]["balanced"] else "NO"])
+    lines.append(markdown_table(["arm", "round", "quiet 200", "quiet TTFT p50 ms", "quiet TTFT p99 ms", "noisy 200", "noisy refused (status code)", "preempted",
+                                 "books balanced"], rows))
     sm = data["summary"]
     srows = []
     for arm in ARMS:

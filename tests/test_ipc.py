@@ -45,7 +45,7 @@ EXAMPLES: list[Any] = [
     ipc.WantDecode(7),
     ipc.Retry(7, "d0", E.E03, "decode", 1235.0),
     ipc.PrefillDone(7, 1234.6, True),
-    ipc.FirstToken(7, 1234.7),
+    ipc.FirstToken(7, 1234.7, True),
     ipc.Close(7, 1236.0, "d1", None, None, 0.012, "d1", 64, "length", 512, 256),
     ipc.Close(8, 1236.0, None, "d0", E.E06, None, None, None, None, None, None),
     ipc.End(7, "completed"),

@@ -805,6 +805,12 @@ class Admission(BaseModel):
             le=0.5,
         ),
     ] = 0.25
+    fair_preempt: Annotated[
+        StrictBool,
+        Field(
+            description="Tenants configured, fair_reserve > 0 and upstream.migration.max_attempts > 0: a lighter tenant's request waiting for a unified engine whose slots are all taken preempts the heaviest tenant's newest request there past its first token (at most once per request, one at a time per engine); that request's decode leg is cut and carried on by stream migration after it, on the same engine or another. Off, or migration off: a waiting request waits for a slot to free."
+        ),
+    ] = True
     max_wait_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 10000
     ttft_budget_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 2000
     max_ttft_target_ms: Annotated[StrictInt, Field(ge=1, le=600000)] = 30000

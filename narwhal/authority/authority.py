@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from narwhal_generated import errors as E
@@ -27,6 +28,7 @@ from ..core.clock import Clock, MonotonicClock
 from ..core.fairness import retention_victim
 from ..core.fleet import PHASE1_ROLES, Breaker, EngineState
 from ..core.prediction import Margin, OutputLengthLearner
+from ..core.preempt import configured as preempt_configured
 from ..core.prefix import APPROX_BLOCK_TOKENS, MAX_BLOCKS, PrefixIndex
 from ..core.quota import DEFAULT, Limits, Quotas
 from ..core.sizing import PromptSizer
@@ -99,6 +101,7 @@ class Authority:
             weights=self.weight_of,
             tenant_queue_limit=self.tenant_queue_limit,
             fair_reserve=a.fair_reserve if self.quotas is not None else None,  # R02/R11 fairness
+            fair_preempt=preempt_configured(config),  # core/preempt.py
         )
         self._prefix_covered = len(self.scheduler.prefix)
         # the learned bytes-per-token estimate (an exact count, when the data plane has
@@ -108,6 +111,11 @@ class Authority:
         self.held = 0  # R02: client requests held
         self.retained: dict[int, Any] = {}  # R02: an admitted request's ticket id -> its entry holding a place (door.py)
         self.waiters: dict[int, asyncio.Future[Dispatch | Refuse]] = {}
+        # fair preemption (core/preempt.py): a ticket id past its first token whose leg can
+        # be carried on -> how its data plane is told to cut it (door.py LocalLease.tell);
+        # bounded by the requests holding slots, each removed when its lease closes or retries
+        self.preempting: dict[int, Callable[[], None]] = {}
+        self.preemptions = 0  # requests asked to leave (narwhal_fair_preemptions_total)
         self.profiling: dict[str, asyncio.Task[Any]] = {}
         # engines whose streams carry no usage but which can count prompts exactly
         # (upstream/usage.py), found at profile time; data planes are told (`on_facts`)
@@ -203,6 +211,18 @@ class Authority:
             f = self.waiters.pop(g.ticket.id, None)
             if f is not None and not f.done():
                 f.set_result(g)
+        if self.scheduler.preempts:
+            self.preempt()
+
+    def preempt(self) -> None:
+        """Tell each data plane whose request core/preempt.py asked to leave its engine
+        (in the next turn of the loop: never inside the step that decided it)."""
+        asked, self.scheduler.preempts = self.scheduler.preempts, []
+        for p in asked:
+            tell = self.preempting.pop(p.ticket.id, None)
+            if tell is not None:
+                self.preemptions += 1
+                asyncio.get_running_loop().call_soon(tell)
 
     def register(self, t: Ticket) -> asyncio.Future[Dispatch | Refuse]:
         """The future a queued ticket's grant (or refusal) resolves, registered at once:
@@ -210,6 +230,8 @@ class Authority:
         it in the same turn of the loop as the decision that queued the ticket."""
         f: asyncio.Future[Dispatch | Refuse] = asyncio.get_running_loop().create_future()
         self.waiters[t.id] = f
+        if self.scheduler.preempts:  # queued behind a slot another tenant's request holds
+            self.preempt()
         return f
 
     async def wait_grant(self, t: Ticket, f: asyncio.Future[Dispatch | Refuse] | None = None) -> Dispatch | Refuse | None:

@@ -14,6 +14,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import sys
@@ -143,7 +144,9 @@ class WorkerSession:
     def _first_token(self, m: ipc.FirstToken) -> None:
         lease = self._lease(m.rid)
         if lease is not None:
-            lease.first_token(m.at)
+            if m.movable:  # core/preempt.py: a preemption's fact goes to this worker only
+                lease.tell = functools.partial(self.send, ipc.Facts("", ["preempt", m.rid]))
+            lease.first_token(m.at, m.movable)
 
     def _close(self, m: ipc.Close) -> None:
         lease = self._lease(m.rid)

@@ -11,6 +11,7 @@ and frees what it held.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 
 from narwhal_generated import errors as E
@@ -19,6 +20,7 @@ from ..core import refusals as answers
 from ..core.accounting import Entry as BooksEntry
 from ..core.lease import Grant, Order, Outcome
 from ..core.placement import Placement, place
+from ..core.preempt import resume
 from ..core.prefix import APPROX_BLOCK_BYTES
 from ..core.quota import DEFAULT
 from ..core.reroute import fallbacks, moved
@@ -31,11 +33,15 @@ QUEUED = object()  # a *_now call's answer: queued; await `wait()` for the grant
 
 
 class LocalLease:
-    __slots__ = ("a", "t", "order", "first", "prompt_tokens", "projected_ttft_ms", "expected_cached", "closed", "output_tokens")
+    __slots__ = ("a", "t", "order", "first", "prompt_tokens", "projected_ttft_ms", "expected_cached", "closed", "output_tokens", "tell")
 
     def __init__(self, a: Authority, first: Dispatch | Enqueued, order: Order) -> None:
         self.a = a
         self.t: Ticket = first.ticket
+        # fair preemption (core/preempt.py): how this request's data plane is told to cut
+        # its leg: in process, a fact keyed by the ticket's id (the lease's `key`); a
+        # worker's session (channel.py) sends it to that worker only, keyed by its rid
+        self.tell: Callable[[], None] | None = None  # None: in process (made when needed)
         self.order = order
         self.first = first
         self.prompt_tokens = first.ticket.work.prompt_tokens
@@ -98,6 +104,11 @@ class LocalLease:
         slot: a decode slot, or a unified engine's), or None when there is
         none to try."""
         a = self.a
+        a.preempting.pop(self.t.id, None)
+        if self.t.preempted == engine and self.t.holds_decode == engine:  # cut for a lighter tenant: no failure (core/preempt.py)
+            grants, got = resume(a.scheduler, self.t, at)
+            a.wake(grants)
+            return None if got is None else QUEUED if isinstance(got, Enqueued) else Grant(got.engine, got.phase)
         a.engine_failed(engine, row)
         a.wake(a.scheduler.decode_failed(self.t, at))
         if a.leaving:  # lifecycle M29: the failed attempt's slot on a leaving engine may have been its last
@@ -139,8 +150,17 @@ class LocalLease:
         a = self.a
         a.wake(a.scheduler.prefill_done(self.t, at, ok=ok))
 
-    def first_token(self, at: float) -> None:
+    @property
+    def key(self) -> int:
+        """What the data plane files this request under for a preemption's fact."""
+        return self.t.id
+
+    def first_token(self, at: float, movable: bool = False) -> None:
+        """The first token; `movable`: its decode leg can be carried on (core/preempt.py)."""
         a = self.a
+        if movable and a.scheduler.fair is not None and a.scheduler.fair.preempt:
+            self.t.movable = True
+            a.preempting[self.t.id] = self.tell or functools.partial(a._tell, "", ["preempt", self.t.id])
         a.wake(a.scheduler.first_token(self.t, at))
 
     def close(self, outcome: Outcome) -> None:
@@ -149,6 +169,7 @@ class LocalLease:
             return
         self.closed = True
         a, o = self.a, outcome
+        a.preempting.pop(self.t.id, None)
         self.output_tokens = o.output_tokens
         if o.tpot_s is not None and o.tpot_engine is not None:
             e = a.engines[o.tpot_engine]

@@ -98,6 +98,9 @@ class _StateCollector(Collector):
         q.add_metric(["first"], s["queued"])
         q.add_metric(["decode"], s["decode_queued"])
         yield q
+        p = CounterMetricFamily("narwhal_fair_preemptions", "Requests asked to leave their engine's slot for a lighter tenant's waiting request and be carried on after it (admission.fair_preempt, core/preempt.py).")
+        p.add_metric([], s.get("preemptions", 0))
+        yield p
         ready = GaugeMetricFamily("narwhal_router_state", "1 for the router's current state.", labels=["state"])
         for st in ("active", *S.NOT_READY_PRECEDENCE):
             ready.add_metric([st], 1.0 if s["state"] == st else 0.0)

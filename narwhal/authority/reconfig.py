@@ -29,6 +29,7 @@ from ..config import (
     load_yaml,
     parse_config,
 )
+from ..core.preempt import configured as preempt_configured
 from ..core.reload import changed_keys, plan
 from ..fleet.sources import configured
 from ..telemetry.logs import event as log_event
@@ -172,6 +173,7 @@ def apply(control: ControlPlane, cfg: Any, changed: tuple[str, ...]) -> dict[str
     s.mode, s.queue_limit, s.tpot_budget_ms = a.mode, a.queue_limit, a.prediction.tpot_budget_ms
     if s.fair is not None:
         s.fair.fraction = a.fair_reserve
+        s.fair.preempt = preempt_configured(cfg)
     for e in c.engines.values():
         e.prefill_slots = _cap(a.phase_concurrency.prefill, e.max_concurrency)
         e.decode_slots = _cap(a.phase_concurrency.decode, e.max_concurrency)

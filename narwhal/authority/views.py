@@ -157,6 +157,7 @@ def state_snapshot(a: ControlPlane, *, engines: bool = True) -> dict[str, Any]:
         "held": a.held,
         "queued": a.scheduler.queued,
         "decode_queued": len(a.scheduler.decode_queue),
+        "preemptions": a.preemptions,
         "state": a.state.reason(a.clock.now()) or "active",
         "engines": [engine_view(a, e) for e in a.engines.values()] if engines else [],
     }

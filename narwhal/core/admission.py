@@ -24,7 +24,8 @@ Rules
     issue 40 item 6): the heaviest tenant on an engine (its recent dispatches per weight)
     may not take its last k free phase-1 slots while another tenant is active; a request
     that may not queues, and a grant pass serves the best eligible tenant by start tag.
-    None (no tenants): nothing counted, work-conserving as before.
+    None (no tenants): nothing counted, work-conserving as before. With it, fair
+    preemption (core/preempt.py `check`) after every grant pass and every request queued.
   * Queue limit: admission.queue_limit counts requests waiting for their first phase.
     Requests waiting for a decode slot after prefill are already admitted; they are
     counted (queue depth gauge) but never refused for it.
@@ -48,6 +49,7 @@ from .fairness import FairReserve, Weights
 from .fleet import PHASE1_ROLES, EngineState
 from .placement import Placement, place, retry_place
 from .prediction import Margin, OutputLengthLearner
+from .preempt import Preempt, check
 from .prefix import PrefixIndex
 from .refusals import ADMISSION, WAIT
 from .tickets import Dispatch, Enqueued, Refuse, Ticket, Work
@@ -86,6 +88,7 @@ class Scheduler:
         weights: Weights | None = None,
         tenant_queue_limit: Callable[[str | None], int | None] | None = None,
         fair_reserve: float | None = None,
+        fair_preempt: bool = False,
     ) -> None:
         self.engines: dict[str, EngineState] = {e.name: e for e in engines}
         # phase-1 engines' prefix caches as the router knows them (core/prefix.py); empty:
@@ -103,7 +106,8 @@ class Scheduler:
         self.weights: Weights = weights or (lambda tenant: 1.0)
         self.tenant_queue_limit = tenant_queue_limit  # R20: tenants.NAME.queue_limit, None: no such limits
         # the fair reserve (admission.fair_reserve, tenants configured): None, no count kept
-        self.fair = FairReserve(self.weights, fair_reserve) if fair_reserve is not None else None
+        self.fair = FairReserve(self.weights, fair_reserve, fair_preempt) if fair_reserve is not None else None
+        self.preempts: list[Preempt] = []  # decisions of core/preempt.py: the caller tells the data planes
         self.granted: list[Dispatch] = []  # grants a placement made to waiters (the fair reserve): the caller wakes them
         self.evicted: list[tuple[Ticket, Refuse]] = []  # R11: queued tickets that yielded to a tenant under its share
         self.decode_queue: deque[Ticket] = deque()
@@ -251,6 +255,7 @@ class Scheduler:
         engine.queue.append(t)
         engine.queued_work_ms += t.pred_prefill_ms
         self.queued += 1
+        check(self, engine, now)  # fair preemption (core/preempt.py): a lighter tenant waits
         return Enqueued(t, engine.name)
 
     def reserve(self, engine: str, work: Work, now: float) -> Dispatch | Enqueued:
@@ -423,14 +428,8 @@ class Scheduler:
         return bool(self._decode_candidates(t.excluded))
 
     def retry_unified(self, t: Ticket, now: float) -> Dispatch | Enqueued | None:
-        """T05 (and a stream migration's continuation, spec/tables/migration.yaml) on a
-        unified fleet: another eligible unified engine with a free slot, at once — the one
-        whose projected prefill is least, counting what its prefix cache is expected to
-        hold of the request's prompt (as R10 projects); on a tie the one with the fewest
-        requests on it, so the streams of one failed engine spread over the others. No
-        free slot: it waits in the queue of the eligible engine with the least queued work
-        (a slot frees at every first token; R12/R13 still bound the wait, the time it
-        waited before counted). None: no other eligible unified engine at all."""
+        """T05 (and a stream migration's continuation) on a unified fleet: another eligible
+        unified engine, at once or queued (core/placement.py retry_place); None: none."""
         return retry_place(self, t, now)
 
     def finish(self, t: Ticket, now: float) -> list[Dispatch]:
@@ -488,6 +487,8 @@ class Scheduler:
             e.queued_work_ms = max(0.0, e.queued_work_ms - t.pred_prefill_ms)
             self.queued -= 1
             grants.append(self._dispatch1(t, e, now))
+        if fair is not None and e.queue:
+            check(self, e, now)  # fair preemption (core/preempt.py): a lighter tenant still waits
         return grants
 
     def _grant_prefill(self, now: float) -> list[Dispatch]:

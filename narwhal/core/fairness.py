@@ -266,14 +266,30 @@ class FairQueue:
         best_load = -1.0
         for tenant, f in self._flows.items():
             load = len(f.q) / self.weights(tenant)
-            if load > best_load:
-                best, best_load = (tenant, f.q[-1]), load
+            if load > best_load and (t := self.newest(tenant)) is not None:
+                best, best_load = (tenant, t), load
         return best
 
     def newest(self, tenant: str | None) -> Any:
-        """`tenant`'s newest queued ticket, or None."""
+        """`tenant`'s newest queued ticket that may yield its place, or None: a preempted
+        request waiting to be carried on (core/preempt.py; its answer has started) never
+        does."""
         f = self._flows.get(tenant)
-        return f.q[-1] if f is not None and f.q else None
+        if f is None:
+            return None
+        for t in reversed(f.q):
+            if getattr(t, "preempted", None) is None:
+                return t
+        return None
+
+    def push_front(self, t: Any) -> None:
+        """Queue `t` first among its tenant's requests (a preempted request carried on,
+        core/preempt.py: it was served already; its tenant's start tag is unchanged, so it
+        is served at that tenant's next turn)."""
+        self.append(t)
+        q = self._flows[t.work.tenant].q
+        q.pop()
+        q.appendleft(t)
 
     def share_load(self, tenant: str | None, extra: int = 0) -> float:
         """`tenant`'s queued requests (plus `extra`) per unit of weight."""
@@ -302,13 +318,17 @@ class FairReserve:
     fairness, issue 40 item 6). Engines are read, never written: `role`, the slots and
     what is in use (core/fleet.py EngineState)."""
 
-    __slots__ = ("weights", "fraction", "_held", "_tickets", "_seen", "_usage")
+    __slots__ = ("weights", "fraction", "preempt", "_held", "_tickets", "_on", "_seen", "_usage", "pending")
 
-    def __init__(self, weights: Weights, fraction: float) -> None:
+    def __init__(self, weights: Weights, fraction: float, preempt: bool = False) -> None:
         self.weights = weights
         self.fraction = fraction  # admission.fair_reserve; 0: counted, nothing reserved
+        # admission.fair_preempt, with stream migration on (core/preempt.py)
+        self.preempt = preempt
         self._held: dict[str, dict[str | None, int]] = {}  # engine -> tenant -> phase-1 slots held
         self._tickets: dict[int, tuple[str, str | None]] = {}  # ticket id -> (engine, tenant), while it holds
+        self._on: dict[str, dict[int, Any]] = {}  # engine -> ticket id -> ticket, the same tickets
+        self.pending: dict[str, int] = {}  # engine -> the ticket asked to leave it (core/preempt.py), until it holds no slot there
         self._seen: dict[str | None, float] = {}  # tenant -> when it was last admitted
         # engine -> tenant -> (dispatches decayed to `at`, at): pruned once negligible
         self._usage: dict[str, dict[str | None, tuple[float, float]]] = {}
@@ -327,6 +347,7 @@ class FairReserve:
             raise ValueError(f"ticket {t.id} already holds a phase-1 slot")
         tenant = t.work.tenant
         self._tickets[t.id] = (engine, tenant)
+        self._on.setdefault(engine, {})[t.id] = t
         h = self._held.setdefault(engine, {})
         h[tenant] = h.get(tenant, 0) + 1
         u = self._usage.setdefault(engine, {})
@@ -351,6 +372,12 @@ class FairReserve:
             return
         del self._tickets[t.id]
         engine, tenant = got
+        on = self._on[engine]
+        del on[t.id]
+        if not on:
+            del self._on[engine]
+        if self.pending.get(engine) == t.id:
+            del self.pending[engine]
         h = self._held[engine]
         n = h[tenant] - 1
         if n:
@@ -364,10 +391,20 @@ class FairReserve:
         """`engine` left the scheduler (holding nothing): its recent use goes with it, so
         a fleet whose engines come and go keeps no entry for one that left."""
         self._usage.pop(engine, None)
+        self.pending.pop(engine, None)
 
     def held(self, engine: str) -> dict[str | None, int]:
         """Phase-1 slots held on `engine`, by tenant (a copy; tenants holding none absent)."""
         return dict(self._held.get(engine, ()))
+
+    def on(self, engine: str) -> list[Any]:
+        """The tickets holding a phase-1 slot of `engine` (core/preempt.py chooses among them)."""
+        return list(self._on.get(engine, {}).values())
+
+    def heavier(self, engine: str, u: str | None, v: str | None, now: float) -> bool:
+        """`u` has had more of `engine` lately than `v`, per weight (the reserve's order)."""
+        w = self.weights
+        return self.usage(engine, u, now) / w(u) > self.usage(engine, v, now) / w(v)
 
     def holding(self) -> int:
         """Tickets counted, over all engines."""

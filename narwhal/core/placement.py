@@ -235,8 +235,15 @@ def retry_rank(s: Scheduler, e: EngineState, work: Work, n: float) -> tuple[floa
 
 
 def retry_place(s: Scheduler, t: Ticket, now: float) -> Dispatch | Enqueued | None:
-    """`Scheduler.retry_unified` (its doc): a free slot this request may take (the fair
-    reserve counts a retry like any request), else the shortest queue, else None."""
+    """T05 (and a stream migration's continuation, spec/tables/migration.yaml) on a
+    unified fleet: another eligible unified engine with a free slot this request may take
+    (the fair reserve counts a retry like any request), at once — the one whose projected
+    prefill is least, counting what its prefix cache is expected to hold of the prompt
+    (as R10 projects); on a tie the one with the fewest requests on it, so the streams of
+    one failed engine spread over the others. No free slot: it waits in the queue of the
+    eligible engine with the least queued work (a slot frees at every first token;
+    R12/R13 still bound the wait, the time it waited before counted). None: no other
+    eligible unified engine at all."""
     best: tuple[tuple[float, int, float], EngineState] | None = None
     n = float(t.work.prompt_tokens)
     for e in s._phase1:
@@ -266,12 +273,12 @@ def _victim(s: Scheduler, tenant: str | None, weight: float) -> tuple[EngineStat
             u = t.work.tenant
             load[u] = load.get(u, 0) + 1
             at = t.enqueued_at or 0.0
-            if u not in newest or at >= newest[u][0]:
+            if t.preempted is None and (u not in newest or at >= newest[u][0]):  # (a preempted one never yields: core/preempt.py)
                 newest[u] = (at, e, t)
     if not load or (len(load) == 1 and tenant in load):
         return None
     victim = max(load, key=lambda u: load[u] / s.weights(u))
-    if victim == tenant or (load.get(tenant, 0) + 1) / weight >= load[victim] / s.weights(victim):
+    if victim == tenant or victim not in newest or (load.get(tenant, 0) + 1) / weight >= load[victim] / s.weights(victim):
         return None
     _, e, t = newest[victim]
     return e, t

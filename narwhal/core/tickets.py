@@ -66,7 +66,7 @@ class Ticket:
         "id", "work", "state", "engine", "decode_engine", "excluded", "enqueued_at", "waited",
         "pred_prefill_ms", "projected_ttft_ms", "depth", "prefill_dispatched_at",
         "decode_dispatched_at", "holds_prefill", "holds_decode", "pd_pending",
-        "expected_cached", "prefill_sample", "decode_mark",
+        "expected_cached", "prefill_sample", "decode_mark", "movable", "preempted",
     )
 
     def __init__(self, tid: int, work: Work) -> None:
@@ -92,6 +92,11 @@ class Ticket:
         # (the decode engine's EngineState, its decode_area_at, the time) at the first token:
         # the start of the span its TPOT is measured over (EngineState.mean_decode_batch)
         self.decode_mark: tuple[object, float, float] | None = None
+        # fair preemption (core/preempt.py): past its first token, its decode leg can be
+        # carried on (the data plane said so); and the engine it was asked to leave for a
+        # lighter tenant's request (set once: a request is preempted at most once)
+        self.movable = False
+        self.preempted: str | None = None
 
     def exclude(self, engine: str) -> None:
         """`engine` failed this ticket: it may not place it again."""

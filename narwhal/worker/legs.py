@@ -59,7 +59,7 @@ from .direct import DirectFeed
 from .failures import Ended, Failed
 from .migrate import Cont
 from .moving import Migrating
-from .plane import DataPlane
+from .plane import PREEMPTED, DataPlane
 from .replies import Sink, cached, engine_error_detail, err_msg, merge_usage, refuse
 
 __all__ = ["Run", "Failed", "Ended"]
@@ -145,7 +145,8 @@ class Run(Migrating):
 
     def _upstream(self, x: UpstreamError, e: EngineSpec, leg: str = "engine") -> Failed:
         """A transport failure: the words for the client, the detail for the log."""
-        log.warning("request %s: %s %s: %s %s", self.rid, leg, e.name, x.row.id, x.log_detail or x.detail)
+        level = logging.INFO if x.detail == PREEMPTED else logging.WARNING  # a fair preemption is routine
+        log.log(level, "request %s: %s %s: %s %s", self.rid, leg, e.name, x.row.id, x.log_detail or x.detail)
         return Failed(x.row, f"{leg} {e.name}: {x.detail}", engine=e)
 
     def _http_error(self, status: int, raw: bytes, e: EngineSpec, leg: str = "engine") -> Failed:
@@ -321,6 +322,8 @@ class Run(Migrating):
             legs.discard(up)
             if movers is not None:
                 movers.pop(up, None)
+                if self.r.preempt:
+                    self.r.preemptible.pop(self.lease.key, None)
             await up.aclose(complete=complete)
         return last
 
@@ -335,6 +338,8 @@ class Run(Migrating):
         if relay.recorder is not None:
             movers = self.r.movers.setdefault(e.name, {})
             movers[up] = self._movable
+            if self.r.preempt:  # fair preemption (core/preempt.py) reaches it by the lease's key
+                self.r.preemptible[self.lease.key] = (up, self._movable)
         return legs, movers
 
     def _direct_feed(self, relay: StreamRelay, rejoin: Any, buffered: list[bytes]) -> DirectFeed | None:
@@ -460,7 +465,7 @@ class Run(Migrating):
         if self.first_token_at is not None:
             return
         self.first_token_at = now
-        self.lease.first_token(now)
+        self.lease.first_token(now, self.r.preempt and self._movable())  # movable: core/preempt.py may ask
         if self.leg is not None:
             self.leg.first_token()
         self.r.telemetry.child(self.r.telemetry.ttft, self.req.route).observe(now - self.order.arrival)

@@ -9,7 +9,9 @@ engine joins or changes settings; it arrives before any grant names it), ["gone"
 left: its pooled connections go), ["cut"] (it is leaving past its drain timeout: every
 exchange with it ends now, E06), ["migrate"] (it is leaving with discovery.drain:
 migrate: each decode leg on it whose request can be carried on by another engine is cut
-now, E06, and carried on (spec/tables/migration.yaml); the others run on, as with wait).
+now, E06, and carried on (spec/tables/migration.yaml); the others run on, as with wait),
+["preempt", key] (core/preempt.py: the request whose lease has that key is cut, E06, and
+carried on after a lighter tenant's request, if it still can be).
 """
 
 from __future__ import annotations
@@ -27,15 +29,19 @@ from narwhal_generated.models.config import NarwhalConfig
 
 from ..core.clock import Clock, MonotonicClock
 from ..core.lease import Door
+from ..core.preempt import configured as preempt_configured
 from ..core.prefix import token_keys
 from ..tenants.keys import Auth
 from ..upstream.engines import EngineSpec, engine_client
 from ..upstream.usage import CountTarget, EngineCount, PromptCounter, Provisional
 from .telemetry import Telemetry
 
-__all__ = ["DataPlane", "ENGINE_REQUEST_IDS", "tokenizer_of", "TOKENIZE_TIMEOUT_S"]
+__all__ = ["DataPlane", "ENGINE_REQUEST_IDS", "PREEMPTED", "tokenizer_of", "TOKENIZE_TIMEOUT_S"]
 
 TOKENIZE_TIMEOUT_S = 1.0  # a prompt's token IDs for the KV-event index, at most this long
+
+# the words of a fair preemption's cut (core/preempt.py): routine, logged at INFO (legs.py)
+PREEMPTED = "preempted for a lighter tenant's request (admission.fair_preempt)"
 
 # Router-only, like core.requests.ROUTER_ONLY: the engine-side request ID of vLLM
 # (`request_id`) and SGLang (`rid`). A client that sets it chooses the ID the engine files
@@ -57,6 +63,10 @@ class DataPlane:
         self.legs: dict[str, set[Any]] = {}
         # decode legs that a continuation could carry on, by engine: leg -> "may it move now?"
         self.movers: dict[str, dict[Any, Callable[[], bool]]] = {}
+        # fair preemption (core/preempt.py; on when `preempt`): the same legs by their
+        # lease's key, which the authority's ["preempt", key] names
+        self.preempt = preempt_configured(config)
+        self.preemptible: dict[int, tuple[Any, Callable[[], bool]]] = {}
         # the configured tenants (a per-tenant label on /metrics is one of them, `default` or
         # `other`, as the books' labels: core/quota.Quotas.label); None: no tenants configured
         self.tenant_labels: frozenset[str] | None = frozenset(n for n in config.tenants if n != "default") if config.tenants else None
@@ -108,6 +118,7 @@ class DataPlane:
         upstream bounds apply to every request from now on; requests running keep what
         they started with where they copied it."""
         self.config = config
+        self.preempt = preempt_configured(config)
         u = config.upstream
         self.client.reconfigure(connect_timeout_s=u.connect_timeout_ms / 1000.0, idle_timeout_s=u.idle_timeout_ms / 1000.0, max_body_bytes=u.max_event_bytes)
         self.deny_fields = frozenset(f.root for f in u.deny_fields)
@@ -152,6 +163,11 @@ class DataPlane:
     def learn_facts(self, engine: str, facts: list[Any]) -> None:
         """The authority found something about `engine` (Authority.all_facts), or the
         fleet changed (module docstring)."""
+        if facts and facts[0] == "preempt":  # core/preempt.py: cut it now if it can still be carried on
+            got = self.preemptible.get(facts[1])
+            if got is not None and got[1]():
+                got[0].cut(PREEMPTED)
+            return
         if facts and facts[0] == "spec":
             s = EngineSpec.from_dict(facts[1])
             if s.authorization is not None:

@@ -191,8 +191,13 @@ class RemoteLease:
         assert g is not None
         return g
 
-    def first_token(self, at: float) -> None:
-        self.link.send(ipc.FirstToken(self.rid, at))
+    @property
+    def key(self) -> int:
+        """What this worker's plane files the request under for a preemption's fact."""
+        return self.rid
+
+    def first_token(self, at: float, movable: bool = False) -> None:
+        self.link.send(ipc.FirstToken(self.rid, at, movable))
 
     async def retry(self, engine: str, row: E.ErrorRow, phase: str, at: float) -> Grant | Refuse | None:
         return self._grant(await self.link.request(self.rid, ipc.Retry(self.rid, engine, row, phase, at)))

@@ -13,6 +13,7 @@ requests, one after another, take; bounded in count and time."""
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,3 +76,56 @@ def test_a_tenant_flooding_the_retention_leaves_a_quiet_tenant_its_answers(tmp_p
         assert refused and set(refused) == {"http_retention_full"}, noisy  # the flood was held at R02, and only the flood
         b = rr.balanced()
         assert b["by_tenant"]["quiet"]["completed"] == 8 and b["by_tenant"]["quiet"].get("rejected", 0) == 0
+
+
+def test_a_noisy_tenant_cannot_turn_preemption_into_a_failure_of_its_own_or_the_engine(tmp_path: Path) -> None:
+    """Fair preemption (core/preempt.py) cuts a running noisy stream for a waiting quiet
+    request. Attacked from both sides at small scale: 8 noisy streams kept running back to
+    back on an engine of 2 slots while a quiet client sends 12 requests one after another
+    (each can preempt): every noisy stream still ends complete, with its whole answer and
+    no error event (with max_attempts 1, a second cut of one request would end in one);
+    the engine's breaker counts no failure; the books balance."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in KEYS.items()]))
+    cfg: dict[str, Any] = {
+        "admission": {"mode": "open", "prediction": {"profile_on_start": False}},
+        "monitoring": {"poll_interval_ms": 100, "stale_after_ms": 60000},
+        "upstream": {"migration": {"max_attempts": 1}},
+        "tenants": {"noisy": {"weight": 1}, "quiet": {"weight": 1}},
+        "auth": {"keys_file": str(keys)},
+    }
+    stream = {**BODY, "max_tokens": 24, "ignore_eos": True, "stream": True}
+    stop = threading.Event()
+    noisy: list[tuple[int, bool, int, int]] = []  # status, [DONE] seen, content pieces, error events
+
+    def flood(url: str) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                with c.stream("POST", url + "/v1/chat/completions", json=stream, headers={"authorization": f"Bearer {KEYS['noisy']}"}) as r:
+                    data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+                done = bool(data) and data[-1] == "[DONE]"
+                events = [json.loads(ev) for ev in data if ev != "[DONE]"]
+                pieces = sum(1 for ev in events for ch in ev.get("choices") or () if (ch.get("delta") or {}).get("content"))
+                noisy.append((r.status_code, done, pieces, sum("error" in ev for ev in events)))
+
+    with running_fleet([MockConfig(dialect="vllm", role="unified", name="p0", timing=Timing(prefill_base_ms=5.0, tpot_base_ms=10.0))]) as (m,), \
+            running_router(cfg, [EngineSpec("e0", m.url, "unified", "vllm", None, None, max_concurrency=2)]) as rr:
+        threads = [threading.Thread(target=flood, args=(rr.url,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            e = rr.router.scheduler.engines["e0"]
+            wait_until(lambda: rr.call(lambda: len(e.queue)) >= 4, timeout=10, what="noisy streams queued behind both slots")
+            with httpx.Client(timeout=30) as c:
+                quiet = [_ask(c, rr.url, "quiet") for _ in range(12)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert [r.status_code for r in quiet] == [200] * 12
+        preempted = rr.call(lambda: rr.router.preemptions)
+        assert preempted > 0  # the attack ran: quiet requests did preempt noisy streams
+        assert noisy and all(s == 200 and done and n == 24 and err == 0 for s, done, n, err in noisy), noisy
+        assert rr.call(lambda: e.breaker.failures) == 0
+        b = rr.balanced()
+        assert b["by_tenant"]["noisy"]["completed"] == len(noisy) and b["by_tenant"]["quiet"]["completed"] == 12

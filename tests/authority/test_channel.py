@@ -17,6 +17,7 @@ from narwhal.authority.service import LocalControls
 from narwhal.config import parse_config
 from narwhal.core.clock import ManualClock
 from narwhal.upstream.engines import EngineSpec
+from narwhal_generated import errors as E
 
 
 class _Transport:
@@ -113,7 +114,7 @@ def test_the_door_scores_a_decode_close_at_the_mean_batch_it_ran_at() -> None:
 
         def admit(rid: int, at: float) -> None:
             clock.t = at
-            send(ipc.Arrive(rid, at), ipc.Admit(rid, "chat", 40, None, 4, 60000.0, at, None, [], []), ipc.FirstToken(rid, at))
+            send(ipc.Arrive(rid, at), ipc.Admit(rid, "chat", 40, None, 4, 60000.0, at, None, [], []), ipc.FirstToken(rid, at, False))
 
         admit(1, t0)
         for rid in (2, 3, 4):
@@ -128,3 +129,41 @@ def test_the_door_scores_a_decode_close_at_the_mean_batch_it_ran_at() -> None:
     mu, old = asyncio.run(main())
     assert mu == pytest.approx(0.0, abs=1e-9)
     assert old < -0.3  # what the batch at the close made of the same measurement
+
+
+def test_a_preemption_is_told_to_the_worker_holding_the_request_by_its_rid() -> None:
+    """Fair preemption across processes (core/preempt.py): a request's FirstToken says
+    its leg can be carried on; when a lighter tenant's request waits for its slot, the
+    session tells its own worker ["preempt", rid]; the worker's cut comes back as a Retry
+    that frees the slot for the waiter (Granted) and queues the preempted request again
+    (no NoRetry: not a failure)."""
+    async def main() -> list[Any]:
+        cfg = parse_config({"admission": {"mode": "open", "phase_concurrency": {"prefill": 2, "decode": 2}, "prediction": {"profile_on_start": False}},
+                            "upstream": {"migration": {"max_attempts": 1}}, "tenants": {"quiet": {"weight": 1}, "noisy": {"weight": 1}}})
+        control = ControlPlane(cfg, [EngineSpec("u0", "http://127.0.0.1:9", "unified", "vllm", None, None)])
+        s = WorkerSession(0, LocalControls(control), on_up=lambda *a: None, on_penalise=lambda *a: None, on_lost=lambda *a: None)
+        t = _Transport()
+        s.channel.connection_made(t)  # type: ignore[arg-type]
+        now = _now()
+
+        def send(*ms: Any) -> None:
+            s.channel.data_received(b"".join(ipc.encode(m) for m in ms))
+
+        def admit(rid: int, tenant: str) -> list[Any]:
+            return [ipc.Arrive(rid, now, None, tenant), ipc.Admit(rid, "chat", 40, None, 4, 60000.0, now, None, [], [], tenant)]
+
+        for rid, tenant in ((1, "quiet"), (2, "noisy"), (3, "noisy"), (4, "noisy")):  # noisy heaviest lately, quiet active
+            send(*admit(rid, tenant), ipc.FirstToken(rid, now, False), *_close(rid, now))
+        send(*admit(10, "noisy"), ipc.FirstToken(10, now, True), *admit(11, "quiet"), *admit(12, "quiet"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        send(ipc.Retry(10, "u0", E.E06, "unified", now))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await control.client.aclose()
+        return _decode_all(bytes(t.out))
+
+    got = asyncio.run(main())
+    assert [m for m in got if isinstance(m, ipc.Facts) and m.facts[:1] == ["preempt"]] == [ipc.Facts("", ["preempt", 10])]
+    assert any(isinstance(m, ipc.Granted) and m.rid == 12 for m in got), got
+    assert not any(isinstance(m, ipc.NoRetry | ipc.Refused) and m.rid == 10 for m in got), got
