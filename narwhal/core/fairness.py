@@ -58,8 +58,12 @@ the knob is 0.
     wait for its own request while the noisy one took the slot kept for it.
   * A tenant alone (no other active tenant) may take every slot: a tenant idle for
     RECENT_S is not waited for, so a tenant by itself is served work-conserving.
-  * A tenant holding no slot of the engine may always take a free one (so a slot held by
-    requests another router placed, `external`, never stalls a queue).
+  * A tenant holding no slot of the engine may take a free one unless a tenant lighter
+    than it waits for that engine (the kept slots go to the lighter tenants first: a
+    noisy tenant whose running request just ended, or was preempted, holds none for a
+    moment and would otherwise take the slot kept for the quiet one). The lightest
+    waiting tenant always may, so a slot held by requests another router placed
+    (`external`) never stalls a queue.
 
 Invariants
   * `held(engine)[tenant]` is exactly the tenant's tickets dispatched to a phase-1 slot
@@ -217,6 +221,10 @@ class FairQueue:
     def tenants(self) -> int:
         """Tenants with queued requests."""
         return len(self._flows)
+
+    def queued_tenants(self) -> Any:
+        """The tenants with queued requests (a view)."""
+        return self._flows.keys()
 
     def queued(self, tenant: str | None) -> int:
         f = self._flows.get(tenant)
@@ -431,7 +439,9 @@ class FairReserve:
             return True
         h = self._held.get(e.name)
         if not h or not h.get(tenant):
-            return True
+            # holding none there: it may, unless a tenant lighter than it waits for the
+            # engine (the kept slots are theirs first; the lightest waiting always may)
+            return not any(u != tenant and self.heavier(e.name, tenant, u, now) for u in e.queue.queued_tenants())
         others = {u for u in h if u != tenant} | {u for u, at in self._seen.items() if u != tenant and now - at <= RECENT_S}
         if not others:
             return True  # alone: work-conserving

@@ -24,10 +24,9 @@ decision, in this order of facts):
   then its newest such request (the least generated: the least recomputed) is asked to
   leave (`Preempt`). The data plane cuts that leg (if it still can be carried on), and its
   retry is `resume`: the slot is freed without counting a failure against the engine
-  (no breaker, the engine not excluded) and given to the first waiter of a tenant lighter
-  than the preempted one (fair queueing's order among them; the preempted tenant holds
-  no slot there for that moment, so by the reserve alone its own waiters could take it),
-  then the waiters are granted as after any release, and the request waits first among its
+  (no breaker, the engine not excluded) and the waiters are granted as after any
+  release (the reserve gives the slot to a lighter tenant's waiter first, though the
+  preempted tenant holds none there for that moment), and the request waits first among its
   tenant's queued requests for its continuation's slot, never yielding its place (R02,
   R11: `FairQueue.newest`).
 
@@ -79,18 +78,17 @@ def check(s: Scheduler, e: EngineState, now: float) -> None:
         return
     if e.role != "unified" or not e.queue or e.phase1_free() or e.name in fair.pending:
         return
-    held = fair.on(e.name)
-    if not held:
+    holders = fair.held(e.name)
+    if not holders:
         return
-    heaviest = held[0].work.tenant
-    for t in held:
-        if fair.heavier(e.name, t.work.tenant, heaviest, now):
-            heaviest = t.work.tenant
-    waiting = {t.work.tenant for t in e.queue}
-    if not any(fair.heavier(e.name, heaviest, u, now) for u in waiting):
+    heaviest = next(iter(holders))
+    for u in holders:
+        if fair.heavier(e.name, u, heaviest, now):
+            heaviest = u
+    if not any(fair.heavier(e.name, heaviest, u, now) for u in e.queue.queued_tenants()):
         return
     best: Ticket | None = None
-    for t in held:
+    for t in fair.on(e.name):
         if (t.work.tenant == heaviest and t.movable and t.preempted is None and t.holds_decode == e.name
                 and t.holds_prefill is None and (best is None or (t.prefill_dispatched_at or 0.0) > (best.prefill_dispatched_at or 0.0))):
             best = t
@@ -113,16 +111,7 @@ def resume(s: Scheduler, t: Ticket, now: float) -> tuple[list[Dispatch], Dispatc
     e.decode_moved(now, -1)
     t.holds_decode = None
     s._let_go(t)
-    grants: list[Dispatch] = []
-    fair = s.fair
-    # the slot goes to the lighter tenants first, in fair queueing's order: the preempted
-    # tenant holds none there now, so by the reserve alone its own waiters could take it
-    got = e.queue.pop_eligible(lambda u: fair.heavier(e.name, t.work.tenant, u, now)) if fair is not None and s.eligible(e) else None
-    if got is not None:
-        e.queued_work_ms = max(0.0, e.queued_work_ms - got.pred_prefill_ms)
-        s.queued -= 1
-        grants.append(s._dispatch1(got, e, now))
-    grants += s._grant_phase1(e, now)
+    grants = s._grant_phase1(e, now)  # the lighter waiter first: the reserve keeps the slot for it
     if not s.eligible(e):
         return grants, retry_place(s, t, now)
     if not e.queue and e.phase1_free() and s.may_take(e, t.work.tenant, now):

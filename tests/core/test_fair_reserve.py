@@ -411,3 +411,22 @@ def test_a_random_walk_keeps_the_counts_and_the_grant_invariant(ops: list[tuple[
         s.finish(t, clk.now())
     held_agrees_with_slots(s)
     assert s.fair is not None and s.fair.holding() == 0
+
+
+def test_a_tenant_holding_none_does_not_take_the_kept_slot_while_a_lighter_one_waits() -> None:
+    """Issue 40 item 6: the noisy tenant's running request ends and it holds no slot for a
+    moment; its queued request (first in fair queueing's order: queued first) may not
+    take the slot kept for the quiet tenant, whose request waits: the lighter tenant is
+    served first, and the noisy one once no lighter tenant waits."""
+    clk = ManualClock()
+    e = slots(2)
+    s = sched(e)
+    ran(s, clk, ["noisy", "noisy", "noisy", "quiet"])
+    noisy = admit(s, clk, "noisy").ticket
+    quiet = admit(s, clk, "quiet").ticket
+    n2, q2 = admit(s, clk, "noisy"), admit(s, clk, "quiet")
+    assert isinstance(n2, Enqueued) and isinstance(q2, Enqueued)
+    assert [g.ticket for g in end(s, noisy, clk)] == [q2.ticket]  # not n2, queued before it
+    assert [g.ticket for g in end(s, quiet, clk)] == [n2.ticket]  # no lighter tenant waits now
+    for t in (q2.ticket, n2.ticket):
+        end(s, t, clk)
