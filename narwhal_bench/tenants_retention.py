@@ -8,7 +8,8 @@ binding limit, one engine, a quiet tenant beside a noisy one.
 The run
   * One unified mock vLLM engine (`narwhal mock-engine --prefill-base-ms 40
     --tpot-base-ms 5`, its other timing defaults), engines[].max_concurrency
-    `--max-concurrency` (2): about 25 requests/s of 100 prompt and 8 output tokens,
+    `--max-concurrency` (2): about 25 requests/s of 100 prompt and 8 output tokens
+    (`--retention-output-tokens`),
     streaming chat completions, Poisson arrivals (seeded: every round replays the same).
   * Narwhal: `narwhal serve`, admission open, `http_retention_limit` `--retention-limit`
     (24), queue_limit 1024 (so R02 binds, not R11), `tenants: {quiet: {weight: 1}, noisy:
@@ -45,12 +46,13 @@ __all__ = ["ARMS", "OPTIONS", "defaults", "retention_bound", "summarise", "table
 MODEL = "narwhal-demo"
 ARMS = ("retention-alone", "retention")
 TIMING = {"prefill_base_ms": 40, "tpot_base_ms": 5}
-PROMPT_TOKENS, OUTPUT_TOKENS = 100, 8
+PROMPT_TOKENS = 100
 TARGET_ANSWERED, TARGET_RATIO = 0.95, 1.5
 
 OPTIONS = (
     opt("--retention-duration", type=float, default=None, help="retention arms: seconds of arrivals per arm (default 25; --quick 3)"),
     opt("--retention-limit", type=int, default=24, help="retention arms: admission.http_retention_limit, the binding limit (default 24)"),
+    opt("--retention-output-tokens", type=int, default=8, help="retention arms: output tokens per request (default 8; longer ones: what fair preemption is for)"),
     opt("--quiet-rps", type=float, default=4.0, help="retention arms: the quiet tenant's rate (default 4)"),
     opt("--noisy-rps", type=float, default=40.0, help="retention arms: the noisy tenant's rate (default 40)"),
     opt("--max-concurrency", type=int, default=2, help="retention arms: the engine's engines[].max_concurrency (default 2; 0: unset)"),
@@ -111,18 +113,18 @@ def retention_bound(args: argparse.Namespace, arms: list[str], rcpu: set[int] | 
     """Every round of the retention arms asked for, and their summary."""
     defaults(args)
     loads_both = {
-        "quiet": fixed_rate(args.quiet_rps, args.retention_duration, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS, seed=args.seed),
-        "noisy": fixed_rate(args.noisy_rps, args.retention_duration, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS, seed=args.seed + 1),
+        "quiet": fixed_rate(args.quiet_rps, args.retention_duration, prompt_tokens=PROMPT_TOKENS, output_tokens=args.retention_output_tokens, seed=args.seed),
+        "noisy": fixed_rate(args.noisy_rps, args.retention_duration, prompt_tokens=PROMPT_TOKENS, output_tokens=args.retention_output_tokens, seed=args.seed + 1),
     }
     data: dict[str, Any] = {
-        "timing": TIMING, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "duration_s": args.retention_duration,
+        "timing": TIMING, "prompt_tokens": PROMPT_TOKENS, "output_tokens": args.retention_output_tokens, "duration_s": args.retention_duration,
         "retention_limit": args.retention_limit, "max_concurrency": args.max_concurrency or None, "fair_reserve": args.fair_reserve,
         "migration": args.migration, "fair_preempt": args.fair_preempt,
         "rates": {"quiet": args.quiet_rps, "noisy": args.noisy_rps}, "offered": {t: len(a) for t, a in loads_both.items()},
         "tree": args.tree or "this tree", "rounds": [],
     }
     with H.stopping() as things:
-        engine = H.mock_engine("r0", cpus=lcpu, model=MODEL, timing=dict(TIMING), output_tokens=OUTPUT_TOKENS)
+        engine = H.mock_engine("r0", cpus=lcpu, model=MODEL, timing=dict(TIMING), output_tokens=args.retention_output_tokens)
         things.append(engine)
         for rnd in range(args.rounds):
             for name in arms:
