@@ -242,7 +242,7 @@ class PrefillDone(Message):
 class FirstToken(Message):
     rid: int
     at: float
-    movable: bool  # its decode leg can be carried on (core/preempt.py)
+    movable: bool = False  # its decode leg can be carried on (core/preempt.py)
 
 
 @message(27)
