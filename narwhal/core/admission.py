@@ -248,11 +248,12 @@ class Scheduler:
         pl.take_admission_queue_full()
         return pl.commit()
 
-    def _enqueue(self, t: Ticket, engine: EngineState, now: float) -> Enqueued:
+    def _enqueue(self, t: Ticket, engine: EngineState, now: float, first: bool = False) -> Enqueued:
+        """Queue `t` on `engine` (`first`: first among its tenant's, core/preempt.py)."""
         t.state = "queued"
         t.engine = engine.name
         t.enqueued_at = now
-        engine.queue.append(t)
+        (engine.queue.push_front if first else engine.queue.append)(t)
         engine.queued_work_ms += t.pred_prefill_ms
         self.queued += 1
         check(self, engine, now)  # fair preemption (core/preempt.py): a lighter tenant waits

@@ -116,10 +116,4 @@ def resume(s: Scheduler, t: Ticket, now: float) -> tuple[list[Dispatch], Dispatc
         return grants, retry_place(s, t, now)
     if not e.queue and e.phase1_free() and s.may_take(e, t.work.tenant, now):
         return grants, s._dispatch1(t, e, now)
-    t.state = "queued"
-    t.engine = e.name
-    t.enqueued_at = now
-    e.queue.push_front(t)
-    e.queued_work_ms += t.pred_prefill_ms
-    s.queued += 1
-    return grants, Enqueued(t, e.name)
+    return grants, s._enqueue(t, e, now, first=True)
