@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -24,7 +25,15 @@ from narwhal.config import parse_config
 from narwhal.http.server import free_port, serving_config
 from narwhal.upstream.engines import EngineSpec
 
-__all__ = ["RunningRouter", "running_router", "wait_until", "relay_serving"]
+__all__ = ["RunningRouter", "running_router", "wait_until", "relay_serving", "keys_file"]
+
+
+def keys_file(tmp: Path, keys: dict[str, str]) -> Path:
+    """An auth.keys_file naming each tenant's one key (tenant -> key; id `k-TENANT`, the
+    key's SHA-256), written under `tmp`."""
+    p = tmp / "keys.yaml"
+    p.write_text(json.dumps([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in keys.items()]))  # JSON is YAML
+    return p
 
 
 def wait_until(pred: Any, *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:

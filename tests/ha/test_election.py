@@ -25,6 +25,7 @@ import yaml
 from narwhal.http.server import free_port
 from narwhal.mock import MockConfig, Timing, running_fleet
 from tests.ha.etcd import DelayProxy, EtcdServer, etcd_get, etcd_server, split_url, wait_for
+from tests.helpers import keys_file
 
 MODEL = "narwhal-demo"
 TTL_MS = 2000
@@ -246,11 +247,8 @@ def test_a_new_leader_keeps_the_tenants_buckets_the_old_one_spent(etcd: EtcdServ
     (core/quota_state.py); killed, its successor refuses the tenant that spent its bucket
     (R18, Retry-After from the bucket) rather than granting it a second burst, and serves
     the tenant that spent nothing."""
-    import hashlib
-
     keys = {"spent": "sk-spent-0123456789", "fresh": "sk-fresh-0123456789"}
-    kf = tmp_path / "keys.yaml"
-    kf.write_text(yaml.safe_dump([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in keys.items()]))
+    kf = keys_file(tmp_path, keys)
     extra = {"auth": {"keys_file": str(kf)}, "tenants": {"default": {"requests_per_s": 0.02}}}  # one request, then one per 50 s
 
     def ask(r: Router, tenant: str) -> httpx.Response:

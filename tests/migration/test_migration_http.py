@@ -62,11 +62,14 @@ def read(st: Any) -> tuple[list[int], str, list[dict[str, Any]]]:
 
 
 def metric(rr: RunningRouter, name: str) -> dict[str, float]:
+    """`name`'s series on /metrics by their labels (an unlabelled one under "")."""
     out: dict[str, float] = {}
     for line in httpx.get(rr.url + "/metrics", timeout=5).text.splitlines():
         if line.startswith(name + "{"):
             labels, value = line[len(name) + 1 :].rsplit("} ", 1)
             out[labels] = float(value)
+        elif line.startswith(name + " "):
+            out[""] = float(line.rsplit(" ", 1)[1])
     return out
 
 

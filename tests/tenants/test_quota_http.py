@@ -4,7 +4,6 @@ tenant at its limit leaving the others their answers."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -13,11 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from narwhal.mock import MockConfig, Timing, running_fleet
 from narwhal.upstream.engines import EngineSpec
-from tests.helpers import RunningRouter, running_router, sse, wait_until
+from tests.helpers import RunningRouter, keys_file, running_router, sse, wait_until
 
 KEYS = {"noisy": "sk-noisy-0123456789", "quiet": "sk-quiet-0123456789", "other": "sk-other-0123456789"}
 
@@ -28,12 +26,6 @@ def mock() -> Iterator[Any]:
         yield ms[0]
 
 
-def keys_file(tmp: Path) -> Path:
-    p = tmp / "keys.yaml"
-    p.write_text(yaml.safe_dump([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in KEYS.items()]))
-    return p
-
-
 def router(tmp: Path, mock: Any, tenants: dict[str, Any], *, auth: bool = True, **admission: Any) -> Any:
     cfg: dict[str, Any] = {
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}, **admission},
@@ -41,7 +33,7 @@ def router(tmp: Path, mock: Any, tenants: dict[str, Any], *, auth: bool = True, 
         "tenants": tenants,
     }
     if auth:
-        cfg["auth"] = {"keys_file": str(keys_file(tmp))}
+        cfg["auth"] = {"keys_file": str(keys_file(tmp, KEYS))}
     return running_router(cfg, [EngineSpec("e0", mock.url, "unified", "vllm", None, None)])
 
 
@@ -166,7 +158,7 @@ def test_R02_fair_retention_the_tenant_over_its_share_yields_its_newest_queued_r
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}, "http_retention_limit": 4, "queue_limit": 64},
         "monitoring": {"poll_interval_ms": 100, "stale_after_ms": 60000},
         "tenants": {"noisy": {"weight": 1}, "quiet": {"weight": 1}},
-        "auth": {"keys_file": str(keys_file(tmp_path))},
+        "auth": {"keys_file": str(keys_file(tmp_path, KEYS))},
     }
     spec = EngineSpec("e0", mock.url, "unified", "vllm", None, None, max_concurrency=1)
     with running_router(cfg, [spec]) as rr:

@@ -6,22 +6,18 @@ through `narwhal serve --workers 2` in a subprocess."""
 
 from __future__ import annotations
 
-import hashlib
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from narwhal.mock import MockConfig, RunningMock, Timing, running_fleet
-from tests.helpers import sse, wait_until
+from tests.helpers import keys_file
 from tests.migration.test_migration_http import read
-from tests.migration.test_preempt_http import KEYS, MODEL, body, uninterrupted
-from tests.workers.test_workers import Served, at_rest, engines, metrics_of, served
+from tests.migration.test_preempt_http import KEYS, MODEL, scene, uninterrupted
+from tests.workers.test_workers import at_rest, metrics_of, served
 
 
 @pytest.fixture(scope="module")
@@ -31,40 +27,15 @@ def mock() -> Iterator[RunningMock]:
         yield ms[0]
 
 
-def _start(r: Served, tenant: str, b: dict[str, Any], out: dict[str, Any], key: str) -> threading.Thread:
-    def run() -> None:
-        out[key] = sse(r.url, b, headers={"authorization": f"Bearer {KEYS[tenant]}"})
-        out[key + "_at"] = time.monotonic()
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-def _load(r: Served) -> dict[str, int]:
-    return dict(engines(r)["data"][0]["load"])
-
-
 def test_the_worker_holding_the_preempted_stream_is_told_and_carries_it_on(tmp_path: Path, mock: RunningMock) -> None:
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(yaml.safe_dump([{"id": f"k-{t}", "tenant": t, "sha256": hashlib.sha256(k.encode()).hexdigest()} for t, k in KEYS.items()]))
     extra: dict[str, Any] = {
         "admission": {"mode": "open", "prediction": {"profile_on_start": False}, "phase_concurrency": {"prefill": 2, "decode": 2}},  # two slots
         "monitoring": {"poll_interval_ms": 200, "stale_after_ms": 60000},
         "upstream": {"migration": {"max_attempts": 1}},
-        "tenants": {"quiet": {"weight": 1}, "noisy": {"weight": 1}}, "auth": {"keys_file": str(keys)},
+        "tenants": {"quiet": {"weight": 1}, "noisy": {"weight": 1}}, "auth": {"keys_file": str(keys_file(tmp_path, KEYS))},
     }
     with served(tmp_path, [mock], **extra) as r:
-        out: dict[str, Any] = {}
-        for tenant in ("quiet", "noisy", "noisy", "noisy"):  # noisy heaviest lately, quiet active
-            _start(r, tenant, body(1, [{"role": "user", "content": "hi"}]), out, "warm").join(30)
-        ts = [_start(r, "noisy", body(60), out, "noisy")]
-        wait_until(lambda: _load(r)["decode_in_use"] == 1 and _load(r)["prefill_in_use"] == 0, timeout=10, what="the noisy stream past its first token")
-        ts.append(_start(r, "quiet", body(30, [{"role": "user", "content": "first quiet"}]), out, "q1"))
-        wait_until(lambda: _load(r)["decode_in_use"] == 2, timeout=10, what="both slots held")
-        ts.append(_start(r, "quiet", body(4, [{"role": "user", "content": "second quiet"}]), out, "q2"))
-        for t in ts:
-            t.join(60)
+        out = scene(r.url)
         noisy = out["noisy"]
         assert noisy.status == 200 and noisy.done and out["q1"].done and out["q2"].done, noisy.body
         ids, _, _ = read(noisy)
